@@ -1,0 +1,1 @@
+"""sandkernel.agent (see the issues for what lands here)."""

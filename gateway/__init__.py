@@ -1,0 +1,1 @@
+"""sandkernel.gateway (see the issues for what lands here)."""

@@ -1,0 +1,1 @@
+"""sandkernel.notebooks (see the issues for what lands here)."""

@@ -1,0 +1,3 @@
+"""sandkernel: sandboxed, stateful Jupyter kernels for AI agents."""
+
+__version__ = "0.1.0"
