@@ -1,0 +1,1 @@
+"""Launch and manage sandboxed kernels: Docker provisioner, profiles, session layer."""

@@ -1,0 +1,266 @@
+"""One hardened kernel container: create it, start kernels in it, kill them, remove it.
+
+The container outlives kernel restarts. Its PID 1 is ``catatonit -P`` (an init in pause mode)
+and each kernel is a ``docker exec`` of the image's launcher as the sandbox user. A restart
+runs ``kill -KILL -1`` as that user, which ends every process the user's code left behind
+(daemons included) but not PID 1, so the container and its /workspace tmpfs survive: restart
+keeps workspace files and drops memory state. Only when that fails (a fork bomb can leave no
+pid for the exec) is the whole container replaced, and the caller is told the workspace went
+with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker.errors
+from docker.types import LogConfig, Ulimit
+from sandkernel.kernels.docker_engine import DockerEngine, translate_api_error
+from sandkernel.kernels.profiles import Profile
+from sandkernel.kernels.reaper import (
+    KERNEL_LABEL,
+    OWNER_LABEL,
+    RUNTIME_DIR_LABEL,
+    SESSION_LABEL,
+    owner_label,
+)
+from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
+from sandkernel.kernels.seccomp import seccomp_security_opt
+
+from sandkernel.errors import KernelStartError
+
+log = logging.getLogger(__name__)
+
+SANDBOX_USER = "10001:10001"
+WORKSPACE = "/workspace"
+WHEELHOUSE = "/wheels"
+LAUNCHER = "/opt/sandkernel/launch-kernel"
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """What a kernel container is made of; the provisioner builds one, tests inspect the result."""
+
+    profile: Profile
+    session_id: str
+    kernel_id: str
+    runtime_dir: RuntimeDir
+
+    def create_kwargs(self) -> dict:
+        """Keyword arguments for ``containers.create``: every hardening setting in one place."""
+        p = self.profile
+        mib = 1024 * 1024
+        volumes = {str(self.runtime_dir.path): {"bind": CONTAINER_DIR, "mode": "rw"}}
+        environment = dict(p.env)
+        if p.wheelhouse:
+            volumes[p.wheelhouse] = {"bind": WHEELHOUSE, "mode": "ro"}
+            environment.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=WHEELHOUSE)
+        return {
+            "image": p.image,
+            "name": f"sandkernel-{self.session_id[:12]}-{secrets.token_hex(3)}",
+            "hostname": "sandbox",
+            "user": SANDBOX_USER,
+            "working_dir": WORKSPACE,
+            "environment": environment,
+            "runtime": p.runtime.value,
+            "network_mode": "none",
+            "read_only": True,
+            "cap_drop": ["ALL"],
+            "security_opt": ["no-new-privileges:true", seccomp_security_opt()],
+            "ipc_mode": "private",
+            "tmpfs": {
+                "/tmp": f"rw,nosuid,nodev,noexec,size={p.tmp_mb}m,mode=1777",
+                WORKSPACE: f"rw,nosuid,nodev,exec,size={p.workspace_mb}m,uid=10001,gid=10001,mode=0700",
+            },
+            "volumes": volumes,
+            "mem_limit": p.memory_mb * mib,
+            "memswap_limit": p.memory_mb * mib,  # equal to the memory limit: no swap
+            "nano_cpus": int(p.cpus * 1e9),
+            "pids_limit": p.pids,
+            "ulimits": [
+                Ulimit(name="nofile", soft=p.nofile, hard=p.nofile),
+                Ulimit(name="core", soft=0, hard=0),
+                Ulimit(name="fsize", soft=p.fsize_mb * mib, hard=p.fsize_mb * mib),
+            ],
+            "log_config": LogConfig(type="json-file", config={"max-size": "1m", "max-file": "1"}),
+            "labels": {
+                SESSION_LABEL: self.session_id,
+                KERNEL_LABEL: self.kernel_id,
+                OWNER_LABEL: owner_label(),
+                RUNTIME_DIR_LABEL: str(self.runtime_dir.path),
+                "sandkernel.profile": p.name,
+            },
+            "detach": True,
+        }
+
+
+class SandboxContainer:
+    """A running kernel container and the kernel process (an exec) inside it."""
+
+    def __init__(self, engine: DockerEngine, container_id: str, spec: ContainerSpec) -> None:
+        self.engine = engine
+        self.id = container_id
+        self.spec = spec
+        self.exec_id: str | None = None
+
+    @classmethod
+    async def start(cls, engine: DockerEngine, spec: ContainerSpec) -> SandboxContainer:
+        """Create and start the container (blocking work in a thread). Removes it if start fails."""
+        kwargs = spec.create_kwargs()
+
+        def create_and_start() -> str:
+            try:
+                container = engine.client.containers.create(**kwargs)
+            except docker.errors.APIError as err:
+                raise translate_api_error(
+                    err, f"cannot create a {spec.profile.runtime.value} container"
+                ) from err
+            try:
+                container.start()
+            except docker.errors.APIError as err:
+                container.remove(force=True)
+                raise translate_api_error(err, "cannot start the kernel container") from err
+            return container.id
+
+        container_id = await engine.run(create_and_start)
+        log.info("container started", extra={"session": spec.session_id, "container": container_id[:12]})
+        return cls(engine, container_id, spec)
+
+    # -- kernel process -------------------------------------------------------------------
+
+    async def exec_kernel(self) -> None:
+        """Start the kernel (the image's launcher) as the sandbox user, detached."""
+        api = self.engine.client.api
+
+        def start() -> str:
+            exec_id = api.exec_create(
+                self.id,
+                [LAUNCHER, f"{CONTAINER_DIR}/{CONNECTION_FILE}"],
+                user=SANDBOX_USER,
+                workdir=WORKSPACE,
+            )["Id"]
+            api.exec_start(exec_id, detach=True)
+            return exec_id
+
+        try:
+            self.exec_id = await self.engine.run(start)
+        except docker.errors.APIError as err:
+            raise translate_api_error(err, "cannot start the kernel process") from err
+
+    async def kernel_exit_code(self) -> int | None:
+        """None while the kernel process runs, else its exit code (-1 if the container is gone)."""
+        if self.exec_id is None:
+            return -1
+        try:
+            state = await self.engine.run(self.engine.client.api.exec_inspect, self.exec_id)
+        except docker.errors.APIError:
+            return -1
+        if state.get("Running"):
+            return None
+        code = state.get("ExitCode")
+        return -1 if code is None else int(code)
+
+    async def run_as_sandbox(self, argv: list[str], timeout: float = 10.0) -> tuple[int, str]:
+        """Run a short command inside the sandbox as the sandbox user (never as root)."""
+        api = self.engine.client.api
+
+        def run() -> tuple[int, str]:
+            exec_id = api.exec_create(self.id, argv, user=SANDBOX_USER)["Id"]
+            output = api.exec_start(exec_id)
+            return int(api.exec_inspect(exec_id).get("ExitCode") or 0), output.decode(errors="replace")
+
+        return await asyncio.wait_for(self.engine.run(run), timeout)
+
+    async def signal_kernel(self, signum: int) -> None:
+        """Send a signal to the kernel process (its pid file is in the sandbox's /tmp)."""
+        await self.run_as_sandbox(["sh", "-c", f"kill -{int(signum)} $(cat /tmp/kernel.pid)"])
+
+    async def kill_sandbox_processes(self) -> bool:
+        """SIGKILL every process of the sandbox user but PID 1. False if that could not run."""
+        try:
+            code, _ = await self.run_as_sandbox(["kill", "-KILL", "-1"])
+        except (docker.errors.APIError, TimeoutError, asyncio.TimeoutError) as err:
+            log.warning("kill -1 in sandbox failed: %s", err, extra={"container": self.id[:12]})
+            return False
+        # kill(-1) reports ESRCH (exit 1) when there was nothing left to kill: still a success.
+        return code in (0, 1)
+
+    async def kernel_log(self) -> str:
+        """The kernel's own stdout/stderr (for start-failure messages)."""
+        try:
+            _, text = await self.run_as_sandbox(["sh", "-c", "tail -c 4000 /tmp/kernel.log 2>/dev/null"])
+        except (docker.errors.APIError, TimeoutError, asyncio.TimeoutError):
+            return ""
+        return text
+
+    # -- container ------------------------------------------------------------------------
+
+    async def is_running(self) -> bool:
+        try:
+            state = await self.engine.run(self.engine.client.api.inspect_container, self.id)
+        except docker.errors.APIError:
+            return False
+        return bool(state["State"].get("Running"))
+
+    async def oom_kill_count(self) -> int | None:
+        """How many processes the memory cgroup's OOM killer has ended in this container."""
+        return await asyncio.to_thread(_read_oom_kills, self.id)
+
+    async def stop_hard(self) -> None:
+        """Kill the whole container (last step of the ladder); it stays until :meth:`remove`."""
+        try:
+            await self.engine.run(self.engine.client.api.kill, self.id, signal.SIGKILL)
+        except docker.errors.APIError as err:
+            log.debug("kill container: %s", err)
+
+    async def remove(self) -> None:
+        """Force-remove the container; safe to call twice."""
+        try:
+            await self.engine.run(self.engine.client.api.remove_container, self.id, force=True)
+        except docker.errors.NotFound:
+            pass
+        except docker.errors.APIError as err:
+            if "already in progress" not in str(err):
+                raise
+        log.info("container removed", extra={"container": self.id[:12]})
+
+
+def _read_oom_kills(container_id: str) -> int | None:
+    """Read ``oom_kill`` from the container's memory cgroup (v1 or v2, cgroupfs or systemd)."""
+    candidates = [
+        Path(f"/sys/fs/cgroup/memory/docker/{container_id}/memory.oom_control"),
+        Path(f"/sys/fs/cgroup/docker/{container_id}/memory.events"),
+        Path(f"/sys/fs/cgroup/system.slice/docker-{container_id}.scope/memory.events"),
+        Path(f"/sys/fs/cgroup/memory/system.slice/docker-{container_id}.scope/memory.oom_control"),
+    ]
+    for path in candidates:
+        try:
+            text = path.read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    return None
+
+
+async def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
+    """Poll a cheap (sync or async) predicate until true or the timeout; returns the last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result or time.monotonic() >= deadline:
+            return bool(result)
+        await asyncio.sleep(interval)
+
+
+__all__ = ["ContainerSpec", "KernelStartError", "SandboxContainer", "wait_until"]

@@ -1,0 +1,191 @@
+"""``sandkernel-docker``: a jupyter_client kernel provisioner that runs each kernel in a sandbox.
+
+Any Jupyter tool that starts kernels by name (jupyter_client, nbclient, jupyter_server,
+JupyterLab) gets a hardened container per kernel through this class. It follows
+``KernelProvisionerBase``'s lifecycle exactly: pre_launch → launch_kernel → poll/wait →
+send_signal/terminate/kill → cleanup. The kernel talks ZMQ over ipc sockets in a host runtime
+dir (see runtime_dir.py), so no port is ever published and the container has no network.
+
+Extra keyword arguments a caller may pass to ``KernelManager.start_kernel``:
+``sandkernel_profile`` (profile name), ``sandkernel_overrides`` (mapping of profile settings)
+and ``sandkernel_session_id`` (label value; defaults to the kernel id).
+The host environment is never forwarded into the container: only ``Profile.env`` is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.provisioning import KernelProvisionerBase
+from sandkernel.kernels.container import LAUNCHER, ContainerSpec, SandboxContainer
+from sandkernel.kernels.docker_engine import default_engine
+from sandkernel.kernels.profiles import Profile, resolve_profile
+from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
+from traitlets import Unicode
+
+from sandkernel.errors import KernelStartError
+
+EXEC_POLL_INTERVAL = 0.25
+
+
+class DockerProvisioner(KernelProvisionerBase):
+    """Launches an IPython kernel inside a locked-down Docker container (runc or gVisor)."""
+
+    profile_name = Unicode(
+        "default", config=True, help="Name of the sandkernel profile (limits, runtime, image)."
+    )
+    runtime = Unicode("", config=True, help="'runc' or 'runsc' (gVisor); empty means the profile's runtime.")
+
+    container: SandboxContainer | None = None
+    runtime_dir: RuntimeDir | None = None
+    profile: Profile | None = None
+    session_id: str = ""
+    # Set when the ladder had to replace the whole container: /workspace was lost with it.
+    workspace_lost: bool = False
+
+    @property
+    def has_process(self) -> bool:
+        return self.container is not None and self.container.exec_id is not None
+
+    # -- launch ---------------------------------------------------------------------------
+
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        """Validate the profile, runtime and image before anything is created, then write
+        the host-side connection file (ipc transport, sockets in the runtime dir)."""
+        profile_name = kwargs.pop("sandkernel_profile", None) or self.profile_name
+        overrides = dict(kwargs.pop("sandkernel_overrides", None) or {})
+        session_id = kwargs.pop("sandkernel_session_id", None)
+        if self.profile is None:
+            if self.runtime:
+                overrides.setdefault("runtime", self.runtime)
+            profile = resolve_profile(profile_name, overrides)
+            engine = default_engine()
+            await engine.require_runtime(profile.runtime.value)
+            await engine.image_id(profile.image)
+            self.profile = profile
+            self.session_id = str(session_id or self.kernel_id)
+            self.runtime_dir = await asyncio.to_thread(RuntimeDir.create)
+
+        km = self.parent
+        km.transport = "ipc"
+        km.ip = self.runtime_dir.host_ip
+        for name, port in PORTS.items():
+            setattr(km, name, port)
+        km.write_connection_file()
+        self.connection_info = km.get_connection_info()
+        kwargs = await super().pre_launch(cmd=[LAUNCHER, f"{CONTAINER_DIR}/{CONNECTION_FILE}"], **kwargs)
+        kwargs.pop("env", None)  # the host environment never enters the sandbox
+        return kwargs
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        """Start (or reuse) the container, exec the kernel, wait for its sockets, lock them."""
+        assert self.profile is not None and self.runtime_dir is not None
+        first_launch = self.container is None
+        try:
+            if self.container is not None and not await self.container.is_running():
+                await self.container.remove()
+                self.container = None
+                self.workspace_lost = True
+            if self.container is None:
+                spec = ContainerSpec(self.profile, self.session_id, str(self.kernel_id), self.runtime_dir)
+                self.container = await SandboxContainer.start(default_engine(), spec)
+            key = self.connection_info["key"]
+            info = dict(self.connection_info, key=key.decode() if isinstance(key, bytes) else key)
+            await asyncio.to_thread(self.runtime_dir.prepare, info)
+            await self.container.exec_kernel()
+            await self._wait_for_sockets()
+            await asyncio.to_thread(self.runtime_dir.lock)
+        except BaseException:
+            if first_launch:
+                await self._release()
+            raise
+        return self.connection_info
+
+    async def _wait_for_sockets(self) -> None:
+        assert self.container is not None and self.runtime_dir is not None and self.profile is not None
+        deadline = time.monotonic() + self.profile.start_timeout
+        next_exec_check = time.monotonic() + EXEC_POLL_INTERVAL
+        while not self.runtime_dir.sockets_ready():
+            now = time.monotonic()
+            if now >= deadline:
+                raise KernelStartError(
+                    f"the kernel did not bind its sockets within {self.profile.start_timeout:g}s; "
+                    f"kernel log: {await self.container.kernel_log() or '(empty)'}"
+                )
+            if now >= next_exec_check:
+                next_exec_check = now + EXEC_POLL_INTERVAL
+                code = await self.container.kernel_exit_code()
+                if code is not None:
+                    raise KernelStartError(
+                        f"the kernel process exited with code {code} during start-up; "
+                        f"kernel log: {await self.container.kernel_log() or '(empty)'}"
+                    )
+            await asyncio.sleep(0.005)
+
+    # -- process control ------------------------------------------------------------------
+
+    async def poll(self) -> int | None:
+        if self.container is None:
+            return -1
+        return await self.container.kernel_exit_code()
+
+    async def wait(self) -> int | None:
+        while True:
+            code = await self.poll()
+            if code is not None:
+                if self.container is not None:
+                    self.container.exec_id = None
+                return code
+            await asyncio.sleep(0.05)
+
+    async def send_signal(self, signum: int) -> None:
+        if self.container is None:
+            return
+        if signum == signal.SIGKILL:
+            await self.kill()
+        elif signum != 0:
+            await self.container.signal_kernel(signum)
+
+    async def kill(self, restart: bool = False) -> None:
+        """Kill the kernel and everything its code started; if that cannot run (fork bomb),
+        kill the whole container, which the next launch replaces."""
+        if self.container is None:
+            return
+        if not await self.container.kill_sandbox_processes():
+            await self.container.stop_hard()
+
+    async def terminate(self, restart: bool = False) -> None:
+        if self.container is not None:
+            await self.container.signal_kernel(signal.SIGTERM)
+
+    async def cleanup(self, restart: bool = False) -> None:
+        """On restart keep the container (and its workspace); otherwise remove everything."""
+        if not restart:
+            await self._release()
+
+    async def _release(self) -> None:
+        if self.container is not None:
+            await self.container.remove()
+            self.container = None
+        if self.runtime_dir is not None:
+            await asyncio.to_thread(self.runtime_dir.remove)
+
+    def get_shutdown_wait_time(self, recommended: float = 5.0) -> float:
+        return min(recommended, 3.0)
+
+    def get_stable_start_time(self, recommended: float = 10.0) -> float:
+        return recommended
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info = await super().get_provisioner_info()
+        info.update(
+            session_id=self.session_id,
+            container_id=self.container.id if self.container else None,
+            runtime_dir=str(self.runtime_dir.path) if self.runtime_dir else None,
+            profile=self.profile.to_dict() if self.profile else None,
+        )
+        return info

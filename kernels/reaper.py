@@ -1,0 +1,93 @@
+"""Find and remove sandkernel containers whose owning process is gone.
+
+Every container carries ``sandkernel.owner=<host>:<pid>:<start-time>``. A process that
+crashed (or was SIGKILLed) cannot clean up after itself, so whoever starts next (the
+gateway at start-up, ``sandkernel reap``, the test suite) removes containers whose owner
+is no longer alive, together with their host runtime dirs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from functools import cache
+
+import docker.errors
+from sandkernel.kernels.docker_engine import DockerEngine, default_engine
+
+log = logging.getLogger(__name__)
+
+SESSION_LABEL = "sandkernel.session"
+KERNEL_LABEL = "sandkernel.kernel"
+OWNER_LABEL = "sandkernel.owner"
+RUNTIME_DIR_LABEL = "sandkernel.runtime_dir"
+
+
+def _process_start_time(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+@cache
+def owner_label() -> str:
+    """This process's identity: host, pid and start time (a reused pid does not match)."""
+    pid = os.getpid()
+    return f"{socket.gethostname()}:{pid}:{_process_start_time(pid)}"
+
+
+def owner_alive(label: str) -> bool:
+    """Whether the process named by an owner label still runs (other hosts count as alive)."""
+    try:
+        host, pid, start = label.rsplit(":", 2)
+        pid_num = int(pid)
+    except ValueError:
+        return False
+    if host != socket.gethostname():
+        return True
+    return _process_start_time(pid_num) == start
+
+
+@dataclass(frozen=True)
+class ReapReport:
+    removed: tuple[str, ...]
+    kept: int
+
+
+def reap_sync(
+    engine: DockerEngine | None = None, *, owner: str | None = None, everything: bool = False
+) -> ReapReport:
+    """Remove orphaned sandkernel containers (blocking; call from a thread or the CLI).
+
+    ``owner``: remove exactly the containers of that owner (a test suite cleaning up after
+    itself). ``everything``: remove all sandkernel containers. Default: those whose owner died.
+    """
+    engine = engine or default_engine()
+    removed: list[str] = []
+    kept = 0
+    for container in engine.client.containers.list(all=True, filters={"label": SESSION_LABEL}):
+        labels = container.labels
+        label = labels.get(OWNER_LABEL, "")
+        if everything or (owner is not None and label == owner) or (owner is None and not owner_alive(label)):
+            log.info("reaping container", extra={"container": container.name, "owner": label})
+            try:
+                container.remove(force=True)
+            except docker.errors.APIError as err:  # already gone, or being removed by its owner
+                log.debug("reap: %s: %s", container.name, err)
+            rundir = labels.get(RUNTIME_DIR_LABEL)
+            if rundir and os.path.isdir(rundir):
+                shutil.rmtree(rundir, ignore_errors=True)
+            removed.append(container.name)
+        else:
+            kept += 1
+    return ReapReport(tuple(removed), kept)
+
+
+async def reap(engine: DockerEngine | None = None, **kwargs: object) -> ReapReport:
+    engine = engine or default_engine()
+    return await engine.run(reap_sync, engine, **kwargs)
