@@ -118,9 +118,7 @@ class SandboxContainer:
             try:
                 container = engine.client.containers.create(**kwargs)
             except docker.errors.APIError as err:
-                raise translate_api_error(
-                    err, f"cannot create a {spec.profile.runtime.value} container"
-                ) from err
+                raise translate_api_error(err, f"cannot create a {spec.profile.runtime.value} container") from err
             try:
                 container.start()
             except docker.errors.APIError as err:
@@ -207,6 +205,15 @@ class SandboxContainer:
         except docker.errors.APIError:
             return False
         return bool(state["State"].get("Running"))
+
+    async def oom_killed(self) -> bool:
+        """Whether the engine saw the container itself killed for memory (gVisor's whole sandbox
+        dies that way; under runc only the kernel process is killed, see :meth:`oom_kill_count`)."""
+        try:
+            state = await self.engine.run(self.engine.client.api.inspect_container, self.id)
+        except docker.errors.APIError:
+            return False
+        return not state["State"].get("Running") and bool(state["State"].get("OOMKilled"))
 
     async def oom_kill_count(self) -> int | None:
         """How many processes the memory cgroup's OOM killer has ended in this container."""

@@ -47,9 +47,7 @@ class DockerEngine:
                     self._client.ping()
                 except docker.errors.DockerException as err:
                     self._client = None
-                    raise DockerUnavailableError(
-                        f"cannot reach the Docker engine ({err}); {DOCKER_HINT}"
-                    ) from err
+                    raise DockerUnavailableError(f"cannot reach the Docker engine ({err}); {DOCKER_HINT}") from err
             return self._client
 
     async def run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -101,9 +99,7 @@ def translate_api_error(err: docker.errors.APIError, what: str) -> Exception:
     """Turn a Docker API error into the sandkernel error a caller can act on."""
     text = str(err.explanation or err)
     if "runtime" in text and ("unknown" in text or "invalid" in text):
-        return RuntimeUnavailableError(
-            f"{what}: {text}; register the runtime with `bash scripts/host-setup.sh`"
-        )
+        return RuntimeUnavailableError(f"{what}: {text}; register the runtime with `bash scripts/host-setup.sh`")
     if isinstance(err, docker.errors.ImageNotFound):
         return ImageNotFoundError(f"{what}: {text}; build it with `sandkernel image build`")
     return KernelStartError(f"{what}: {text}")

@@ -62,6 +62,4 @@ class SandkernelSpecManager(KernelSpecManager):
         return {name: str(Path(sys.prefix)) for name in KERNEL_NAMES}
 
     def get_all_specs(self) -> dict[str, dict]:
-        return {
-            name: {"resource_dir": str(Path(sys.prefix)), "spec": kernel_json(name)} for name in KERNEL_NAMES
-        }
+        return {name: {"resource_dir": str(Path(sys.prefix)), "spec": kernel_json(name)} for name in KERNEL_NAMES}

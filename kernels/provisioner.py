@@ -35,9 +35,7 @@ EXEC_POLL_INTERVAL = 0.25
 class DockerProvisioner(KernelProvisionerBase):
     """Launches an IPython kernel inside a locked-down Docker container (runc or gVisor)."""
 
-    profile_name = Unicode(
-        "default", config=True, help="Name of the sandkernel profile (limits, runtime, image)."
-    )
+    profile_name = Unicode("default", config=True, help="Name of the sandkernel profile (limits, runtime, image).")
     runtime = Unicode("", config=True, help="'runc' or 'runsc' (gVisor); empty means the profile's runtime.")
 
     container: SandboxContainer | None = None

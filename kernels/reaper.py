@@ -59,9 +59,7 @@ class ReapReport:
     kept: int
 
 
-def reap_sync(
-    engine: DockerEngine | None = None, *, owner: str | None = None, everything: bool = False
-) -> ReapReport:
+def reap_sync(engine: DockerEngine | None = None, *, owner: str | None = None, everything: bool = False) -> ReapReport:
     """Remove orphaned sandkernel containers (blocking; call from a thread or the CLI).
 
     ``owner``: remove exactly the containers of that owner (a test suite cleaning up after

@@ -102,9 +102,7 @@ class RuntimeDir:
         os.chmod(self.path, 0o755)
         st = os.lstat(self.path)
         if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o022:
-            raise TransportError(
-                f"runtime dir {self.path} is not locked (owner {st.st_uid}); refusing to connect"
-            )
+            raise TransportError(f"runtime dir {self.path} is not locked (owner {st.st_uid}); refusing to connect")
         for path in self.socket_paths():
             entry = os.lstat(path)
             if not stat.S_ISSOCK(entry.st_mode):

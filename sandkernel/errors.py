@@ -51,3 +51,7 @@ class SessionClosedError(SandkernelError):
 
 class ImageBuildError(SandkernelError):
     """Building the kernel image (or its base) failed."""
+
+
+class ArgumentTypeError(ConfigError, TypeError):
+    """An argument of the wrong type (e.g. code that is not a string)."""

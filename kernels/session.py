@@ -1,0 +1,328 @@
+"""The session layer: one sandboxed kernel and the one ``execute`` every door goes through.
+
+The gateway's session API, its Jupyter websocket, the agent and replay all call
+:meth:`KernelSession.execute`, so outputs, limits and (later) the transcript are identical
+whichever way the code came in. Executions on one kernel are serialised by a lock; a
+watchdog beside each one notices a dead kernel; a wall-clock timeout climbs a ladder:
+interrupt → (grace) → restart the kernel → replace the container, and says which rung ended it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import logging
+import queue
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from jupyter_client import AsyncKernelManager
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from sandkernel.kernels.container import SandboxContainer
+from sandkernel.kernels.kernelspec import SandkernelSpecManager
+from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus, OutputCollector, TimeoutStep
+from sandkernel.kernels.profiles import Profile, Runtime, resolve_profile
+from sandkernel.kernels.provisioner import DockerProvisioner
+
+from sandkernel.errors import ArgumentTypeError, ConfigError, KernelStartError, SandkernelError, SessionClosedError
+
+log = logging.getLogger(__name__)
+
+# How often a silent execution checks that its kernel is still alive (seconds).
+WATCHDOG_INTERVAL = 0.5
+# How long to wait for the execute_reply once the kernel went idle (seconds).
+REPLY_TIMEOUT = 5.0
+
+
+def _utcnow() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+class KernelSession:
+    """A sandboxed IPython kernel with a serialised, bounded ``execute``.
+
+    Create with ``await KernelSession.start(profile=..., overrides=...)`` or use it as an async
+    context manager; :meth:`shutdown` removes the container and its runtime dir.
+    """
+
+    def __init__(
+        self,
+        profile: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        session_id: str | None = None,
+    ) -> None:
+        # Validate everything that can be validated before a container exists.
+        self.profile: Profile = resolve_profile(profile, overrides)
+        self._profile_name = profile
+        self._overrides = dict(overrides or {})
+        self.id = session_id or uuid.uuid4().hex
+        kernel_name = "sandkernel-python-gvisor" if self.profile.runtime is Runtime.RUNSC else "sandkernel-python"
+        self._km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=SandkernelSpecManager())
+        self._client: AsyncKernelClient | None = None
+        self._lock = asyncio.Lock()
+        self._epoch = 0  # bumped on every restart; a running execute notices it
+        self._pending_state_lost: str | None = None
+        self._interrupt_requested = False
+        self._closed = False
+
+    @classmethod
+    async def start(
+        cls, profile: str | None = None, overrides: Mapping[str, Any] | None = None, session_id: str | None = None
+    ) -> KernelSession:
+        session = cls(profile, overrides, session_id)
+        await session._start_kernel()
+        return session
+
+    async def __aenter__(self) -> KernelSession:
+        if self._client is None:
+            await self._start_kernel()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    # -- properties -----------------------------------------------------------------------
+
+    @property
+    def kernel_id(self) -> str:
+        return str(self._km.kernel_id)
+
+    @property
+    def kernel_manager(self) -> AsyncKernelManager:
+        return self._km
+
+    @property
+    def provisioner(self) -> DockerProvisioner:
+        provisioner = self._km.provisioner
+        if not isinstance(provisioner, DockerProvisioner):
+            raise SessionClosedError(f"session {self.id} has no running kernel")
+        return provisioner
+
+    @property
+    def container(self) -> SandboxContainer:
+        container = self.provisioner.container
+        if container is None:
+            raise SessionClosedError(f"session {self.id} has no container")
+        return container
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def _start_kernel(self) -> None:
+        try:
+            await self._km.start_kernel(
+                sandkernel_profile=self._profile_name,
+                sandkernel_overrides=self._overrides,
+                sandkernel_session_id=self.id,
+            )
+            self._client = self._km.client()
+            self._client.start_channels()
+            await self._wait_ready()
+        except BaseException:
+            await self._teardown()
+            raise
+        log.info("session started", extra={"session": self.id, "kernel": self.kernel_id})
+
+    async def _wait_ready(self) -> None:
+        assert self._client is not None
+        try:
+            await self._client.wait_for_ready(timeout=self.profile.start_timeout)
+        except RuntimeError as err:
+            raise KernelStartError(f"sandboxed kernel did not answer: {err}") from err
+
+    async def _teardown(self) -> None:
+        if self._client is not None:
+            self._client.stop_channels()
+        if self._km.provisioner is not None:
+            with contextlib.suppress(SandkernelError, RuntimeError):
+                await self._km.shutdown_kernel(now=True)
+            if isinstance(self._km.provisioner, DockerProvisioner):
+                await self._km.provisioner.cleanup(restart=False)
+
+    async def shutdown(self) -> None:
+        """Stop the kernel and remove its container and runtime dir. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._teardown()
+        log.info("session shut down", extra={"session": self.id})
+
+    async def interrupt(self) -> None:
+        """Interrupt the running execution (it ends with status ``interrupted``)."""
+        self._check_open()
+        self._interrupt_requested = True
+        await self._km.interrupt_kernel()
+
+    async def restart(self) -> None:
+        """Restart the kernel: memory state is dropped, /workspace files are kept."""
+        self._check_open()
+        await self._restart_kernel("the kernel was restarted on request")
+
+    async def _restart_kernel(self, reason: str) -> TimeoutStep:
+        """Restart and report whether the container had to be replaced (workspace lost)."""
+        self._epoch += 1
+        provisioner = self.provisioner
+        provisioner.workspace_lost = False
+        await self._km.restart_kernel(now=True)
+        await self._wait_ready()
+        replaced = provisioner.workspace_lost
+        self._pending_state_lost = reason + (
+            "; the container was replaced, so /workspace files are gone too"
+            if replaced
+            else "; variables and imports are gone, /workspace files are kept"
+        )
+        return TimeoutStep.KILL if replaced else TimeoutStep.RESTART
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionClosedError(f"session {self.id} is shut down; start a new session")
+
+    # -- execute --------------------------------------------------------------------------
+
+    async def execute(self, code: str, timeout: float | None = None) -> ExecutionResult:
+        """Run ``code`` in the kernel and return its ordered outputs and status.
+
+        ``timeout`` is wall-clock seconds (default: the profile's ``execute_timeout``). Errors
+        in the code are returned as status ``error``; timeouts, interrupts, kernel deaths and
+        OOM kills as their statuses. Raises only for bad arguments or a closed session.
+        """
+        if not isinstance(code, str):
+            raise ArgumentTypeError(f"code must be a string of Python source, not {type(code).__name__}")
+        if timeout is None:
+            timeout = self.profile.execute_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+            raise ConfigError(f"timeout must be a number of seconds between 0 and 86400, not {timeout!r}")
+        self._check_open()
+        async with self._lock:
+            self._check_open()
+            return await self._execute_locked(code, float(timeout))
+
+    async def _execute_locked(self, code: str, timeout: float) -> ExecutionResult:
+        assert self._client is not None
+        if not await self._km.is_alive():
+            status = await self._death_status(None)
+            await self._restart_kernel(self._death_sentence(status, between_executes=True))
+        state_lost, self._pending_state_lost = self._pending_state_lost, None
+        started_at, t0 = _utcnow(), time.monotonic()
+        oom_before = await self.container.oom_kill_count()
+        epoch = self._epoch
+        self._interrupt_requested = False
+        collector = OutputCollector()
+        msg_id = self._client.execute(code, allow_stdin=False, stop_on_error=False)
+        status = await self._collect(msg_id, collector, t0 + timeout, epoch)
+        ended_by: TimeoutStep | None = None
+        if status is ExecutionStatus.TIMEOUT:
+            ended_by = await self._stop_runaway(msg_id, collector, timeout)
+        elif status is ExecutionStatus.KERNEL_DIED and epoch == self._epoch:
+            status = await self._death_status(oom_before)
+            await self._restart_kernel(self._death_sentence(status, between_executes=False))
+        elif status is ExecutionStatus.OK:
+            status = await self._reply_status(msg_id, collector)
+        # A restart during this execution is reported now and again by the next one.
+        state_lost = self._pending_state_lost or state_lost
+        return ExecutionResult(
+            status=status,
+            outputs=collector.finished_outputs(),
+            execution_count=collector.execution_count,
+            started_at=started_at,
+            duration=round(time.monotonic() - t0, 6),
+            error=collector.error,
+            ended_by=ended_by,
+            state_lost=state_lost,
+        )
+
+    async def _collect(self, msg_id: str, collector: OutputCollector, deadline: float, epoch: int) -> ExecutionStatus:
+        """Feed iopub messages of ``msg_id`` to the collector until the kernel is idle.
+
+        Returns OK (idle seen), TIMEOUT (deadline passed) or KERNEL_DIED (watchdog).
+        """
+        assert self._client is not None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return ExecutionStatus.TIMEOUT
+            try:
+                msg = await self._client.get_iopub_msg(timeout=min(remaining, WATCHDOG_INTERVAL))
+            except queue.Empty:
+                if epoch != self._epoch or not await self._km.is_alive():
+                    return ExecutionStatus.KERNEL_DIED
+                continue
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if msg["header"]["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+                return ExecutionStatus.OK
+            collector.add(msg)
+
+    async def _reply_status(self, msg_id: str, collector: OutputCollector) -> ExecutionStatus:
+        """Read the execute_reply for ``msg_id`` and classify the outcome."""
+        assert self._client is not None
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        reply: dict[str, Any] | None = None
+        while time.monotonic() < deadline:
+            try:
+                msg = await self._client.get_shell_msg(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                break
+            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                reply = msg["content"]
+                break
+        if reply is not None and reply.get("execution_count") is not None:
+            collector.execution_count = reply["execution_count"]
+        failed = (reply or {}).get("status") == "error" or collector.error is not None
+        if not failed:
+            return ExecutionStatus.OK
+        if self._interrupt_requested and collector.error and collector.error.name == "KeyboardInterrupt":
+            return ExecutionStatus.INTERRUPTED
+        return ExecutionStatus.ERROR
+
+    async def _stop_runaway(self, msg_id: str, collector: OutputCollector, timeout: float) -> TimeoutStep:
+        """The ladder: interrupt, wait the grace period, restart the kernel, replace the container."""
+        grace = self.profile.interrupt_grace
+        reason = f"execution exceeded its {timeout:g}s timeout"
+        with contextlib.suppress(RuntimeError, SandkernelError):
+            await self._km.interrupt_kernel()
+            epoch = self._epoch
+            if await self._collect(msg_id, collector, time.monotonic() + grace, epoch) is ExecutionStatus.OK:
+                await self._reply_status(msg_id, collector)
+                log.info("timeout ended by interrupt", extra={"session": self.id})
+                return TimeoutStep.INTERRUPT
+        try:
+            step = await asyncio.wait_for(
+                self._restart_kernel(f"the kernel was restarted because the {reason}"),
+                timeout=self.profile.start_timeout + grace,
+            )
+        except (asyncio.TimeoutError, SandkernelError, RuntimeError) as err:
+            log.warning("restart failed, replacing the container: %s", err, extra={"session": self.id})
+            await self._replace_kernel(f"the container was replaced because the {reason}")
+            step = TimeoutStep.KILL
+        log.info("timeout ended by %s", step.value, extra={"session": self.id})
+        return step
+
+    async def _replace_kernel(self, reason: str) -> None:
+        """Last rung: throw away the kernel manager and container, start from scratch."""
+        self._epoch += 1
+        await self._teardown()
+        self._km = AsyncKernelManager(kernel_name=self._km.kernel_name, kernel_spec_manager=SandkernelSpecManager())
+        self._client = None
+        await self._start_kernel()
+        self._pending_state_lost = reason + "; variables, imports and /workspace files are gone"
+
+    async def _death_status(self, oom_before: int | None) -> ExecutionStatus:
+        """KERNEL_DIED, or OOM when the container's OOM-kill counter moved."""
+        try:
+            if await self.container.oom_killed():
+                return ExecutionStatus.OOM
+            after = await self.container.oom_kill_count()
+        except SandkernelError:
+            return ExecutionStatus.KERNEL_DIED
+        if after is not None and after > (oom_before if oom_before is not None else 0):
+            return ExecutionStatus.OOM
+        return ExecutionStatus.KERNEL_DIED
+
+    def _death_sentence(self, status: ExecutionStatus, between_executes: bool) -> str:
+        when = "between executions" if between_executes else "during this execution"
+        if status is ExecutionStatus.OOM:
+            return f"the kernel ran out of memory (limit {self.profile.memory_mb} MiB) {when} and was restarted"
+        return f"the kernel died {when} and was restarted"
