@@ -1,0 +1,140 @@
+"""Build the kernel image, with or without a registry.
+
+Steps, each reported on the progress callback:
+1. Pick a base: ``python:3.11-slim`` if it is local or can be pulled; otherwise the
+   debootstrapped Debian base (built once by kernel-image/bootstrap-base.sh, needs root).
+2. Fill kernel-image/wheelhouse with ``pip download`` on the host (cp311 manylinux wheels),
+   skipped when requirements.txt has not changed since the last fill.
+3. ``docker build`` with the classic builder (no buildx needed); the build itself needs no
+   network. Layers are cached, so building twice is quick.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import docker.errors
+from sandkernel.kernels.docker_engine import DockerEngine, default_engine
+from sandkernel.kernels.profiles import DEFAULT_IMAGE
+
+from sandkernel import __version__
+from sandkernel.errors import ImageBuildError
+
+HUB_BASE = "python:3.11-slim"
+OFFLINE_BASE = "sandkernel-base:bookworm"
+WHEEL_PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_28_x86_64")
+
+Progress = Callable[[str], None]
+
+
+def image_dir() -> Path:
+    """The kernel-image/ directory (SANDKERNEL_IMAGE_DIR, else next to the source tree)."""
+    configured = os.environ.get("SANDKERNEL_IMAGE_DIR")
+    path = Path(configured) if configured else Path(__file__).resolve().parents[1] / "kernel-image"
+    if not (path / "Dockerfile").is_file():
+        raise ImageBuildError(f"no Dockerfile in {path}; set SANDKERNEL_IMAGE_DIR to the kernel-image directory")
+    return path
+
+
+def _has_image(engine: DockerEngine, ref: str) -> bool:
+    try:
+        engine.client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        return False
+    return True
+
+
+def choose_base(engine: DockerEngine, progress: Progress, offline: bool = False) -> str:
+    """The base image to build on: the official slim image where possible, else our own."""
+    if not offline:
+        if _has_image(engine, HUB_BASE):
+            return HUB_BASE
+        progress(f"[base] pulling {HUB_BASE}")
+        try:
+            engine.client.images.pull(HUB_BASE)
+            return HUB_BASE
+        except docker.errors.APIError as err:
+            reason = str(err.explanation or err)[:120]
+            progress(f"[base] cannot pull {HUB_BASE} ({reason}); using a debootstrapped base")
+    if _has_image(engine, OFFLINE_BASE):
+        progress(f"[base] reusing {OFFLINE_BASE}")
+        return OFFLINE_BASE
+    script = image_dir() / "bootstrap-base.sh"
+    if os.geteuid() != 0:
+        raise ImageBuildError(f"building the offline base needs root: run `sudo bash {script} {OFFLINE_BASE}`")
+    _run([str(script), OFFLINE_BASE], progress)
+    return OFFLINE_BASE
+
+
+def fill_wheelhouse(progress: Progress) -> Path:
+    """Download the image's wheels on the host (where pip has the CA bundle and the index)."""
+    directory = image_dir()
+    requirements = directory / "requirements.txt"
+    wheelhouse = directory / "wheelhouse"
+    stamp = wheelhouse / ".requirements.sha256"
+    digest = hashlib.sha256(requirements.read_bytes()).hexdigest()
+    if stamp.exists() and stamp.read_text() == digest:
+        progress(f"[wheels] {wheelhouse} is up to date")
+        return wheelhouse
+    wheelhouse.mkdir(exist_ok=True)
+    progress(f"[wheels] pip download into {wheelhouse}")
+    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--only-binary=:all:", "--dest", str(wheelhouse)]
+    cmd += ["--python-version", "3.11", "--implementation", "cp", "--abi", "cp311", "--abi", "abi3", "--abi", "none"]
+    for platform in WHEEL_PLATFORMS:
+        cmd += ["--platform", platform]
+    _run([*cmd, "-r", str(requirements)], progress)
+    stamp.write_text(digest)
+    return wheelhouse
+
+
+def _run(cmd: list[str], progress: Progress) -> None:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        tail: list[str] = []
+        for line in proc.stdout:
+            line = line.rstrip()
+            if line and not line.startswith("WARNING: Location"):
+                progress(line)
+                tail = [*tail[-20:], line]
+    if proc.returncode:
+        raise ImageBuildError(f"{Path(cmd[0]).name} failed with exit code {proc.returncode}: {' | '.join(tail[-3:])}")
+
+
+def build_image(
+    tag: str = DEFAULT_IMAGE,
+    base: str | None = None,
+    offline: bool = False,
+    progress: Progress = print,
+    engine: DockerEngine | None = None,
+) -> str:
+    """Build the kernel image and return its id. Blocking: for the CLI or a worker thread."""
+    engine = engine or default_engine()
+    base = base or choose_base(engine, progress, offline=offline)
+    fill_wheelhouse(progress)
+    progress(f"[build] {tag} on {base}")
+    image_id = None
+    stream = engine.client.api.build(
+        path=str(image_dir()),
+        tag=tag,
+        buildargs={"BASE_IMAGE": base},
+        labels={"sandkernel.version": __version__, "sandkernel.base": base},
+        rm=True,
+        decode=True,
+    )
+    for chunk in stream:
+        if "error" in chunk:
+            raise ImageBuildError(f"docker build failed: {chunk['error'].strip()}")
+        text = chunk.get("stream", "").strip()
+        if text.startswith("Step ") or text.startswith("---> Using cache") or text[-2:] == "ok":
+            progress(f"[build] {text}")
+        if "aux" in chunk and "ID" in chunk["aux"]:
+            image_id = chunk["aux"]["ID"]
+    if image_id is None:
+        image_id = engine.client.images.get(tag).id
+    progress(f"[build] done: {tag} ({image_id[7:19]})")
+    return image_id

@@ -1,0 +1,67 @@
+"""Turn executions into notebook cells and write notebooks atomically.
+
+The first piece of the transcript recorder: an :class:`ExecutionResult` is already in
+nbformat output shape, so a cell is the code plus those outputs plus timing metadata.
+Writes go to a temp file in the same directory, fsync, then rename, so a reader (or a crash)
+never sees a half-written notebook.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+from sandkernel.kernels.outputs import ExecutionResult
+
+
+def result_to_cell(code: str, result: ExecutionResult) -> nbformat.NotebookNode:
+    outputs = [new_output(**output) for output in result.outputs]
+    metadata = {
+        "sandkernel": {
+            "status": result.status.value,
+            "started_at": result.started_at,
+            "duration": result.duration,
+            "ended_by": result.ended_by.value if result.ended_by else None,
+            "state_lost": result.state_lost,
+        }
+    }
+    return new_code_cell(source=code, outputs=outputs, execution_count=result.execution_count, metadata=metadata)
+
+
+def markdown_cell(text: str) -> nbformat.NotebookNode:
+    return new_markdown_cell(text)
+
+
+def build_notebook(cells: list[nbformat.NotebookNode], metadata: dict) -> nbformat.NotebookNode:
+    notebook = new_notebook(cells=cells)
+    notebook.metadata.update(
+        {
+            "kernelspec": {
+                "name": "sandkernel-python",
+                "display_name": "Python 3 (sandkernel, Docker)",
+                "language": "python",
+            },
+            "language_info": {"name": "python"},
+            "sandkernel": metadata,
+        }
+    )
+    return notebook
+
+
+def write_notebook_atomic(notebook: nbformat.NotebookNode, path: Path) -> None:
+    """Validate, then write via temp file + fsync + rename (crash-safe)."""
+    nbformat.validate(notebook)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            nbformat.write(notebook, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

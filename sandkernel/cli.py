@@ -1,0 +1,147 @@
+"""The ``sandkernel`` command line.
+
+sandkernel demo                 run a sandboxed session doing real data work; leaves a notebook
+sandkernel run CODE             execute code (or - for stdin) in a fresh sandbox and print the result
+sandkernel image build          build the kernel image (works with no registry)
+sandkernel doctor               check Docker, the image, runc and runsc, and say how to fix
+sandkernel kernelspec install   install the sandkernel-python kernelspecs for Jupyter tools
+sandkernel reap                 remove containers left by crashed sandkernel processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from sandkernel import __version__
+from sandkernel.errors import SandkernelError
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from sandkernel.demo import run_demo
+
+    return run_demo(Path(args.notebook), runtime=args.runtime)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from sandkernel.kernels.session import KernelSession
+
+    code = sys.stdin.read() if args.code == "-" else args.code
+
+    async def run() -> int:
+        overrides = {"runtime": args.runtime} if args.runtime else {}
+        async with await KernelSession.start(profile=args.profile, overrides=overrides) as session:
+            result = await session.execute(code, timeout=args.timeout)
+        if args.json:
+            print(json.dumps(result.to_dict(), indent=2))
+        else:
+            sys.stdout.write(result.text)
+            if result.error:
+                print("\n".join(result.error.traceback), file=sys.stderr)
+            print(f"[{result.status.value} in {result.duration:.2f}s]", file=sys.stderr)
+        return 0 if result.status.value == "ok" else 1
+
+    return asyncio.run(run())
+
+
+def _cmd_image_build(args: argparse.Namespace) -> int:
+    from sandkernel.kernels.image import build_image
+    from sandkernel.kernels.profiles import DEFAULT_IMAGE
+
+    build_image(tag=args.tag or DEFAULT_IMAGE, base=args.base, offline=args.offline, progress=print)
+    return 0
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from sandkernel.kernels.doctor import run_checks
+
+    checks = run_checks()
+    for check in checks:
+        mark = "ok  " if check.ok else ("FAIL" if check.required else "warn")
+        print(f"[{mark}] {check.name}: {check.detail}")
+        if not check.ok and check.fix:
+            print(f"       fix: {check.fix}")
+    return 0 if all(c.ok for c in checks if c.required) else 1
+
+
+def _cmd_kernelspec_install(args: argparse.Namespace) -> int:
+    from sandkernel.kernels.kernelspec import install_kernelspecs
+
+    prefix = args.prefix or (None if args.user else sys.prefix)
+    for path in install_kernelspecs(user=args.user, prefix=prefix):
+        print(f"installed {path}")
+    return 0
+
+
+def _cmd_reap(args: argparse.Namespace) -> int:
+    from sandkernel.kernels.reaper import reap_sync
+
+    report = reap_sync(everything=args.all)
+    print(f"removed {len(report.removed)} container(s); {report.kept} still owned by live processes")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sandkernel",
+        description="Sandboxed, stateful Jupyter kernels for AI agents; every session recorded as a notebook.",
+    )
+    parser.add_argument("--version", action="version", version=f"sandkernel {__version__}")
+    parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
+    parser.add_argument("--log-format", choices=["text", "json"], default="text", help="log line format")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = sub.add_parser("demo", help="run a sandboxed session doing data work and write its notebook")
+    demo.add_argument("--notebook", default="sandkernel-demo.ipynb", help="where to write the notebook")
+    demo.add_argument("--runtime", choices=["runc", "runsc"], default="runc", help="container runtime")
+    demo.set_defaults(func=_cmd_demo)
+
+    run = sub.add_parser("run", help="execute code in a fresh sandbox and print the result")
+    run.add_argument("code", help="Python source, or - to read it from standard input")
+    run.add_argument("--profile", default=None, help="profile name: default, small or large")
+    run.add_argument("--runtime", choices=["runc", "runsc"], default=None, help="override the profile's runtime")
+    run.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds")
+    run.add_argument("--json", action="store_true", help="print the full result as JSON")
+    run.set_defaults(func=_cmd_run)
+
+    image = sub.add_parser("image", help="kernel image commands").add_subparsers(dest="image_command", required=True)
+    build = image.add_parser("build", help="build the kernel image (no registry needed)")
+    build.add_argument("--tag", default=None, help="image tag (default: sandkernel-kernel:<version>)")
+    build.add_argument("--base", default=None, help="base image to build on (default: python:3.11-slim or debootstrap)")
+    build.add_argument("--offline", action="store_true", help="do not try to pull; use the debootstrapped base")
+    build.set_defaults(func=_cmd_image_build)
+
+    doctor = sub.add_parser("doctor", help="check Docker, the image, runc and runsc")
+    doctor.set_defaults(func=_cmd_doctor)
+
+    spec = sub.add_parser("kernelspec", help="kernelspec commands").add_subparsers(dest="spec_command", required=True)
+    install = spec.add_parser("install", help="install sandkernel-python(-gvisor) for Jupyter tools")
+    install.add_argument("--user", action="store_true", help="install for the current user only")
+    install.add_argument("--prefix", default=None, help="install under this prefix (default: this Python's)")
+    install.set_defaults(func=_cmd_kernelspec_install)
+
+    reap = sub.add_parser("reap", help="remove containers whose sandkernel process died")
+    reap.add_argument("--all", action="store_true", help="remove every sandkernel container, live or not")
+    reap.set_defaults(func=_cmd_reap)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sandkernel.logs import configure
+
+    args = build_parser().parse_args(argv)
+    configure(args.log_level, args.log_format)
+    try:
+        return args.func(args)
+    except SandkernelError as err:
+        print(f"sandkernel: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
