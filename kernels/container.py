@@ -22,7 +22,7 @@ from pathlib import Path
 import docker.errors
 from docker.types import LogConfig, Ulimit
 from sandkernel.kernels.docker_engine import DockerEngine, translate_api_error
-from sandkernel.kernels.profiles import Profile
+from sandkernel.kernels.profiles import Profile, Runtime
 from sandkernel.kernels.reaper import (
     KERNEL_LABEL,
     OWNER_LABEL,
@@ -82,7 +82,7 @@ class ContainerSpec:
             "mem_limit": p.memory_mb * mib,
             "memswap_limit": p.memory_mb * mib,  # equal to the memory limit: no swap
             "nano_cpus": int(p.cpus * 1e9),
-            "pids_limit": p.pids,
+            "pids_limit": host_pids_limit(p),
             "ulimits": [
                 Ulimit(name="nofile", soft=p.nofile, hard=p.nofile),
                 Ulimit(name="core", soft=0, hard=0),
@@ -98,6 +98,19 @@ class ContainerSpec:
             },
             "detach": True,
         }
+
+
+def host_pids_limit(profile: Profile) -> int:
+    """The cgroup pids limit for the container.
+
+    Under runc it is the profile's limit on the sandbox's processes and threads. Under gVisor
+    the cgroup holds the sandbox's own host threads (sentry, gofer, ptrace stubs) rather than
+    the guest's tasks, so the same number would starve gVisor itself; it gets headroom, and
+    a guest that still exhausts it ends the sandbox (reported as kernel_died), never the host.
+    """
+    if profile.runtime is Runtime.RUNSC:
+        return max(profile.pids * 4, 512)
+    return profile.pids
 
 
 class SandboxContainer:

@@ -26,10 +26,13 @@ import stat
 import tempfile
 from pathlib import Path
 
+from sandkernel.kernels.seccomp import seccomp_profile
+
 from sandkernel.errors import ConfigError, TransportError
 
 CONTAINER_DIR = "/run/sandkernel"
 CONNECTION_FILE = "connection.json"
+SECCOMP_FILE = "seccomp.json"
 SOCKET_PREFIX = "k"
 PORTS = {"shell_port": 1, "iopub_port": 2, "stdin_port": 3, "control_port": 4, "hb_port": 5}
 # AF_UNIX paths are limited to 108 bytes (sun_path) including the NUL.
@@ -77,7 +80,8 @@ class RuntimeDir:
         return [self.path / f"{SOCKET_PREFIX}-{port}" for port in PORTS.values()]
 
     def prepare(self, connection_info: dict) -> None:
-        """Clear old sockets, write the container-side connection file, open the dir to the kernel.
+        """Clear old sockets, write the container-side connection file and the seccomp profile
+        (the kernel installs it on itself, see kernel-image/start_kernel.py), open the dir.
 
         Called before every kernel (re)start, when no process of the sandbox is alive.
         """
@@ -88,9 +92,10 @@ class RuntimeDir:
                 entry.unlink()
         info = {key: connection_info[key] for key in ("key", "signature_scheme")}
         info.update(PORTS, transport="ipc", ip=f"{CONTAINER_DIR}/{SOCKET_PREFIX}")
-        target = self.path / CONNECTION_FILE
-        target.write_text(json.dumps(info))
-        os.chmod(target, 0o644)
+        for name, content in ((CONNECTION_FILE, info), (SECCOMP_FILE, seccomp_profile())):
+            target = self.path / name
+            target.write_text(json.dumps(content))
+            os.chmod(target, 0o644)
         os.chmod(self.path, 0o777)
 
     def sockets_ready(self) -> bool:

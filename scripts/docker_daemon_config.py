@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-RUNSC_ARGS = ["--network=none", "--host-uds=create", "--platform=ptrace"]
+RUNSC_ARGS = ["--network=none", "--host-uds=create", "--platform=ptrace", "--oci-seccomp"]
 
 
 def main(path: str, runsc: str) -> None:

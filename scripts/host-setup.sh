@@ -6,41 +6,54 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 log() { printf '[host-setup] %s\n' "$*" >&2; }
 
-need_apt=()
-command -v dockerd >/dev/null 2>&1 || need_apt+=(docker.io)
-command -v debootstrap >/dev/null 2>&1 || need_apt+=(debootstrap)
-command -v runsc >/dev/null 2>&1 || need_apt+=(runsc)
-if [ ${#need_apt[@]} -gt 0 ]; then
-  if [ "$(id -u)" -ne 0 ]; then
-    log "missing ${need_apt[*]}; run this script as root (or install them with apt-get)"; exit 1
-  fi
-  log "installing ${need_apt[*]} from the distribution's packages"
+as_root() { [ "$(id -u)" -eq 0 ] || { log "$1: run this script as root"; exit 1; }; }
+apt_updated=0
+apt_install() {  # apt_install PACKAGE...; returns apt-get's status
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -q >/dev/null
-  # runsc is optional: a distribution without it still gets a working runc setup.
-  apt-get install -y -q --no-install-recommends "${need_apt[@]/runsc/}" >/dev/null
-  if [[ " ${need_apt[*]} " == *" runsc "* ]]; then
-    apt-get install -y -q --no-install-recommends runsc >/dev/null 2>&1 \
-      || log "runsc is not available from apt here; gVisor sessions will be refused"
-  fi
+  [ "$apt_updated" = 1 ] || { apt-get update -q >/dev/null; apt_updated=1; }
+  apt-get install -y -q --no-install-recommends "$@" >/dev/null
+}
+
+if ! command -v dockerd >/dev/null 2>&1; then
+  as_root "the Docker engine is missing"; log "installing docker.io"; apt_install docker.io
+fi
+if ! command -v debootstrap >/dev/null 2>&1; then
+  as_root "debootstrap is missing"; log "installing debootstrap"; apt_install debootstrap
+fi
+if ! command -v runsc >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
+  # gVisor is optional: without it runsc sessions are refused with a clear error.
+  log "installing runsc (gVisor)"; apt_install runsc || log "runsc is not available here; gVisor sessions will be refused"
 fi
 
-# Register runsc (ptrace platform, no network of its own; host-uds=create lets the kernel's
-# ZMQ ipc sockets appear in the bind-mounted runtime dir).
+# Register runsc: ptrace platform (never KVM: it hangs here), no network of its own, and
+# --host-uds=create so the kernel's ZMQ ipc sockets appear in the bind-mounted runtime dir.
+daemon_changed=unchanged
 if command -v runsc >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
-  python3 "$here/scripts/docker_daemon_config.py" /etc/docker/daemon.json "$(command -v runsc)"
+  daemon_changed=$(python3 "$here/scripts/docker_daemon_config.py" /etc/docker/daemon.json "$(command -v runsc)")
 fi
 
 if ! docker info >/dev/null 2>&1; then
-  if [ "$(id -u)" -ne 0 ]; then log "the Docker engine is not running and only root can start it"; exit 1; fi
-  log "starting dockerd"
-  mkdir -p /var/log
-  nohup dockerd >/var/log/dockerd.log 2>&1 &
-  for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
-  docker info >/dev/null 2>&1 || { log "dockerd did not start; see /var/log/dockerd.log"; tail -20 /var/log/dockerd.log >&2; exit 1; }
-elif [ "${SANDKERNEL_RELOAD_DOCKER:-0}" = 1 ]; then
-  pkill -HUP dockerd || true
+  as_root "the Docker engine is not running"
+  log "starting dockerd (log: /var/log/dockerd.log)"
+  nohup dockerd >>/var/log/dockerd.log 2>&1 &
+  for _ in $(seq 1 120); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  docker info >/dev/null 2>&1 || { log "dockerd did not start:"; tail -20 /var/log/dockerd.log >&2; exit 1; }
+elif [ "$daemon_changed" = changed ]; then
+  log "reloading dockerd to register runsc"; pkill -HUP -x dockerd || true
+  for _ in $(seq 1 20); do docker info 2>/dev/null | grep -q runsc && break; sleep 0.5; done
 fi
 
-log "installing the sandkernel package"
-python3 -m pip install -q -e "$here[test]"
+# A virtualenv keeps us clear of the system Python (Debian marks it externally managed).
+python="${PYTHON:-python3}"
+if [ ! -x "$here/.venv/bin/python" ]; then
+  log "creating $here/.venv"
+  if ! "$python" -m venv "$here/.venv" 2>/dev/null; then
+    [ "$(id -u)" -eq 0 ] && apt-get install -y -q python3-venv >/dev/null
+    rm -rf "$here/.venv"; "$python" -m venv "$here/.venv"
+  fi
+fi
+log "installing the sandkernel package into .venv"
+"$here/.venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here[test]" 2>&1 \
+  | grep -v -e '^WARNING: Location' -e 'Running pip as the' || true
+"$here/.venv/bin/python" -c "import sandkernel.kernels" \
+  || { log "the package did not install; see pip's output above"; exit 1; }
