@@ -126,11 +126,28 @@ class KernelSession:
         log.info("session started", extra={"session": self.id, "kernel": self.kernel_id})
 
     async def _wait_ready(self) -> None:
+        """Wait until the kernel answers on shell AND its iopub reaches us.
+
+        A SUB socket joins late (more so across gVisor): without the nudge the first
+        execute's ``idle`` status can be lost and the execute would wait for its timeout.
+        """
         assert self._client is not None
+        deadline = time.monotonic() + self.profile.start_timeout
         try:
             await self._client.wait_for_ready(timeout=self.profile.start_timeout)
         except RuntimeError as err:
             raise KernelStartError(f"sandboxed kernel did not answer: {err}") from err
+        while time.monotonic() < deadline:
+            msg_id = self._client.kernel_info()
+            nudge_deadline = time.monotonic() + 0.25
+            while (remaining := nudge_deadline - time.monotonic()) > 0:
+                try:
+                    msg = await self._client.get_iopub_msg(timeout=remaining)
+                except queue.Empty:
+                    break
+                if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                    return
+        raise KernelStartError(f"the kernel's output channel did not connect within {self.profile.start_timeout:g}s")
 
     async def _teardown(self) -> None:
         if self._client is not None:

@@ -68,4 +68,6 @@ async def session(request):
 
 def container_ids_of(session_id: str) -> list[str]:
     engine = default_engine()
-    return [c.id for c in engine.client.containers.list(all=True, filters={"label": f"sandkernel.session={session_id}"})]
+    return [
+        c.id for c in engine.client.containers.list(all=True, filters={"label": f"sandkernel.session={session_id}"})
+    ]

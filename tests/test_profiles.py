@@ -40,7 +40,9 @@ def test_bad_overrides_name_the_fix(overrides, message):
 
 
 def test_unknown_profile_lists_the_choices():
-    with pytest.raises(UnknownProfileError, match=r"unknown profile 'huge'; choose one of \['default', 'large', 'small'\]"):
+    with pytest.raises(
+        UnknownProfileError, match=r"unknown profile 'huge'; choose one of \['default', 'large', 'small'\]"
+    ):
         resolve_profile("huge")
 
 
