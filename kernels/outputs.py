@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nbformat.v4 import output_from_msg
+
+OutputCallback = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class ExecutionStatus(str, enum.Enum):
@@ -88,33 +91,40 @@ class OutputCollector:
     ``clear_output`` (with or without ``wait``) and ``update_display_data`` are honoured.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_output: OutputCallback | None = None) -> None:
+        self.on_output = on_output
         self.outputs: list[dict[str, Any]] = []
         self.execution_count: int | None = None
         self.error: ErrorInfo | None = None
         self._clear_before_next = False
 
-    def add(self, msg: dict[str, Any]) -> None:
+    async def add(self, msg: dict[str, Any]) -> None:
+        """Record one iopub message; awaits the streaming callback for real outputs."""
+        output = self._record(msg)
+        if output is not None and self.on_output is not None:
+            await self.on_output({k: v for k, v in output.items() if not k.startswith("_")})
+
+    def _record(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         msg_type = msg["header"]["msg_type"]
         content = msg["content"]
         if msg_type == "execute_input":
             self.execution_count = content.get("execution_count")
-            return
+            return None
         if msg_type == "clear_output":
             if content.get("wait"):
                 self._clear_before_next = True
             else:
                 self.outputs.clear()
-            return
+            return None
         if msg_type == "update_display_data":
             display_id = content.get("transient", {}).get("display_id")
             for output in self.outputs:
                 if display_id and output.get("_display_id") == display_id:
                     output["data"] = content.get("data", {})
                     output["metadata"] = content.get("metadata", {})
-            return
+            return None
         if msg_type not in ("stream", "display_data", "execute_result", "error"):
-            return
+            return None
         if self._clear_before_next:
             self.outputs.clear()
             self._clear_before_next = False
@@ -133,6 +143,7 @@ class OutputCollector:
             last["text"] += output["text"]
         else:
             self.outputs.append(output)
+        return output
 
     def finished_outputs(self) -> tuple[dict[str, Any], ...]:
         """The outputs with internal bookkeeping keys removed."""

@@ -23,7 +23,13 @@ from jupyter_client import AsyncKernelManager
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from sandkernel.kernels.container import SandboxContainer
 from sandkernel.kernels.kernelspec import SandkernelSpecManager
-from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus, OutputCollector, TimeoutStep
+from sandkernel.kernels.outputs import (
+    ExecutionResult,
+    ExecutionStatus,
+    OutputCallback,
+    OutputCollector,
+    TimeoutStep,
+)
 from sandkernel.kernels.profiles import Profile, Runtime, resolve_profile
 from sandkernel.kernels.provisioner import DockerProvisioner
 
@@ -198,8 +204,12 @@ class KernelSession:
 
     # -- execute --------------------------------------------------------------------------
 
-    async def execute(self, code: str, timeout: float | None = None) -> ExecutionResult:
+    async def execute(
+        self, code: str, timeout: float | None = None, on_output: OutputCallback | None = None
+    ) -> ExecutionResult:
         """Run ``code`` in the kernel and return its ordered outputs and status.
+
+        ``on_output`` is awaited with each output (nbformat shape) as it arrives, for streaming.
 
         ``timeout`` is wall-clock seconds (default: the profile's ``execute_timeout``). Errors
         in the code are returned as status ``error``; timeouts, interrupts, kernel deaths and
@@ -214,9 +224,9 @@ class KernelSession:
         self._check_open()
         async with self._lock:
             self._check_open()
-            return await self._execute_locked(code, float(timeout))
+            return await self._execute_locked(code, float(timeout), on_output)
 
-    async def _execute_locked(self, code: str, timeout: float) -> ExecutionResult:
+    async def _execute_locked(self, code: str, timeout: float, on_output: OutputCallback | None) -> ExecutionResult:
         assert self._client is not None
         if not await self._km.is_alive():
             status = await self._death_status(None)
@@ -226,7 +236,7 @@ class KernelSession:
         oom_before = await self.container.oom_kill_count()
         epoch = self._epoch
         self._interrupt_requested = False
-        collector = OutputCollector()
+        collector = OutputCollector(on_output)
         msg_id = self._client.execute(code, allow_stdin=False, stop_on_error=False)
         status = await self._collect(msg_id, collector, t0 + timeout, epoch)
         ended_by: TimeoutStep | None = None
@@ -270,7 +280,7 @@ class KernelSession:
                 continue
             if msg["header"]["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
                 return ExecutionStatus.OK
-            collector.add(msg)
+            await collector.add(msg)
 
     async def _reply_status(self, msg_id: str, collector: OutputCollector) -> ExecutionStatus:
         """Read the execute_reply for ``msg_id`` and classify the outcome."""

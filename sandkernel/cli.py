@@ -26,6 +26,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.notebook), runtime=args.runtime)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from sandkernel.gateway.budget import OutputBudget
+    from sandkernel.gateway.server import serve
+
+    budget = OutputBudget(max_text_bytes=args.output_budget, max_images=args.max_images)
+    asyncio.run(serve(args.ip, args.port, args.token, args.tokens_file, max_sessions=args.max_sessions, budget=budget))
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from sandkernel.kernels.session import KernelSession
 
@@ -93,6 +102,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
     parser.add_argument("--log-format", choices=["text", "json"], default="text", help="log line format")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser("serve", help="run the gateway: Jupyter-compatible kernel API and session API")
+    serve.add_argument("--ip", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8888, help="port to bind (default 8888)")
+    serve.add_argument("--token", default=None, help="auth token (default: $SANDKERNEL_TOKEN, else generated)")
+    serve.add_argument("--tokens-file", default=None, help='JSON {"tenant": "token"} for several tenants')
+    serve.add_argument("--max-sessions", type=int, default=20, help="live sessions per token (default 20)")
+    serve.add_argument("--output-budget", type=int, default=64 * 1024, help="text bytes per execute reply")
+    serve.add_argument("--max-images", type=int, default=8, help="images per execute reply")
+    serve.set_defaults(func=_cmd_serve)
 
     demo = sub.add_parser("demo", help="run a sandboxed session doing data work and write its notebook")
     demo.add_argument("--notebook", default="sandkernel-demo.ipynb", help="where to write the notebook")

@@ -1,0 +1,133 @@
+"""What every gateway handler shares: auth, JSON bodies, and errors that never leak a traceback.
+
+Errors are JSON ``{"error": code, "message": sentence}`` with the right status. sandkernel's
+own exceptions map to statuses here, once; anything unexpected becomes a 500 whose message says
+only that it was logged (the traceback goes to the log, never to the client).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from http import HTTPStatus
+from typing import Any
+
+from sandkernel.gateway.auth import TokenAuth
+from sandkernel.gateway.registry import SessionRegistry, TooManySessionsError
+from tornado import web
+
+from sandkernel.errors import (
+    ConfigError,
+    DockerUnavailableError,
+    ImageNotFoundError,
+    KernelNotFoundError,
+    KernelStartError,
+    RuntimeUnavailableError,
+    SandkernelError,
+    SessionClosedError,
+)
+
+log = logging.getLogger(__name__)
+
+# Most specific first.
+STATUS_FOR_ERROR: list[tuple[type[Exception], int]] = [
+    (TooManySessionsError, 429),
+    (KernelNotFoundError, 404),
+    (SessionClosedError, 404),
+    (ImageNotFoundError, 400),
+    (RuntimeUnavailableError, 400),
+    (ConfigError, 400),
+    (DockerUnavailableError, 503),
+    (KernelStartError, 503),
+    (SandkernelError, 500),
+]
+
+
+class ApiError(web.HTTPError):
+    """An HTTP error with a machine code and a sentence for people."""
+
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+        super().__init__(status, reason=HTTPStatus(status).phrase)
+        self.message = message
+        self.code = code or HTTPStatus(status).phrase.lower().replace(" ", "_")
+
+
+def api_error_from(err: SandkernelError) -> ApiError:
+    for cls, status in STATUS_FOR_ERROR:
+        if isinstance(err, cls):
+            return ApiError(status, str(err), code=type(err).__name__.removesuffix("Error").lower() or None)
+    return ApiError(500, str(err))
+
+
+class BaseHandler(web.RequestHandler):
+    """Thin handlers: dependencies come through ``initialize``; subclasses implement verbs."""
+
+    registry: SessionRegistry
+    auth: TokenAuth | None
+    settings_: dict[str, Any]
+    tenant: str
+
+    def initialize(self, registry: SessionRegistry, auth: TokenAuth | None, config: dict[str, Any]) -> None:
+        self.registry = registry
+        self.auth = auth
+        self.settings_ = config
+
+    def prepare(self) -> None:
+        stream = self.request.connection.stream if self.request.connection else None
+        if stream is not None:
+            stream.set_nodelay(True)
+        self.tenant = self.authenticate()
+
+    def authenticate(self) -> str:
+        if self.auth is None:
+            return "default"
+        tenant = self.auth.tenant_for(self.request.headers.get("Authorization"), self.get_query_argument("token", None))
+        if tenant is None:
+            raise ApiError(401, "missing or wrong token: send 'Authorization: token <TOKEN>'", "unauthorized")
+        return tenant
+
+    def json_body(self) -> dict[str, Any]:
+        """The request body as a JSON object; {} when empty; 400 when not an object."""
+        if not self.request.body:
+            return {}
+        try:
+            body = json.loads(self.request.body)
+        except ValueError as err:
+            raise ApiError(400, f"request body is not valid JSON: {err}", "bad_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object", "bad_json")
+        return body
+
+    def write_json(self, data: Any, status: int = 200) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(data, default=str))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        if isinstance(exc, ApiError):
+            body = {"error": exc.code, "message": exc.message}
+        elif isinstance(exc, web.HTTPError):
+            phrase = HTTPStatus(status_code).phrase
+            body = {"error": phrase.lower().replace(" ", "_"), "message": exc.log_message or exc.reason or phrase}
+        else:
+            body = {"error": "internal_error", "message": "the gateway hit an unexpected error; it has been logged"}
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(body))
+
+    def log_exception(self, typ, value, tb) -> None:  # type: ignore[no-untyped-def]
+        if isinstance(value, web.HTTPError) and value.status_code < 500:
+            return
+        super().log_exception(typ, value, tb)
+
+    async def call(self, awaitable):  # type: ignore[no-untyped-def]
+        """Await a session-layer coroutine, turning sandkernel errors into API errors."""
+        try:
+            return await awaitable
+        except SandkernelError as err:
+            raise api_error_from(err) from err
+
+
+class NotFoundHandler(BaseHandler):
+    def prepare(self) -> None:
+        raise ApiError(404, f"no such endpoint: {self.request.path}; see /api/openapi.json")

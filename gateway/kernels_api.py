@@ -1,0 +1,81 @@
+"""The Jupyter-compatible kernel API: what jupyter_server's GatewayClient (JupyterLab with
+``--gateway-url``) and other standard clients call. Every kernel is a sandkernel session."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sandkernel.gateway.base import ApiError, BaseHandler
+from sandkernel.kernels.kernelspec import KERNEL_NAMES, kernel_json
+
+from sandkernel import __version__
+
+
+def kernelspec_model(name: str) -> dict[str, Any]:
+    spec = kernel_json(name)
+    spec.pop("env", None)
+    return {"name": name, "spec": spec, "resources": {}}
+
+
+class ApiRootHandler(BaseHandler):
+    def get(self) -> None:
+        self.write_json({"version": "2.0.0", "sandkernel": __version__})
+
+
+class KernelSpecsHandler(BaseHandler):
+    def get(self) -> None:
+        self.write_json(
+            {"default": "sandkernel-python", "kernelspecs": {name: kernelspec_model(name) for name in KERNEL_NAMES}}
+        )
+
+
+class KernelSpecHandler(BaseHandler):
+    def get(self, name: str) -> None:
+        if name not in KERNEL_NAMES:
+            raise ApiError(404, f"no kernelspec {name!r}; available: {sorted(KERNEL_NAMES)}")
+        self.write_json(kernelspec_model(name))
+
+
+class KernelsHandler(BaseHandler):
+    def get(self) -> None:
+        self.write_json([s.kernel_model() for s in self.registry.list(self.tenant)])
+
+    async def post(self) -> None:
+        body = self.json_body()
+        name = body.get("name") or "sandkernel-python"
+        if name not in KERNEL_NAMES:
+            raise ApiError(400, f"unknown kernel name {name!r}; use one of {sorted(KERNEL_NAMES)}", "unknown_kernel")
+        overrides = {"runtime": KERNEL_NAMES[name]}
+        managed = await self.call(self.registry.create(self.tenant, overrides=overrides, metadata={"name": "kernel"}))
+        self.set_header("Location", f"/api/kernels/{managed.session.kernel_id}")
+        self.write_json(managed.kernel_model(), status=201)
+
+
+class KernelHandler(BaseHandler):
+    def get(self, kernel_id: str) -> None:
+        self.write_json(self._managed(kernel_id).kernel_model())
+
+    async def delete(self, kernel_id: str) -> None:
+        managed = self._managed(kernel_id)
+        await self.call(self.registry.delete(self.tenant, managed.id))
+        self.set_status(204)
+        self.finish()
+
+    def _managed(self, kernel_id: str):  # type: ignore[no-untyped-def]
+        try:
+            return self.registry.by_kernel(self.tenant, kernel_id)
+        except LookupError:
+            raise ApiError(404, f"no kernel {kernel_id!r}") from None
+
+
+class KernelActionHandler(KernelHandler):
+    async def post(self, kernel_id: str, action: str) -> None:
+        managed = self._managed(kernel_id)
+        if action == "interrupt":
+            await self.call(managed.session.interrupt())
+            self.set_status(204)
+            self.finish()
+        else:
+            await self.call(managed.session.restart())
+            managed.touch("idle")
+            self.write_json(managed.kernel_model())

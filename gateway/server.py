@@ -1,0 +1,110 @@
+"""``sandkernel serve``: the tornado application and its lifecycle.
+
+Binds 127.0.0.1 by default, prints the URL and the token, reaps containers orphaned by a
+crashed predecessor at start, and shuts every session down on SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+from sandkernel.gateway.auth import TokenAuth
+from sandkernel.gateway.base import BaseHandler, NotFoundHandler
+from sandkernel.gateway.budget import OutputBudget
+from sandkernel.gateway.channels import ChannelsHandler
+from sandkernel.gateway.kernels_api import (
+    ApiRootHandler,
+    KernelActionHandler,
+    KernelHandler,
+    KernelsHandler,
+    KernelSpecHandler,
+    KernelSpecsHandler,
+)
+from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.sessions_api import ExecuteHandler, SessionActionHandler, SessionHandler, SessionsHandler
+from sandkernel.kernels.reaper import reap
+from tornado import httpserver, web
+
+log = logging.getLogger(__name__)
+
+OPENAPI_PATH = Path(__file__).with_name("openapi.json")
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class OpenApiHandler(BaseHandler):
+    def authenticate(self) -> str:
+        return "anonymous"  # the API description is public
+
+    def get(self) -> None:
+        self.write_json(json.loads(OPENAPI_PATH.read_text()))
+
+
+def make_app(
+    registry: SessionRegistry, auth: TokenAuth | None, config: dict[str, Any] | None = None
+) -> web.Application:
+    deps = {"registry": registry, "auth": auth, "config": dict(config or {})}
+    kid = r"(?P<kernel_id>[^/]+)"
+    sid = r"(?P<session_id>[^/]+)"
+    routes = [
+        (r"/api/?", ApiRootHandler),
+        (r"/api/openapi.json", OpenApiHandler),
+        (r"/api/kernelspecs/?", KernelSpecsHandler),
+        (r"/api/kernelspecs/(?P<name>[^/]+)/?", KernelSpecHandler),
+        (r"/api/kernels/?", KernelsHandler),
+        (rf"/api/kernels/{kid}/?", KernelHandler),
+        (rf"/api/kernels/{kid}/(?P<action>interrupt|restart)/?", KernelActionHandler),
+        (rf"/api/kernels/{kid}/channels", ChannelsHandler),
+        (r"/api/sessions/?", SessionsHandler),
+        (rf"/api/sessions/{sid}/?", SessionHandler),
+        (rf"/api/sessions/{sid}/execute/?", ExecuteHandler),
+        (rf"/api/sessions/{sid}/(?P<action>interrupt|restart)/?", SessionActionHandler),
+        (r".*", NotFoundHandler),
+    ]
+    return web.Application(
+        [(pattern, handler, deps) for pattern, handler in routes],
+        websocket_max_message_size=16 * 1024 * 1024,
+        websocket_ping_interval=30,
+    )
+
+
+async def serve(
+    ip: str = "127.0.0.1",
+    port: int = 8888,
+    token: str | None = None,
+    tokens_file: str | None = None,
+    max_sessions: int = 20,
+    budget: OutputBudget | None = None,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set)."""
+    auth, shown_token = TokenAuth.from_sources(token, tokens_file)
+    report = await reap()
+    if report.removed:
+        log.info("reaped orphaned containers", extra={"count": len(report.removed)})
+    registry = SessionRegistry(max_sessions_per_tenant=max_sessions)
+    app = make_app(registry, auth, {"budget": budget or OutputBudget()})
+    server = httpserver.HTTPServer(app, max_body_size=MAX_BODY_BYTES, idle_connection_timeout=3600)
+    server.listen(port, address=ip)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    url = f"http://{ip}:{port}"
+    print(f"sandkernel gateway at {url}", flush=True)
+    if shown_token:
+        print(f"token: {shown_token}", flush=True)
+        print(f"JupyterLab: jupyter lab --gateway-url={url} --GatewayClient.auth_token={shown_token}", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        server.stop()
+        await registry.shutdown_all()
+        print("gateway stopped; all sessions shut down", flush=True)

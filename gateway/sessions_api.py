@@ -1,0 +1,152 @@
+"""The session API for agents: create a sandbox, execute code (whole or streamed), interrupt,
+restart, delete. Replies carry budgeted outputs; see budget.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from typing import Any
+
+from sandkernel.gateway.base import ApiError, BaseHandler
+from sandkernel.gateway.budget import OutputBudget, apply_budget
+from sandkernel.gateway.registry import ManagedSession
+from tornado.iostream import StreamClosedError
+
+from sandkernel.errors import SandkernelError
+
+KEEPALIVE_SECONDS = 10.0
+MAX_CODE_BYTES = 1024 * 1024
+
+
+class SessionsHandler(BaseHandler):
+    def get(self) -> None:
+        self.write_json([s.session_model() for s in self.registry.list(self.tenant)])
+
+    async def post(self) -> None:
+        body = self.json_body()
+        profile = body.get("profile")
+        overrides = body.get("limits", body.get("overrides")) or {}
+        metadata = body.get("metadata") or {}
+        if profile is not None and not isinstance(profile, str):
+            raise ApiError(400, "profile must be a profile name such as 'default', 'small' or 'large'")
+        if not isinstance(overrides, dict) or not isinstance(metadata, dict):
+            raise ApiError(400, "limits and metadata must be JSON objects")
+        managed = await self.call(self.registry.create(self.tenant, profile, overrides, metadata))
+        self.set_header("Location", f"/api/sessions/{managed.id}")
+        self.write_json(managed.session_model(), status=201)
+
+
+class SessionHandler(BaseHandler):
+    def managed(self, session_id: str) -> ManagedSession:
+        try:
+            return self.registry.get(self.tenant, session_id)
+        except LookupError:
+            raise ApiError(404, f"no session {session_id!r}") from None
+
+    def get(self, session_id: str) -> None:
+        self.write_json(self.managed(session_id).session_model())
+
+    async def delete(self, session_id: str) -> None:
+        self.managed(session_id)
+        await self.call(self.registry.delete(self.tenant, session_id))
+        self.set_status(204)
+        self.finish()
+
+
+class SessionActionHandler(SessionHandler):
+    async def post(self, session_id: str, action: str) -> None:
+        managed = self.managed(session_id)
+        if action == "interrupt":
+            await self.call(managed.session.interrupt())
+            self.set_status(204)
+            self.finish()
+        else:
+            await self.call(managed.session.restart())
+            self.write_json(managed.session_model())
+
+
+class ExecuteHandler(SessionHandler):
+    """POST {code, timeout?} → the result; with ``?stream=1`` (or Accept: application/x-ndjson)
+    an NDJSON stream of ``{"type": "output"}`` lines, keepalives, then ``{"type": "result"}``.
+    A streaming client that disconnects interrupts its execution."""
+
+    def budget(self) -> OutputBudget:
+        return self.settings_.get("budget") or OutputBudget()
+
+    async def post(self, session_id: str) -> None:
+        managed = self.managed(session_id)
+        body = self.json_body()
+        code = body.get("code")
+        if not isinstance(code, str):
+            raise ApiError(400, "'code' must be a string of Python source", "bad_code")
+        if len(code.encode()) > MAX_CODE_BYTES:
+            raise ApiError(413, f"code is larger than {MAX_CODE_BYTES} bytes; upload a file and run it instead")
+        timeout = body.get("timeout")
+        streaming = self.get_query_argument("stream", "") in ("1", "true") or "application/x-ndjson" in (
+            self.request.headers.get("Accept") or ""
+        )
+        managed.touch("busy")
+        try:
+            if streaming:
+                await self._stream(managed, code, timeout)
+            else:
+                result = await self.call(managed.session.execute(code, timeout=timeout))
+                self.write_json(self._reply(result))
+        finally:
+            managed.touch("idle")
+
+    def _reply(self, result: Any) -> dict[str, Any]:
+        data = result.to_dict()
+        data["outputs"], data["truncation"] = apply_budget(data["outputs"], self.budget())
+        data["text"] = "".join(
+            o["text"] if o["output_type"] == "stream" else o.get("data", {}).get("text/plain", "") + "\n"
+            for o in data["outputs"]
+            if o["output_type"] != "error"
+        )
+        return data
+
+    async def _stream(self, managed: ManagedSession, code: str, timeout: Any) -> None:
+        self.set_header("Content-Type", "application/x-ndjson")
+        self.set_header("Cache-Control", "no-cache")
+        sent_bytes = 0
+        budget = self.budget()
+        disconnected = asyncio.Event()
+        self.request.connection.set_close_callback(disconnected.set)
+
+        async def send(line: dict[str, Any]) -> None:
+            if disconnected.is_set():
+                return
+            try:
+                self.write(json.dumps(line, default=str) + "\n")
+                await self.flush()
+            except StreamClosedError:
+                disconnected.set()
+
+        async def on_output(output: dict[str, Any]) -> None:
+            nonlocal sent_bytes
+            if sent_bytes >= budget.max_text_bytes:
+                return
+            [budgeted], _ = apply_budget([output], OutputBudget(budget.max_text_bytes - sent_bytes, budget.max_images))
+            sent_bytes += len(json.dumps(budgeted))
+            await send({"type": "output", "output": budgeted})
+
+        async def keepalive() -> None:
+            while True:
+                await asyncio.sleep(KEEPALIVE_SECONDS)
+                await send({"type": "keepalive"})
+
+        async def interrupt_on_disconnect() -> None:
+            await disconnected.wait()
+            with contextlib.suppress(SandkernelError, RuntimeError):
+                await managed.session.interrupt()
+
+        helpers = [asyncio.create_task(keepalive()), asyncio.create_task(interrupt_on_disconnect())]
+        try:
+            result = await self.call(managed.session.execute(code, timeout=timeout, on_output=on_output))
+            await send({"type": "result", "result": self._reply(result)})
+        finally:
+            for task in helpers:
+                task.cancel()
+        if not disconnected.is_set():
+            self.finish()
