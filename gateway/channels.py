@@ -90,8 +90,6 @@ class ChannelsHandler(websocket.WebSocketHandler):
             msg["channel"] = channel
             if channel == "iopub" and msg["header"]["msg_type"] == "status":
                 self.managed.touch(msg["content"].get("execution_state"))
-            msg.pop("msg_id", None)
-            msg.pop("msg_type", None)
             try:
                 await self.write_message(to_frame(msg), binary=bool(msg.get("buffers")))
             except websocket.WebSocketClosedError:

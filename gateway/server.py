@@ -91,10 +91,11 @@ async def serve(
     app = make_app(registry, auth, {"budget": budget or OutputBudget()})
     server = httpserver.HTTPServer(app, max_body_size=MAX_BODY_BYTES, idle_connection_timeout=3600)
     server.listen(port, address=ip)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    if stop is None:  # run as a program: stop on SIGINT/SIGTERM
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
     url = f"http://{ip}:{port}"
     print(f"sandkernel gateway at {url}", flush=True)
     if shown_token:

@@ -1,0 +1,232 @@
+"""The gateway over real HTTP and WebSocket clients, with real sandboxed kernels behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+
+import pytest
+from sandkernel.gateway.budget import OutputBudget
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import websocket_connect
+
+from .conftest import container_ids_of
+from .gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway
+
+
+@pytest.fixture(scope="module")
+async def gateway(tmp_path_factory):
+    gw = await start_gateway(tmp_path_factory.mktemp("gw"), budget=OutputBudget(max_text_bytes=2000, max_images=1))
+    yield gw
+    await stop_gateway(gw)
+
+
+def execute_request(code: str) -> dict:
+    return {
+        "header": {
+            "msg_id": uuid.uuid4().hex,
+            "msg_type": "execute_request",
+            "username": "t",
+            "session": "s",
+            "version": "5.3",
+            "date": "2026-01-01T00:00:00Z",
+        },
+        "parent_header": {},
+        "metadata": {},
+        "content": {
+            "code": code,
+            "silent": False,
+            "store_history": True,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": True,
+        },
+        "channel": "shell",
+    }
+
+
+async def ws_execute(ws, code: str, timeout: float = 60) -> tuple[list[dict], dict]:
+    """Send an execute_request and collect iopub messages for it until idle, and its reply."""
+    msg = execute_request(code)
+    await ws.write_message(json.dumps(msg))
+    iopub, reply = [], None
+
+    async def collect():
+        nonlocal reply
+        while True:
+            frame = await ws.read_message()
+            assert frame is not None, "websocket closed"
+            data = json.loads(frame)
+            if data.get("parent_header", {}).get("msg_id") != msg["header"]["msg_id"]:
+                continue
+            if data["channel"] == "shell":
+                reply = data
+            elif data["channel"] == "iopub":
+                iopub.append(data)
+            if reply and any(m["msg_type"] == "status" and m["content"]["execution_state"] == "idle" for m in iopub):
+                return
+
+    await asyncio.wait_for(collect(), timeout)
+    return iopub, reply
+
+
+async def connect(gateway, kernel_id: str, token: str = ALICE):
+    url = gateway.url.replace("http", "ws") + f"/api/kernels/{kernel_id}/channels?session_id={uuid.uuid4().hex}"
+    return await websocket_connect(HTTPRequest(url, headers={"Authorization": f"token {token}"}))
+
+
+async def test_auth_is_required_and_errors_are_json(gateway):
+    code, body = await gateway.request("GET", "/api/kernels", token=None)
+    assert code == 401 and body["error"] == "unauthorized" and "Authorization: token" in body["message"]
+    code, body = await gateway.request("GET", "/api/kernels", token="wrong-token-but-long-enough")
+    assert code == 401
+    code, body = await gateway.request("GET", "/api/kernels", token=None, headers={"Authorization": f"Bearer {ALICE}"})
+    assert code == 200 and body == []
+    code, body = await gateway.request("GET", "/api/no/such/thing")
+    assert code == 404 and "openapi.json" in body["message"]
+    code, body = await gateway.request("GET", "/api/openapi.json", token=None)
+    assert code == 200 and "/api/sessions/{session_id}/execute" in body["paths"]
+
+
+async def test_kernelspecs(gateway):
+    code, body = await gateway.request("GET", "/api/kernelspecs")
+    assert code == 200 and body["default"] == "sandkernel-python"
+    assert set(body["kernelspecs"]) == {"sandkernel-python", "sandkernel-python-gvisor"}
+    assert body["kernelspecs"]["sandkernel-python"]["spec"]["language"] == "python"
+
+
+async def test_kernel_lifecycle_over_http_and_websocket(gateway):
+    code, kernel = await gateway.request("POST", "/api/kernels", {"name": "sandkernel-python"})
+    assert code == 201 and kernel["name"] == "sandkernel-python"
+    kid = kernel["id"]
+    code, listed = await gateway.request("GET", "/api/kernels")
+    assert [k["id"] for k in listed] == [kid]
+    ws = await connect(gateway, kid)
+    iopub, reply = await ws_execute(ws, "x = 6 * 7\nprint('hello')\nx")
+    assert reply["content"]["status"] == "ok"
+    types = [m["msg_type"] for m in iopub]
+    assert "stream" in types and "execute_result" in types
+    result = next(m for m in iopub if m["msg_type"] == "execute_result")
+    assert result["content"]["data"]["text/plain"] == "42"
+    # A malformed frame gets an error on the socket; the kernel is untouched.
+    await ws.write_message("{not json")
+    complaint = json.loads(await ws.read_message())
+    assert complaint["channel"] == "gateway" and complaint["error"] == "bad_message"
+    await ws.write_message(json.dumps({"channel": "iopub", "header": {"msg_type": "x"}}))
+    assert "cannot send on channel 'iopub'" in json.loads(await ws.read_message())["message"]
+    _, reply = await ws_execute(ws, "x + 1")
+    assert reply["content"]["status"] == "ok"
+    ws.close()
+    assert (await gateway.request("POST", f"/api/kernels/{kid}/interrupt"))[0] == 204
+    code, restarted = await gateway.request("POST", f"/api/kernels/{kid}/restart")
+    assert code == 200 and restarted["id"] == kid
+    assert (await gateway.request("DELETE", f"/api/kernels/{kid}"))[0] == 204
+    assert (await gateway.request("GET", f"/api/kernels/{kid}"))[0] == 404
+    assert not [c for c in docker_containers() if c.labels.get("sandkernel.kernel") == kid]
+
+
+def docker_containers():
+    from sandkernel.kernels.docker_engine import default_engine
+
+    return default_engine().client.containers.list(all=True, filters={"label": "sandkernel.kernel"})
+
+
+async def test_tenants_cannot_see_each_other(gateway):
+    code, session = await gateway.request("POST", "/api/sessions", {"profile": "small"}, token=ALICE)
+    assert code == 201
+    sid, kid = session["id"], session["kernel"]["id"]
+    missing_session = await gateway.request("GET", "/api/sessions/does-not-exist", token=BOB)
+    for method, path in [
+        ("GET", f"/api/sessions/{sid}"),
+        ("DELETE", f"/api/sessions/{sid}"),
+        ("GET", f"/api/kernels/{kid}"),
+        ("POST", f"/api/kernels/{kid}/interrupt"),
+    ]:
+        code, body = await gateway.request(method, path, token=BOB)
+        assert code == 404, (method, path)
+        assert body["error"] == "not_found"
+    assert missing_session[0] == 404
+    code, body = await gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": "1"}, token=BOB)
+    assert code == 404
+    assert (await gateway.request("GET", "/api/sessions", token=BOB))[1] == []
+    with pytest.raises(Exception) as err:
+        await connect(gateway, kid, token=BOB)
+    assert "404" in str(err.value)
+    # Alice's session still works and is hers.
+    code, result = await gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": "print('mine')"})
+    assert code == 200 and result["text"] == "mine\n"
+    assert (await gateway.request("DELETE", f"/api/sessions/{sid}"))[0] == 204
+    assert container_ids_of(sid) == []
+
+
+async def test_session_api_execute_budget_and_bad_input(gateway):
+    code, body = await gateway.request("POST", "/api/sessions", {"limits": {"memory_mb": 1}})
+    assert code == 400 and "memory_mb=1 is out of range" in body["message"]
+    code, body = await gateway.request("POST", "/api/sessions", raw=b"{broken")
+    assert code == 400 and body["error"] == "bad_json"
+    code, session = await gateway.request("POST", "/api/sessions", {"metadata": {"agent": "test"}})
+    assert code == 201 and session["metadata"] == {"agent": "test"} and session["path"].endswith(".ipynb")
+    sid = session["id"]
+    try:
+        code, body = await gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": 42})
+        assert code == 400 and "'code' must be a string" in body["message"]
+        code, body = await gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": "1", "timeout": -5})
+        assert code == 400 and "timeout must be a number of seconds" in body["message"]
+        code, result = await gateway.request(
+            "POST", f"/api/sessions/{sid}/execute", {"code": "import sys\nprint('x' * 100000)\nprint('end')"}
+        )
+        assert code == 200 and result["status"] == "ok"
+        assert result["truncation"]["truncated"] and result["truncation"]["text_bytes_cut"] > 90000
+        text = result["outputs"][0]["text"]
+        assert text.startswith("x" * 500) and text.rstrip().endswith("end") and "bytes of output cut" in text
+        code, result = await gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": "1/0"})
+        assert code == 200 and result["status"] == "error" and result["error"]["name"] == "ZeroDivisionError"
+        code, result = await gateway.request(
+            "POST", f"/api/sessions/{sid}/execute", {"code": "while True: pass", "timeout": 1}
+        )
+        assert code == 200 and result["status"] == "timeout" and result["ended_by"] == "interrupt"
+    finally:
+        await gateway.request("DELETE", f"/api/sessions/{sid}")
+
+
+async def test_streaming_execute_sends_outputs_as_they_happen(gateway):
+    code, session = await gateway.request("POST", "/api/sessions", {})
+    sid = session["id"]
+    lines: list[dict] = []
+    chunks: list[bytes] = []
+
+    def on_chunk(chunk: bytes) -> None:
+        chunks.append(chunk)
+        buffered = b"".join(chunks)
+        *complete, rest = buffered.split(b"\n")
+        chunks[:] = [rest]
+        lines.extend(json.loads(line) for line in complete if line)
+
+    try:
+        code, _ = await gateway.request(
+            "POST",
+            f"/api/sessions/{sid}/execute?stream=1",
+            {"code": "import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.3)"},
+            streaming_callback=on_chunk,
+        )
+        assert code == 200
+        outputs = [line for line in lines if line["type"] == "output"]
+        assert [o["output"]["text"] for o in outputs] == ["0\n", "1\n", "2\n"]
+        assert lines[-1]["type"] == "result" and lines[-1]["result"]["status"] == "ok"
+    finally:
+        await gateway.request("DELETE", f"/api/sessions/{sid}")
+
+
+async def test_session_limit_per_tenant(gateway):
+    created = []
+    try:
+        for _ in range(4):
+            code, session = await gateway.request("POST", "/api/sessions", {"profile": "small"}, token=BOB)
+            assert code == 201
+            created.append(session["id"])
+        code, body = await gateway.request("POST", "/api/sessions", {"profile": "small"}, token=BOB)
+        assert code == 429 and "delete a session first" in body["message"]
+    finally:
+        for sid in created:
+            await gateway.request("DELETE", f"/api/sessions/{sid}", token=BOB)
