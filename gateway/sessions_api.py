@@ -99,6 +99,8 @@ class ExecuteHandler(SessionHandler):
     def _reply(self, result: Any) -> dict[str, Any]:
         data = result.to_dict()
         data["outputs"], data["truncation"] = apply_budget(data["outputs"], self.budget())
+        if result.chars_cut or result.outputs_dropped:
+            data["truncation"]["truncated"] = True
         data["text"] = "".join(
             o["text"] if o["output_type"] == "stream" else o.get("data", {}).get("text/plain", "") + "\n"
             for o in data["outputs"]

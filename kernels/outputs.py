@@ -60,6 +60,8 @@ class ExecutionResult:
     error: ErrorInfo | None = None
     ended_by: TimeoutStep | None = None
     state_lost: str | None = None
+    chars_cut: int = 0  # stream text cut to bound memory (see OutputCollector)
+    outputs_dropped: int = 0
 
     @property
     def text(self) -> str:
@@ -84,18 +86,40 @@ class ExecutionResult:
         return data
 
 
+# What one execution may hold in memory, whatever the code prints: a cell printing 1 GB must
+# not grow the host process. Streams keep their head and tail around a marker.
+MAX_STREAM_CHARS = 2 * 1024 * 1024
+MAX_OUTPUTS = 2000
+
+
+def cut_marker(cut: int) -> str:
+    return f"\n…[sandkernel: {cut} characters of output cut here]…\n"
+
+
 class OutputCollector:
     """Turns the iopub messages of one execution into ordered nbformat outputs.
 
     Consecutive stream chunks of the same name are merged (as JupyterLab shows them);
     ``clear_output`` (with or without ``wait``) and ``update_display_data`` are honoured.
+    Memory is bounded: each merged stream keeps at most ``max_stream_chars`` (head and tail
+    halves), and at most ``max_outputs`` outputs are kept; the rest is counted in
+    ``chars_cut`` / ``outputs_dropped``.
     """
 
-    def __init__(self, on_output: OutputCallback | None = None) -> None:
+    def __init__(
+        self,
+        on_output: OutputCallback | None = None,
+        max_stream_chars: int = MAX_STREAM_CHARS,
+        max_outputs: int = MAX_OUTPUTS,
+    ) -> None:
         self.on_output = on_output
         self.outputs: list[dict[str, Any]] = []
         self.execution_count: int | None = None
         self.error: ErrorInfo | None = None
+        self.max_stream_chars = max_stream_chars
+        self.max_outputs = max_outputs
+        self.chars_cut = 0
+        self.outputs_dropped = 0
         self._clear_before_next = False
 
     async def add(self, msg: dict[str, Any]) -> None:
@@ -140,11 +164,42 @@ class OutputCollector:
             output["_display_id"] = display_id
         last = self.outputs[-1] if self.outputs else None
         if msg_type == "stream" and last and last["output_type"] == "stream" and last["name"] == output["name"]:
-            last["text"] += output["text"]
+            self._append_stream(last, output["text"])
+        elif len(self.outputs) >= self.max_outputs:
+            self.outputs_dropped += 1
         else:
+            if msg_type == "stream":
+                text, output["text"] = output["text"], ""
+                self._append_stream(output, text)
             self.outputs.append(output)
         return output
 
+    def _append_stream(self, stream: dict[str, Any], text: str) -> None:
+        """Append to a stream output, keeping a fixed head and a bounded tail."""
+        half = self.max_stream_chars // 2
+        head_len = stream.get("_head_len")
+        if head_len is None:
+            combined = stream["text"] + text
+            if len(combined) <= self.max_stream_chars:
+                stream["text"] = combined
+                return
+            stream["_head_len"] = head_len = half
+            stream["text"], text = combined[:half], combined[half:]
+        tail = stream["text"][head_len:] + text
+        if len(tail) > half:
+            cut = len(tail) - half
+            stream["_cut"] = stream.get("_cut", 0) + cut
+            self.chars_cut += cut
+            tail = tail[cut:]
+        stream["text"] = stream["text"][:head_len] + tail
+
     def finished_outputs(self) -> tuple[dict[str, Any], ...]:
-        """The outputs with internal bookkeeping keys removed."""
-        return tuple({k: v for k, v in out.items() if not k.startswith("_")} for out in self.outputs)
+        """The outputs with cut markers in place and internal bookkeeping keys removed."""
+        finished = []
+        for out in self.outputs:
+            clean = {k: v for k, v in out.items() if not k.startswith("_")}
+            if out.get("_cut"):
+                head_len = out["_head_len"]
+                clean["text"] = out["text"][:head_len] + cut_marker(out["_cut"]) + out["text"][head_len:]
+            finished.append(clean)
+        return tuple(finished)

@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
+import zmq
 from jupyter_client import AsyncKernelManager
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from sandkernel.kernels.container import SandboxContainer
@@ -37,6 +38,10 @@ from sandkernel.errors import ArgumentTypeError, ConfigError, KernelStartError, 
 
 log = logging.getLogger(__name__)
 
+# The largest single ZMQ message accepted from a kernel (bytes); larger ones drop the connection.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# How many kernel messages may wait in our receive queue per socket.
+RECEIVE_QUEUE_MESSAGES = 64
 # How often a silent execution checks that its kernel is still alive (seconds).
 WATCHDOG_INTERVAL = 0.5
 # How long to wait for the execute_reply once the kernel went idle (seconds).
@@ -66,13 +71,25 @@ class KernelSession:
         self._overrides = dict(overrides or {})
         self.id = session_id or uuid.uuid4().hex
         kernel_name = "sandkernel-python-gvisor" if self.profile.runtime is Runtime.RUNSC else "sandkernel-python"
-        self._km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=SandkernelSpecManager())
+        self._km = self._new_kernel_manager(kernel_name)
         self._client: AsyncKernelClient | None = None
         self._lock = asyncio.Lock()
         self._epoch = 0  # bumped on every restart; a running execute notices it
         self._pending_state_lost: str | None = None
         self._interrupt_requested = False
+        self._early_reply: dict[str, Any] | None = None
         self._closed = False
+
+    @staticmethod
+    def _new_kernel_manager(kernel_name: str) -> AsyncKernelManager:
+        """A kernel manager whose ZMQ sockets refuse oversized messages from the kernel: kernel
+        output is untrusted, and one 1 GB message would otherwise sit in host memory."""
+        km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=SandkernelSpecManager())
+        km.context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # A flooding kernel queues in its own (memory-limited) send buffer, not in ours; when
+        # the queue is full PUB drops messages, which the shell-reply fallback in _collect covers.
+        km.context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
+        return km
 
     @classmethod
     async def start(
@@ -123,7 +140,7 @@ class KernelSession:
                 sandkernel_overrides=self._overrides,
                 sandkernel_session_id=self.id,
             )
-            self._client = self._km.client()
+            self._client = self._km.client(context=self._km.context)
             self._client.start_channels()
             await self._wait_ready()
         except BaseException:
@@ -236,6 +253,7 @@ class KernelSession:
         oom_before = await self.container.oom_kill_count()
         epoch = self._epoch
         self._interrupt_requested = False
+        self._early_reply = None
         collector = OutputCollector(on_output)
         msg_id = self._client.execute(code, allow_stdin=False, stop_on_error=False)
         status = await self._collect(msg_id, collector, t0 + timeout, epoch)
@@ -258,6 +276,8 @@ class KernelSession:
             error=collector.error,
             ended_by=ended_by,
             state_lost=state_lost,
+            chars_cut=collector.chars_cut,
+            outputs_dropped=collector.outputs_dropped,
         )
 
     async def _collect(self, msg_id: str, collector: OutputCollector, deadline: float, epoch: int) -> ExecutionStatus:
@@ -275,6 +295,8 @@ class KernelSession:
             except queue.Empty:
                 if epoch != self._epoch or not await self._km.is_alive():
                     return ExecutionStatus.KERNEL_DIED
+                if await self._reply_arrived(msg_id):
+                    return ExecutionStatus.OK  # iopub's idle was dropped under flood; the reply is final
                 continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
@@ -282,12 +304,25 @@ class KernelSession:
                 return ExecutionStatus.OK
             await collector.add(msg)
 
+    async def _reply_arrived(self, msg_id: str) -> bool:
+        """Whether the execute_reply for ``msg_id`` is waiting on shell (kept for _reply_status)."""
+        assert self._client is not None
+        while True:
+            try:
+                msg = await self._client.get_shell_msg(timeout=0)
+            except queue.Empty:
+                return False
+            if msg.get("parent_header", {}).get("msg_id") == msg_id:
+                self._early_reply = msg["content"]
+                return True
+
     async def _reply_status(self, msg_id: str, collector: OutputCollector) -> ExecutionStatus:
         """Read the execute_reply for ``msg_id`` and classify the outcome."""
         assert self._client is not None
         deadline = time.monotonic() + REPLY_TIMEOUT
-        reply: dict[str, Any] | None = None
-        while time.monotonic() < deadline:
+        reply: dict[str, Any] | None = self._early_reply
+        self._early_reply = None
+        while reply is None and time.monotonic() < deadline:
             try:
                 msg = await self._client.get_shell_msg(timeout=max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
@@ -331,7 +366,7 @@ class KernelSession:
         """Last rung: throw away the kernel manager and container, start from scratch."""
         self._epoch += 1
         await self._teardown()
-        self._km = AsyncKernelManager(kernel_name=self._km.kernel_name, kernel_spec_manager=SandkernelSpecManager())
+        self._km = self._new_kernel_manager(self._km.kernel_name)
         self._client = None
         await self._start_kernel()
         self._pending_state_lost = reason + "; variables, imports and /workspace files are gone"
