@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import datetime as dt
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,6 +40,8 @@ class ManagedSession:
     last_activity: str = dataclasses.field(default_factory=_now)
     execution_state: str = "idle"
     connections: int = 0
+    created_mono: float = dataclasses.field(default_factory=time.monotonic)
+    active_mono: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
     def id(self) -> str:
@@ -46,6 +49,7 @@ class ManagedSession:
 
     def touch(self, state: str | None = None) -> None:
         self.last_activity = _now()
+        self.active_mono = time.monotonic()
         if state:
             self.execution_state = state
 
@@ -76,10 +80,20 @@ class ManagedSession:
 class SessionRegistry:
     """Owns every live session of the gateway."""
 
-    def __init__(self, max_sessions_per_tenant: int = 20) -> None:
+    def __init__(
+        self,
+        max_sessions_per_tenant: int = 20,
+        max_sessions_total: int = 100,
+        idle_timeout: float | None = 3600.0,
+        max_lifetime: float | None = 24 * 3600.0,
+    ) -> None:
         self.max_sessions_per_tenant = max_sessions_per_tenant
+        self.max_sessions_total = max_sessions_total
+        self.idle_timeout = idle_timeout
+        self.max_lifetime = max_lifetime
         self._sessions: dict[str, ManagedSession] = {}
         self._pending: dict[str, int] = {}
+        self._closing: set[asyncio.Task] = set()
 
     async def create(
         self,
@@ -92,6 +106,10 @@ class SessionRegistry:
         if count >= self.max_sessions_per_tenant:
             raise TooManySessionsError(
                 f"session limit reached ({self.max_sessions_per_tenant} per token); delete a session first"
+            )
+        if len(self._sessions) + sum(self._pending.values()) >= self.max_sessions_total:
+            raise TooManySessionsError(
+                f"the gateway is at its limit of {self.max_sessions_total} sessions; try again later"
             )
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         try:
@@ -121,11 +139,45 @@ class SessionRegistry:
         return [s for s in self._sessions.values() if s.tenant == tenant]
 
     async def delete(self, tenant: str, session_id: str) -> None:
+        """Forget the session and remove its container. The removal is shielded: a cancelled
+        caller (a culler stopped mid-way, a client gone) never leaves a container behind,
+        and :meth:`shutdown_all` waits for removals still under way."""
         managed = self.get(tenant, session_id)
         self._sessions.pop(session_id, None)
-        await managed.session.shutdown()
+        task = asyncio.create_task(managed.session.shutdown())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        await asyncio.shield(task)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def cull(self) -> list[str]:
+        """Delete sessions idle longer than ``idle_timeout`` or older than ``max_lifetime``
+        (busy ones are left to finish). Returns the culled ids."""
+        now = time.monotonic()
+        doomed = [
+            m
+            for m in self._sessions.values()
+            if m.execution_state != "busy"
+            and (
+                (self.idle_timeout is not None and now - m.active_mono > self.idle_timeout)
+                or (self.max_lifetime is not None and now - m.created_mono > self.max_lifetime)
+            )
+        ]
+        for managed in doomed:
+            log.info("culling session", extra={"session": managed.id, "tenant": managed.tenant})
+            await self.delete(managed.tenant, managed.id)
+        return [m.id for m in doomed]
+
+    async def interrupt_busy(self, grace: float) -> None:
+        """Interrupt every running execution and give them ``grace`` seconds to return."""
+        busy = [m for m in self._sessions.values() if m.execution_state == "busy"]
+        await asyncio.gather(*(m.session.interrupt() for m in busy), return_exceptions=True)
+        if busy:
+            await asyncio.wait([asyncio.create_task(m.session.wait_idle()) for m in busy], timeout=grace)
 
     async def shutdown_all(self) -> None:
         sessions = list(self._sessions.values())
         self._sessions.clear()
-        await asyncio.gather(*(s.session.shutdown() for s in sessions), return_exceptions=True)
+        await asyncio.gather(*(s.session.shutdown() for s in sessions), *self._closing, return_exceptions=True)

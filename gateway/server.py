@@ -13,6 +13,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CONTENT_TYPE_LATEST
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import BaseHandler, NotFoundHandler
 from sandkernel.gateway.budget import OutputBudget
@@ -25,15 +26,38 @@ from sandkernel.gateway.kernels_api import (
     KernelSpecHandler,
     KernelSpecsHandler,
 )
+from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.sessions_api import ExecuteHandler, SessionActionHandler, SessionHandler, SessionsHandler
 from sandkernel.kernels.reaper import reap
 from tornado import httpserver, web
 
+from sandkernel import __version__
+from sandkernel.errors import SandkernelError
+
 log = logging.getLogger(__name__)
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class HealthHandler(BaseHandler):
+    def authenticate(self) -> str:
+        return "anonymous"  # for load balancers and probes; says nothing tenant-specific
+
+    def get(self) -> None:
+        self.write_json({"status": "ok", "version": __version__, "sessions": len(self.registry)})
+
+
+class MetricsHandler(BaseHandler):
+    def authenticate(self) -> str:
+        return "anonymous"  # aggregate numbers only, no tenant labels
+
+    def get(self) -> None:
+        metrics: GatewayMetrics = self.settings_["metrics"]
+        metrics.sessions.set(len(self.registry))
+        self.set_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.finish(metrics.render())
 
 
 class OpenApiHandler(BaseHandler):
@@ -47,12 +71,17 @@ class OpenApiHandler(BaseHandler):
 def make_app(
     registry: SessionRegistry, auth: TokenAuth | None, config: dict[str, Any] | None = None
 ) -> web.Application:
-    deps = {"registry": registry, "auth": auth, "config": dict(config or {})}
+    config = dict(config or {})
+    config.setdefault("metrics", GatewayMetrics())
+    config.setdefault("budget", OutputBudget())
+    deps = {"registry": registry, "auth": auth, "config": config}
     kid = r"(?P<kernel_id>[^/]+)"
     sid = r"(?P<session_id>[^/]+)"
     routes = [
         (r"/api/?", ApiRootHandler),
         (r"/api/openapi.json", OpenApiHandler),
+        (r"/api/health/?", HealthHandler),
+        (r"/metrics/?", MetricsHandler),
         (r"/api/kernelspecs/?", KernelSpecsHandler),
         (r"/api/kernelspecs/(?P<name>[^/]+)/?", KernelSpecHandler),
         (r"/api/kernels/?", KernelsHandler),
@@ -72,6 +101,18 @@ def make_app(
     )
 
 
+CULL_INTERVAL = 30.0
+
+
+async def _cull_forever(registry: SessionRegistry, interval: float) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await registry.cull()
+        except SandkernelError as err:  # one failed removal must not stop culling
+            log.warning("culling failed: %s", err)
+
+
 async def serve(
     ip: str = "127.0.0.1",
     port: int = 8888,
@@ -81,13 +122,21 @@ async def serve(
     budget: OutputBudget | None = None,
     ready: asyncio.Event | None = None,
     stop: asyncio.Event | None = None,
+    max_sessions_total: int = 100,
+    idle_timeout: float | None = 3600.0,
+    max_lifetime: float | None = 24 * 3600.0,
+    shutdown_grace: float = 10.0,
+    cull_interval: float = CULL_INTERVAL,
 ) -> None:
-    """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set)."""
+    """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set).
+
+    On stop: accept no new connections, interrupt running executions and give them
+    ``shutdown_grace`` seconds to return their results, then remove every container."""
     auth, shown_token = TokenAuth.from_sources(token, tokens_file)
     report = await reap()
     if report.removed:
         log.info("reaped orphaned containers", extra={"count": len(report.removed)})
-    registry = SessionRegistry(max_sessions_per_tenant=max_sessions)
+    registry = SessionRegistry(max_sessions, max_sessions_total, idle_timeout, max_lifetime)
     app = make_app(registry, auth, {"budget": budget or OutputBudget()})
     server = httpserver.HTTPServer(app, max_body_size=MAX_BODY_BYTES, idle_connection_timeout=3600)
     server.listen(port, address=ip)
@@ -103,9 +152,12 @@ async def serve(
         print(f"JupyterLab: jupyter lab --gateway-url={url} --GatewayClient.auth_token={shown_token}", flush=True)
     if ready is not None:
         ready.set()
+    culler = asyncio.create_task(_cull_forever(registry, cull_interval))
     try:
         await stop.wait()
     finally:
+        culler.cancel()
         server.stop()
+        await registry.interrupt_busy(shutdown_grace)
         await registry.shutdown_all()
         print("gateway stopped; all sessions shut down", flush=True)

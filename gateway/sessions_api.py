@@ -32,7 +32,12 @@ class SessionsHandler(BaseHandler):
             raise ApiError(400, "profile must be a profile name such as 'default', 'small' or 'large'")
         if not isinstance(overrides, dict) or not isinstance(metadata, dict):
             raise ApiError(400, "limits and metadata must be JSON objects")
-        managed = await self.call(self.registry.create(self.tenant, profile, overrides, metadata))
+        try:
+            managed = await self.call(self.registry.create(self.tenant, profile, overrides, metadata))
+        except ApiError as err:
+            if err.status_code == 429:
+                self.settings_["metrics"].limit_hits.labels("sessions").inc()
+            raise
         self.set_header("Location", f"/api/sessions/{managed.id}")
         self.write_json(managed.session_model(), status=201)
 
@@ -101,6 +106,7 @@ class ExecuteHandler(SessionHandler):
         data["outputs"], data["truncation"] = apply_budget(data["outputs"], self.budget())
         if result.chars_cut or result.outputs_dropped:
             data["truncation"]["truncated"] = True
+        self.settings_["metrics"].record_execution(result, data["truncation"]["truncated"])
         data["text"] = "".join(
             o["text"] if o["output_type"] == "stream" else o.get("data", {}).get("text/plain", "") + "\n"
             for o in data["outputs"]

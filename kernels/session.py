@@ -189,6 +189,11 @@ class KernelSession:
         await self._teardown()
         log.info("session shut down", extra={"session": self.id})
 
+    async def wait_idle(self) -> None:
+        """Return once no execution is running (the next queued one may start right after)."""
+        async with self._lock:
+            pass
+
     async def interrupt(self) -> None:
         """Interrupt the running execution (it ends with status ``interrupted``)."""
         self._check_open()

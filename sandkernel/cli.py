@@ -31,7 +31,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from sandkernel.gateway.server import serve
 
     budget = OutputBudget(max_text_bytes=args.output_budget, max_images=args.max_images)
-    asyncio.run(serve(args.ip, args.port, args.token, args.tokens_file, max_sessions=args.max_sessions, budget=budget))
+    asyncio.run(
+        serve(
+            args.ip,
+            args.port,
+            args.token,
+            args.tokens_file,
+            max_sessions=args.max_sessions,
+            budget=budget,
+            max_sessions_total=args.max_sessions_total,
+            idle_timeout=args.idle_timeout or None,
+            max_lifetime=args.max_lifetime or None,
+        )
+    )
     return 0
 
 
@@ -109,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--token", default=None, help="auth token (default: $SANDKERNEL_TOKEN, else generated)")
     serve.add_argument("--tokens-file", default=None, help='JSON {"tenant": "token"} for several tenants')
     serve.add_argument("--max-sessions", type=int, default=20, help="live sessions per token (default 20)")
+    serve.add_argument("--max-sessions-total", type=int, default=100, help="live sessions in all (default 100)")
+    serve.add_argument("--idle-timeout", type=float, default=3600, help="cull sessions idle this long, s (0: never)")
+    serve.add_argument("--max-lifetime", type=float, default=86400, help="cull sessions this old, s (0: never)")
     serve.add_argument("--output-budget", type=int, default=64 * 1024, help="text bytes per execute reply")
     serve.add_argument("--max-images", type=int, default=8, help="images per execute reply")
     serve.set_defaults(func=_cmd_serve)

@@ -49,13 +49,21 @@ class Gateway:
             return resp.code, text
 
 
-async def start_gateway(tmp_path, budget: OutputBudget | None = None) -> Gateway:
+async def start_gateway(tmp_path, budget: OutputBudget | None = None, **options: Any) -> Gateway:
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"alice": ALICE, "bob": BOB}))
     port = free_port()
     ready, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
-        serve("127.0.0.1", port, tokens_file=str(tokens), max_sessions=4, budget=budget, ready=ready, stop=stop)
+        serve(
+            "127.0.0.1",
+            port,
+            tokens_file=str(tokens),
+            budget=budget,
+            ready=ready,
+            stop=stop,
+            **{"max_sessions": 4, **options},
+        )
     )
     await asyncio.wait_for(ready.wait(), 60)
     return Gateway(f"http://127.0.0.1:{port}", port, stop, task)
