@@ -18,6 +18,7 @@ from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import BaseHandler, NotFoundHandler
 from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.channels import ChannelsHandler
+from sandkernel.gateway.files_api import FilesHandler, VariablesHandler
 from sandkernel.gateway.kernels_api import (
     ApiRootHandler,
     KernelActionHandler,
@@ -92,6 +93,9 @@ def make_app(
         (rf"/api/sessions/{sid}/?", SessionHandler),
         (rf"/api/sessions/{sid}/execute/?", ExecuteHandler),
         (rf"/api/sessions/{sid}/(?P<action>interrupt|restart)/?", SessionActionHandler),
+        (rf"/api/sessions/{sid}/variables/?", VariablesHandler),
+        (rf"/api/sessions/{sid}/files/?", FilesHandler),
+        (rf"/api/sessions/{sid}/files/(?P<path>.+)", FilesHandler),
         (r".*", NotFoundHandler),
     ]
     return web.Application(

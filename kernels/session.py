@@ -9,9 +9,11 @@ interrupt → (grace) → restart the kernel → replace the container, and says
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import contextlib
 import datetime as dt
+import json
 import logging
 import queue
 import time
@@ -38,6 +40,18 @@ from sandkernel.errors import ArgumentTypeError, ConfigError, KernelStartError, 
 
 log = logging.getLogger(__name__)
 
+# Evaluated in the kernel by variables(): one JSON string, no side effects, bounded length.
+VARIABLES_EXPRESSION = (
+    "(lambda ns, hidden, json=__import__('json'), sys=__import__('sys'): json.dumps(["
+    "{'name': k, 'type': type(v).__module__ + '.' + type(v).__qualname__"
+    " if type(v).__module__ != 'builtins' else type(v).__qualname__,"
+    " 'size': int(getattr(v, 'nbytes', 0) or 0) or (len(v) if isinstance(v, (str, bytes, list, tuple, dict, set))"
+    " else sys.getsizeof(v)),"
+    " 'shape': list(v.shape) if isinstance(getattr(v, 'shape', None), tuple) else None}"
+    " for k, v in list(ns.items())[:2000] if not k.startswith('_') and k not in hidden"
+    " and type(v).__name__ not in ('module', 'function', 'builtin_function_or_method', 'type')]))"
+    "(get_ipython().user_ns, get_ipython().user_ns_hidden)"
+)
 # The largest single ZMQ message accepted from a kernel (bytes); larger ones drop the connection.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # How many kernel messages may wait in our receive queue per socket.
@@ -188,6 +202,32 @@ class KernelSession:
         self._closed = True
         await self._teardown()
         log.info("session shut down", extra={"session": self.id})
+
+    async def variables(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """A cheap listing of the user's namespace: name, type, size (len or bytes), shape.
+
+        Evaluated as a silent ``user_expressions`` request: no output, no execution count,
+        nothing in the transcript. Queued behind running executions like any request.
+        """
+        self._check_open()
+        async with self._lock:
+            assert self._client is not None
+            msg_id = self._client.execute(
+                "", silent=True, store_history=False, user_expressions={"vars": VARIABLES_EXPRESSION}
+            )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                try:
+                    msg = await self._client.get_shell_msg(timeout=max(deadline - time.monotonic(), 0.01))
+                except queue.Empty:
+                    break
+                if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                    continue
+                found = msg["content"].get("user_expressions", {}).get("vars", {})
+                if found.get("status") != "ok":
+                    raise SandkernelError(f"listing variables failed: {found.get('evalue', 'no reply')}")
+                return json.loads(ast.literal_eval(found["data"]["text/plain"]))
+        raise SandkernelError(f"the kernel did not list its variables within {timeout:g}s; is it busy?")
 
     async def wait_idle(self) -> None:
         """Return once no execution is running (the next queued one may start right after)."""

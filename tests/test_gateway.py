@@ -230,3 +230,51 @@ async def test_session_limit_per_tenant(gateway):
     finally:
         for sid in created:
             await gateway.request("DELETE", f"/api/sessions/{sid}", token=BOB)
+
+
+async def test_files_and_variables(gateway):
+    _, session = await gateway.request("POST", "/api/sessions", {})
+    sid = session["id"]
+    try:
+        code, written = await gateway.request(
+            "PUT", f"/api/sessions/{sid}/files/data/sales.csv", raw=b"q,amount\nQ1,10\nQ2,32\n"
+        )
+        assert code == 201 and written == {"path": "data/sales.csv", "size": 21}
+        code, result = await gateway.request(
+            "POST",
+            f"/api/sessions/{sid}/execute",
+            {
+                "code": "import pandas as pd\ndf = pd.read_csv('data/sales.csv')\ntotal = int(df.amount.sum())\n"
+                "df.to_csv('out.csv', index=False)\nimport os\nos.symlink('/etc/passwd', 'leak')\nos.mkfifo('pipe')\nprint(total)"
+            },
+        )
+        assert result["text"] == "42\n"
+        code, listing = await gateway.request("GET", f"/api/sessions/{sid}/files")
+        by_name = {e["name"]: e["type"] for e in listing}
+        assert by_name["data"] == "directory" and by_name["out.csv"] == "file"
+        assert by_name["leak"] == "symlink" and by_name["pipe"] == "other"
+        code, listing = await gateway.request("GET", f"/api/sessions/{sid}/files?path=data")
+        assert [e["name"] for e in listing] == ["sales.csv"]
+        code, body = await gateway.request("GET", f"/api/sessions/{sid}/files/out.csv")
+        assert code == 200 and body.startswith("q,amount")
+        for path, status, error in [
+            ("leak", 400, "not_regular"),
+            ("pipe", 400, "not_regular"),
+            ("..%2F..%2Fetc%2Fpasswd", 400, "bad_path"),
+            ("missing.txt", 404, "not_found"),
+        ]:
+            code, body = await gateway.request("GET", f"/api/sessions/{sid}/files/{path}")
+            assert (code, body["error"]) == (status, error), (path, body)
+        code, body = await gateway.request("PUT", f"/api/sessions/{sid}/files/leak", raw=b"x")
+        assert code == 400 and body["error"] == "not_regular"
+        code, variables = await gateway.request("GET", f"/api/sessions/{sid}/variables")
+        names = {v["name"]: v for v in variables}
+        assert names["total"]["type"] == "int" and names["df"]["shape"] == [2, 2] and "pd" not in names
+        # another tenant sees neither files nor variables
+        assert (await gateway.request("GET", f"/api/sessions/{sid}/files/out.csv", token=BOB))[0] == 404
+        assert (await gateway.request("GET", f"/api/sessions/{sid}/variables", token=BOB))[0] == 404
+        # variables did not disturb the execution count
+        _, after = await gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": "1"})
+        assert after["execution_count"] == result["execution_count"] + 1
+    finally:
+        await gateway.request("DELETE", f"/api/sessions/{sid}")

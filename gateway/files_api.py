@@ -1,0 +1,54 @@
+"""Workspace files and variables of a session: upload, download, list, and a namespace listing.
+
+File I/O happens inside the sandbox (see kernels/workspace_files.py); this module only maps
+requests and the sandbox's refusals onto HTTP."""
+
+from __future__ import annotations
+
+from sandkernel.gateway.base import ApiError
+from sandkernel.gateway.sessions_api import SessionHandler
+from sandkernel.kernels.workspace_files import MAX_FILE_BYTES, WorkspaceFileError, WorkspaceFiles
+
+from sandkernel.errors import SandkernelError
+
+STATUS_FOR_FILE_ERROR = {"not_found": 404, "too_large": 413}
+
+
+class FilesHandler(SessionHandler):
+    """GET …/files?path=DIR lists; GET …/files/PATH downloads; PUT …/files/PATH uploads (raw body)."""
+
+    async def _files(self, session_id: str) -> WorkspaceFiles:
+        return WorkspaceFiles(self.managed(session_id).session.container)
+
+    async def get(self, session_id: str, path: str | None = None) -> None:
+        files = await self._files(session_id)
+        try:
+            if path is None:
+                self.write_json(await files.list(self.get_query_argument("path", "")))
+                return
+            data = await files.read(path)
+        except WorkspaceFileError as err:
+            raise ApiError(STATUS_FOR_FILE_ERROR.get(err.code, 400), str(err), err.code) from None
+        except SandkernelError as err:
+            raise ApiError(503, str(err)) from None
+        self.set_header("Content-Type", "application/octet-stream")
+        self.set_header("Content-Disposition", f'attachment; filename="{path.rsplit("/", 1)[-1]}"')
+        self.finish(data)
+
+    async def put(self, session_id: str, path: str | None = None) -> None:
+        if path is None:
+            raise ApiError(400, "PUT needs a file path: /api/sessions/{id}/files/{path}")
+        if len(self.request.body) > MAX_FILE_BYTES:
+            raise ApiError(413, f"upload is over the limit of {MAX_FILE_BYTES} bytes", "too_large")
+        files = await self._files(session_id)
+        try:
+            written = await files.write(path, self.request.body)
+        except WorkspaceFileError as err:
+            raise ApiError(STATUS_FOR_FILE_ERROR.get(err.code, 400), str(err), err.code) from None
+        self.write_json(written, status=201)
+
+
+class VariablesHandler(SessionHandler):
+    async def get(self, session_id: str) -> None:
+        managed = self.managed(session_id)
+        self.write_json(await self.call(managed.session.variables()))

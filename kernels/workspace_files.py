@@ -1,0 +1,149 @@
+"""Workspace files, read and written inside the sandbox (never by the host following a path).
+
+Each operation is a short ``python -I`` run by ``docker exec`` as the sandbox user: the path is
+resolved inside the container, so a symlink the code planted can at worst point at something
+the sandbox user could read anyway, and nothing on the host is ever touched. ``-I`` ignores
+PYTHONPATH (which the code can write to) so a planted module cannot stand in for the helper.
+Only regular files are read or replaced (O_NOFOLLOW, O_NONBLOCK: no devices, FIFOs, symlinks);
+paths must stay under /workspace.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import docker.errors
+from docker.utils.socket import frames_iter
+from sandkernel.kernels.container import SANDBOX_USER, WORKSPACE, SandboxContainer
+
+from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
+
+MAX_FILE_BYTES = 32 * 1024 * 1024
+MAX_LISTING = 10000
+
+# Runs inside the sandbox. argv: op, path, max_bytes. Exit 0 with the result on stdout, or 2
+# with {"error": code, "message": sentence} on stdout.
+_HELPER = r"""
+import base64, json, os, stat, sys
+op, rel, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
+root = "/workspace"
+def fail(code, message):
+    sys.stdout.write(json.dumps({"error": code, "message": message})); sys.exit(2)
+if "\x00" in rel:
+    fail("bad_path", "path contains a NUL byte")
+path = os.path.normpath(os.path.join(root, rel.lstrip("/")))
+if path != root and not path.startswith(root + "/"):
+    fail("bad_path", f"{rel!r} is outside the workspace")
+parent = os.path.realpath(os.path.dirname(path)) if path != root else root
+if parent != root and not parent.startswith(root + "/"):
+    fail("bad_path", f"{rel!r} goes through a symlink out of the workspace")
+if op == "list":
+    try:
+        entries = []
+        with os.scandir(path) as it:
+            for e in it:
+                st = e.stat(follow_symlinks=False)
+                kinds = [(stat.S_ISDIR, "directory"), (stat.S_ISREG, "file"), (stat.S_ISLNK, "symlink")]
+                kind = next((name for test, name in kinds if test(st.st_mode)), "other")
+                entries.append({"name": e.name, "type": kind, "size": st.st_size, "modified": st.st_mtime})
+                if len(entries) >= limit: break
+    except FileNotFoundError:
+        fail("not_found", f"no directory {rel!r} in the workspace")
+    except NotADirectoryError:
+        fail("not_a_directory", f"{rel!r} is not a directory")
+    sys.stdout.write(json.dumps(sorted(entries, key=lambda e: e["name"])))
+elif op == "read":
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        fail("not_found", f"no file {rel!r} in the workspace")
+    except OSError as err:
+        fail("not_regular", f"{rel!r} cannot be read as a regular file ({err.strerror})")
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        fail("not_regular", f"{rel!r} is not a regular file")
+    if st.st_size > limit:
+        fail("too_large", f"{rel!r} is {st.st_size} bytes; the limit is {limit}")
+    with os.fdopen(fd, "rb") as f:
+        sys.stdout.buffer.write(f.read(limit + 1)[:limit])
+elif op == "write":
+    data = sys.stdin.buffer.read(limit + 1)
+    if len(data) > limit:
+        fail("too_large", f"upload is over the limit of {limit} bytes")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".sandkernel-upload"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        fail("not_regular", f"cannot write {rel!r} ({err.strerror})")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+        os.unlink(tmp); fail("not_regular", f"{rel!r} exists and is not a regular file")
+    os.replace(tmp, path)
+    sys.stdout.write(json.dumps({"path": os.path.relpath(path, root), "size": len(data)}))
+"""
+
+
+class WorkspaceFiles:
+    """Upload, download and list files in one session's /workspace."""
+
+    def __init__(self, container: SandboxContainer) -> None:
+        self.container = container
+
+    async def list(self, path: str = "") -> list[dict]:
+        out = await self._run("list", path, MAX_LISTING)
+        return json.loads(out)
+
+    async def read(self, path: str, max_bytes: int = MAX_FILE_BYTES) -> bytes:
+        return await self._run("read", path, max_bytes)
+
+    async def write(self, path: str, data: bytes, max_bytes: int = MAX_FILE_BYTES) -> dict:
+        if not path or path.endswith("/"):
+            raise ConfigError("give a file path inside the workspace, e.g. 'data/sales.csv'")
+        return json.loads(await self._run("write", path, max_bytes, stdin=data))
+
+    async def _run(self, op: str, path: str, limit: int, stdin: bytes | None = None) -> bytes:
+        if not isinstance(path, str):
+            raise ConfigError("path must be a string")
+        engine = self.container.engine
+        argv = ["python", "-I", "-c", _HELPER, op, path, str(limit)]
+
+        def run() -> tuple[int, bytes, bytes]:
+            api = engine.client.api
+            exec_id = api.exec_create(
+                self.container.id, argv, user=SANDBOX_USER, workdir=WORKSPACE, stdin=stdin is not None
+            )["Id"]
+            if stdin is None:
+                stdout, stderr = api.exec_start(exec_id, demux=True)
+            else:
+                sock = api.exec_start(exec_id, socket=True)
+                raw = getattr(sock, "_sock", sock)
+                raw.sendall(stdin)
+                raw.shutdown(socket.SHUT_WR)
+                chunks: dict[int, list[bytes]] = {1: [], 2: []}
+                for stream_no, data in frames_iter(sock, tty=False):
+                    chunks.setdefault(stream_no, []).append(data)
+                sock.close()
+                stdout, stderr = b"".join(chunks[1]), b"".join(chunks[2])
+            return int(api.exec_inspect(exec_id).get("ExitCode") or 0), stdout or b"", stderr or b""
+
+        try:
+            code, stdout, stderr = await engine.run(run)
+        except docker.errors.APIError as err:
+            raise KernelNotFoundError(f"the session's container is not available: {err.explanation}") from err
+        if code == 2:
+            problem = json.loads(stdout)
+            raise WorkspaceFileError(problem["error"], problem["message"])
+        if code != 0:
+            raise SandkernelError(f"workspace {op} failed in the sandbox: {stderr.decode(errors='replace')[-300:]}")
+        return stdout
+
+
+class WorkspaceFileError(ConfigError):
+    """A file request the sandbox refused: ``code`` is not_found, bad_path, not_regular, too_large..."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
