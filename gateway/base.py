@@ -59,8 +59,17 @@ def api_error_from(err: SandkernelError) -> ApiError:
     return ApiError(500, str(err))
 
 
+# Request bodies larger than this get a JSON 413 (checked on Content-Length, then while reading).
+MAX_BODY_BYTES = 40 * 1024 * 1024
+
+
+@web.stream_request_body
 class BaseHandler(web.RequestHandler):
-    """Thin handlers: dependencies come through ``initialize``; subclasses implement verbs."""
+    """Thin handlers: dependencies come through ``initialize``; subclasses implement verbs.
+
+    Bodies are streamed in so an oversized one is refused with a JSON 413 before it is read;
+    handlers use :attr:`body`.
+    """
 
     registry: SessionRegistry
     auth: TokenAuth | None
@@ -76,7 +85,22 @@ class BaseHandler(web.RequestHandler):
         stream = self.request.connection.stream if self.request.connection else None
         if stream is not None:
             stream.set_nodelay(True)
+        self._chunks: list[bytes] = []
+        self._received = 0
         self.tenant = self.authenticate()
+        declared = self.request.headers.get("Content-Length")
+        if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes", "too_large")
+
+    def data_received(self, chunk: bytes) -> None:
+        self._received += len(chunk)
+        if self._received > MAX_BODY_BYTES:
+            raise ApiError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes", "too_large")
+        self._chunks.append(chunk)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(getattr(self, "_chunks", []))
 
     def authenticate(self) -> str:
         if self.auth is None:
@@ -88,10 +112,11 @@ class BaseHandler(web.RequestHandler):
 
     def json_body(self) -> dict[str, Any]:
         """The request body as a JSON object; {} when empty; 400 when not an object."""
-        if not self.request.body:
+        raw = self.body
+        if not raw:
             return {}
         try:
-            body = json.loads(self.request.body)
+            body = json.loads(raw)
         except ValueError as err:
             raise ApiError(400, f"request body is not valid JSON: {err}", "bad_json") from None
         if not isinstance(body, dict):

@@ -38,11 +38,11 @@ class FilesHandler(SessionHandler):
     async def put(self, session_id: str, path: str | None = None) -> None:
         if path is None:
             raise ApiError(400, "PUT needs a file path: /api/sessions/{id}/files/{path}")
-        if len(self.request.body) > MAX_FILE_BYTES:
+        if len(self.body) > MAX_FILE_BYTES:
             raise ApiError(413, f"upload is over the limit of {MAX_FILE_BYTES} bytes", "too_large")
         files = await self._files(session_id)
         try:
-            written = await files.write(path, self.request.body)
+            written = await files.write(path, self.body)
         except WorkspaceFileError as err:
             raise ApiError(STATUS_FOR_FILE_ERROR.get(err.code, 400), str(err), err.code) from None
         self.write_json(written, status=201)

@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import BaseHandler, NotFoundHandler
+from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.channels import ChannelsHandler
 from sandkernel.gateway.files_api import FilesHandler, VariablesHandler
@@ -39,7 +39,6 @@ from sandkernel.errors import SandkernelError
 log = logging.getLogger(__name__)
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
-MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 class HealthHandler(BaseHandler):
@@ -142,7 +141,7 @@ async def serve(
         log.info("reaped orphaned containers", extra={"count": len(report.removed)})
     registry = SessionRegistry(max_sessions, max_sessions_total, idle_timeout, max_lifetime)
     app = make_app(registry, auth, {"budget": budget or OutputBudget()})
-    server = httpserver.HTTPServer(app, max_body_size=MAX_BODY_BYTES, idle_connection_timeout=3600)
+    server = httpserver.HTTPServer(app, max_body_size=MAX_BODY_BYTES * 2, idle_connection_timeout=3600)
     server.listen(port, address=ip)
     if stop is None:  # run as a program: stop on SIGINT/SIGTERM
         stop = asyncio.Event()

@@ -278,3 +278,12 @@ async def test_files_and_variables(gateway):
         assert after["execution_count"] == result["execution_count"] + 1
     finally:
         await gateway.request("DELETE", f"/api/sessions/{sid}")
+
+
+async def test_oversized_body_gets_a_json_413(gateway):
+    from sandkernel.gateway.base import MAX_BODY_BYTES
+
+    code, body = await gateway.request("POST", "/api/sessions", raw=b"{" + b" " * (MAX_BODY_BYTES + 10) + b"}")
+    assert code == 413 and body["error"] == "too_large" and "limit" in body["message"]
+    code, health = await gateway.request("GET", "/api/health", token=None)
+    assert code == 200
