@@ -29,6 +29,7 @@ from sandkernel.kernels.reaper import (
     RUNTIME_DIR_LABEL,
     SESSION_LABEL,
     owner_label,
+    process_start_time,
 )
 from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.seccomp import seccomp_security_opt
@@ -121,6 +122,7 @@ class SandboxContainer:
         self.id = container_id
         self.spec = spec
         self.exec_id: str | None = None
+        self._host_process: tuple[int, str] | None = None
 
     @classmethod
     async def start(cls, engine: DockerEngine, spec: ContainerSpec) -> SandboxContainer:
@@ -161,13 +163,21 @@ class SandboxContainer:
 
         try:
             self.exec_id = await self.engine.run(start)
+            state = await self.engine.run(api.exec_inspect, self.exec_id)
         except docker.errors.APIError as err:
             raise translate_api_error(err, "cannot start the kernel process") from err
+        # The exec's host process (runc: the kernel; runsc: its `runsc exec`) lets liveness be
+        # checked in /proc instead of a Docker API call on every execute.
+        pid = int(state.get("Pid") or 0)
+        start_time = process_start_time(pid) if pid else None
+        self._host_process = (pid, start_time) if start_time else None
 
     async def kernel_exit_code(self) -> int | None:
         """None while the kernel process runs, else its exit code (-1 if the container is gone)."""
         if self.exec_id is None:
             return -1
+        if self._host_process and process_start_time(self._host_process[0]) == self._host_process[1]:
+            return None
         try:
             state = await self.engine.run(self.engine.client.api.exec_inspect, self.exec_id)
         except docker.errors.APIError:

@@ -26,19 +26,23 @@ OWNER_LABEL = "sandkernel.owner"
 RUNTIME_DIR_LABEL = "sandkernel.runtime_dir"
 
 
-def _process_start_time(pid: int) -> str | None:
+def process_start_time(pid: int) -> str | None:
+    """A process's start time (clock ticks since boot) from /proc, or None if it is gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
+            fields = f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+    if len(fields) < 20 or fields[0] in ("Z", "X"):
+        return None
+    return fields[19]
 
 
 @cache
 def owner_label() -> str:
     """This process's identity: host, pid and start time (a reused pid does not match)."""
     pid = os.getpid()
-    return f"{socket.gethostname()}:{pid}:{_process_start_time(pid)}"
+    return f"{socket.gethostname()}:{pid}:{process_start_time(pid)}"
 
 
 def owner_alive(label: str) -> bool:
@@ -50,7 +54,7 @@ def owner_alive(label: str) -> bool:
         return False
     if host != socket.gethostname():
         return True
-    return _process_start_time(pid_num) == start
+    return process_start_time(pid_num) == start
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,7 @@ class KernelSession:
         self._pending_state_lost: str | None = None
         self._interrupt_requested = False
         self._early_reply: dict[str, Any] | None = None
+        self._oom_baseline: int | None = None
         self._closed = False
 
     @staticmethod
@@ -253,6 +254,8 @@ class KernelSession:
         await self._km.restart_kernel(now=True)
         await self._wait_ready()
         replaced = provisioner.workspace_lost
+        if replaced:
+            self._oom_baseline = None
         self._pending_state_lost = reason + (
             "; the container was replaced, so /workspace files are gone too"
             if replaced
@@ -295,7 +298,9 @@ class KernelSession:
             await self._restart_kernel(self._death_sentence(status, between_executes=True))
         state_lost, self._pending_state_lost = self._pending_state_lost, None
         started_at, t0 = _utcnow(), time.monotonic()
-        oom_before = await self.container.oom_kill_count()
+        if self._oom_baseline is None:  # read once per container, not on every execute
+            self._oom_baseline = await self.container.oom_kill_count()
+        oom_before = self._oom_baseline
         epoch = self._epoch
         self._interrupt_requested = False
         self._early_reply = None
@@ -411,6 +416,7 @@ class KernelSession:
         """Last rung: throw away the kernel manager and container, start from scratch."""
         self._epoch += 1
         await self._teardown()
+        self._oom_baseline = None
         self._km = self._new_kernel_manager(self._km.kernel_name)
         self._client = None
         await self._start_kernel()
@@ -425,6 +431,7 @@ class KernelSession:
         except SandkernelError:
             return ExecutionStatus.KERNEL_DIED
         if after is not None and after > (oom_before if oom_before is not None else 0):
+            self._oom_baseline = after
             return ExecutionStatus.OOM
         return ExecutionStatus.KERNEL_DIED
 

@@ -286,4 +286,4 @@ async def test_oversized_body_gets_a_json_413(gateway):
     code, body = await gateway.request("POST", "/api/sessions", raw=b"{" + b" " * (MAX_BODY_BYTES + 10) + b"}")
     assert code == 413 and body["error"] == "too_large" and "limit" in body["message"]
     code, health = await gateway.request("GET", "/api/health", token=None)
-    assert code == 200
+    assert code == 200 and health["status"] == "ok"
