@@ -287,3 +287,17 @@ async def test_oversized_body_gets_a_json_413(gateway):
     assert code == 413 and body["error"] == "too_large" and "limit" in body["message"]
     code, health = await gateway.request("GET", "/api/health", token=None)
     assert code == 200 and health["status"] == "ok"
+
+
+async def test_gateway_tokens_never_reach_the_kernel(gateway):
+    _, session = await gateway.request("POST", "/api/sessions", {})
+    try:
+        _, result = await gateway.request(
+            "POST",
+            f"/api/sessions/{session['id']}/execute",
+            {"code": "import os, json\nprint(json.dumps(dict(os.environ)))"},
+        )
+        environment = result["text"]
+        assert ALICE not in environment and BOB not in environment and "SANDKERNEL_TOKEN" not in environment
+    finally:
+        await gateway.request("DELETE", f"/api/sessions/{session['id']}")

@@ -11,6 +11,11 @@ from .conftest import container_ids_of
 from .gateway_fixtures import start_gateway, stop_gateway
 
 
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
 @pytest.fixture(scope="module")
 async def gateway(tmp_path_factory):
     gw = await start_gateway(tmp_path_factory.mktemp("gwl"))
@@ -30,9 +35,8 @@ async def test_health_and_metrics_need_no_token(gateway):
 async def test_hostile_cells_do_not_disturb_another_session(gateway):
     _, victim = await gateway.request("POST", "/api/sessions", {})
     _, hostile = await gateway.request("POST", "/api/sessions", {})
-    flood = (
-        "import sys\nchunk = 'x' * 2**20 + '\\n'\nfor _ in range(300):\n    sys.stdout.write(chunk); sys.stdout.flush()"
-    )
+    # 1 GiB of output, flushed in 1 MiB messages as fast as the kernel can write them.
+    flood = "import sys\nchunk = 'x' * 2**20 + '\\n'\nfor _ in range(1024):\n    sys.stdout.write(chunk); sys.stdout.flush()"
     try:
 
         async def attack():
@@ -54,10 +58,22 @@ async def test_hostile_cells_do_not_disturb_another_session(gateway):
                 done += 1
             return done
 
+        peak = baseline = _rss_mib()
+
+        async def watch_memory():
+            nonlocal peak
+            while True:
+                peak = max(peak, _rss_mib())
+                await asyncio.sleep(0.05)
+
+        watcher = asyncio.create_task(watch_memory())
         attack_task = asyncio.create_task(attack())
         executed = await keep_working()
         assert await attack_task
+        watcher.cancel()
         assert executed >= 3
+        # The gateway (this process) did not hold the gigabyte: growth stays near the bounded queues.
+        assert peak - baseline < 400, f"gateway memory grew {peak - baseline:.0f} MiB during a 1 GiB flood"
         code, health = await gateway.request("GET", "/api/health", token=None)
         assert code == 200 and health["sessions"] >= 2
     finally:
