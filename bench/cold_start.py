@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from jupyter_client import AsyncKernelClient
+
 from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.profiles import resolve_profile
 from sandkernel.kernels.session import KernelSession

@@ -25,9 +25,10 @@ import time
 import uuid
 from pathlib import Path
 
-from sandkernel.kernels.session import KernelSession
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.websocket import websocket_connect
+
+from sandkernel.kernels.session import KernelSession
 
 TOKEN = "bench-token-" + uuid.uuid4().hex
 

@@ -12,8 +12,6 @@ import logging
 from http import HTTPStatus
 from typing import Any
 
-from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.registry import SessionRegistry, TooManySessionsError
 from tornado import web
 
 from sandkernel.errors import (
@@ -26,6 +24,8 @@ from sandkernel.errors import (
     SandkernelError,
     SessionClosedError,
 )
+from sandkernel.gateway.auth import TokenAuth
+from sandkernel.gateway.registry import SessionRegistry, TooManySessionsError
 
 log = logging.getLogger(__name__)
 

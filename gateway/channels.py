@@ -11,21 +11,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import json
 import logging
+import time
 from typing import Any
 
 import zmq
 from jupyter_client.session import Session
+from tornado import websocket
+
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import ApiError
 from sandkernel.gateway.registry import ManagedSession, SessionRegistry
 from sandkernel.gateway.wire import FrameError, from_frame, to_frame
-from tornado import websocket
+from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus, OutputCollector
 
 log = logging.getLogger(__name__)
 
 CLIENT_CHANNELS = ("shell", "control", "stdin")
+NUDGE_TIMEOUT = 30.0
+
+
+class _Recording:
+    """One execution seen on a websocket, collected into the shape the session layer uses."""
+
+    def __init__(self, code: str) -> None:
+        self.code = code
+        self.collector = OutputCollector()
+        self.started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+        self.t0 = time.monotonic()
+        self.reply_status: str | None = None
+
+    def result(self) -> ExecutionResult:
+        failed = self.collector.error is not None or self.reply_status == "error"
+        return ExecutionResult(
+            status=ExecutionStatus.ERROR if failed else ExecutionStatus.OK,
+            outputs=self.collector.finished_outputs(),
+            execution_count=self.collector.execution_count,
+            started_at=self.started_at,
+            duration=round(time.monotonic() - self.t0, 6),
+            error=self.collector.error,
+            chars_cut=self.collector.chars_cut,
+            outputs_dropped=self.collector.outputs_dropped,
+        )
 
 
 class ChannelsHandler(websocket.WebSocketHandler):
@@ -75,7 +104,28 @@ class ChannelsHandler(websocket.WebSocketHandler):
             "iopub": km.connect_iopub(),
         }
         self.managed.connections += 1
+        self.recording: dict[str, _Recording] = {}
+        self.iopub_ready = asyncio.Event()
+        self.nudge_ids: set[str] = set()
         self.tasks = [asyncio.create_task(self._relay(name, sock)) for name, sock in self.sockets.items()]
+        self.tasks.append(asyncio.create_task(self._nudge()))
+
+    async def _nudge(self) -> None:
+        """Hold client messages until our iopub subscription is live.
+
+        A SUB socket joins late: without this, outputs of the first request (its ``idle``
+        status above all) can be lost and the client waits forever. We send kernel_info
+        requests until one's iopub status arrives; their replies are not forwarded.
+        """
+        assert self.session is not None
+        deadline = asyncio.get_running_loop().time() + NUDGE_TIMEOUT
+        while not self.iopub_ready.is_set() and asyncio.get_running_loop().time() < deadline:
+            msg = self.session.msg("kernel_info_request")
+            self.nudge_ids.add(msg["header"]["msg_id"])
+            self.session.send(self.sockets["shell"], msg)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.iopub_ready.wait(), 0.25)
+        self.iopub_ready.set()  # give up waiting: better late outputs than a dead socket
 
     async def _relay(self, channel: str, sock: zmq.asyncio.Socket) -> None:
         assert self.session is not None and self.managed is not None
@@ -87,6 +137,11 @@ class ChannelsHandler(websocket.WebSocketHandler):
             except (ValueError, KeyError, TypeError) as err:
                 log.warning("dropped a kernel message that failed verification: %s", err)
                 continue
+            parent_id = msg.get("parent_header", {}).get("msg_id")
+            if parent_id in self.nudge_ids:
+                if channel == "iopub":
+                    self.iopub_ready.set()
+                continue
             msg["channel"] = channel
             if channel == "iopub" and msg["header"]["msg_type"] == "status":
                 self.managed.touch(msg["content"].get("execution_state"))
@@ -94,9 +149,12 @@ class ChannelsHandler(websocket.WebSocketHandler):
                 await self.write_message(to_frame(msg), binary=bool(msg.get("buffers")))
             except websocket.WebSocketClosedError:
                 return
+            if parent_id in self.recording:  # after forwarding: the transcript is off the hot path
+                await self._record(parent_id, channel, msg)
 
     async def on_message(self, frame: str | bytes) -> None:
         assert self.session is not None
+        await self.iopub_ready.wait()
         try:
             msg = from_frame(frame)
         except FrameError as err:
@@ -107,7 +165,26 @@ class ChannelsHandler(websocket.WebSocketHandler):
             await self._complain(f"cannot send on channel {channel!r}; use shell, control or stdin")
             return
         buffers = msg.pop("buffers", [])
+        content = msg.get("content") or {}
+        if channel == "shell" and msg["header"]["msg_type"] == "execute_request" and not content.get("silent"):
+            self.recording[msg["header"].get("msg_id", "")] = _Recording(str(content.get("code", "")))
         self.session.send(self.sockets[channel], msg, buffers=buffers or None)
+
+    async def _record(self, msg_id: str, channel: str, msg: dict[str, Any]) -> None:
+        """Build the transcript cell of a websocket execution from the traffic we relay."""
+        recording = self.recording[msg_id]
+        if channel == "shell" and msg["header"]["msg_type"] == "execute_reply":
+            recording.reply_status = msg["content"].get("status")
+            return
+        if channel != "iopub":
+            return
+        if msg["header"]["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
+            del self.recording[msg_id]
+            recorder = self.managed.session.recorder if self.managed else None
+            if recorder is not None:
+                await recorder.record(recording.code, recording.result(), source="websocket")
+            return
+        await recording.collector.add(msg)
 
     async def _complain(self, message: str) -> None:
         with contextlib.suppress(websocket.WebSocketClosedError):

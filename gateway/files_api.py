@@ -5,11 +5,10 @@ requests and the sandbox's refusals onto HTTP."""
 
 from __future__ import annotations
 
+from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError
 from sandkernel.gateway.sessions_api import SessionHandler
 from sandkernel.kernels.workspace_files import MAX_FILE_BYTES, WorkspaceFileError, WorkspaceFiles
-
-from sandkernel.errors import SandkernelError
 
 STATUS_FOR_FILE_ERROR = {"not_found": 404, "too_large": 413}
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from sandkernel import __version__
 from sandkernel.gateway.base import ApiError, BaseHandler
 from sandkernel.kernels.kernelspec import KERNEL_NAMES, kernel_json
-
-from sandkernel import __version__
 
 
 def kernelspec_model(name: str) -> dict[str, Any]:

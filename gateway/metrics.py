@@ -6,6 +6,7 @@ One registry per gateway instance, so tests and embedded gateways do not share c
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
 from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus
 
 

@@ -12,12 +12,14 @@ import dataclasses
 import datetime as dt
 import logging
 import time
+import uuid
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-from sandkernel.kernels.session import KernelSession
-
 from sandkernel.errors import ConfigError, KernelNotFoundError
+from sandkernel.kernels.session import KernelSession
+from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ class ManagedSession:
         """A superset of Jupyter's session model."""
         return {
             "id": self.id,
-            "path": f"sessions/{self.id}.ipynb",
+            "path": str(self.session.recorder.path) if self.session.recorder else None,
             "name": self.metadata.get("name", ""),
             "type": "notebook",
             "kernel": self.kernel_model(),
@@ -86,11 +88,13 @@ class SessionRegistry:
         max_sessions_total: int = 100,
         idle_timeout: float | None = 3600.0,
         max_lifetime: float | None = 24 * 3600.0,
+        notebook_dir: Path | None = None,
     ) -> None:
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.max_sessions_total = max_sessions_total
         self.idle_timeout = idle_timeout
         self.max_lifetime = max_lifetime
+        self.notebook_dir = notebook_dir
         self._sessions: dict[str, ManagedSession] = {}
         self._pending: dict[str, int] = {}
         self._closing: set[asyncio.Task] = set()
@@ -112,8 +116,15 @@ class SessionRegistry:
                 f"the gateway is at its limit of {self.max_sessions_total} sessions; try again later"
             )
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
+        session_id = uuid.uuid4().hex
+        recorder = TranscriptRecorder(
+            notebook_path_for(session_id, self.notebook_dir),
+            {"tenant": tenant, "client_metadata": dict(metadata or {})},
+        )
         try:
-            session = await KernelSession.start(profile=profile, overrides=overrides)
+            session = await KernelSession.start(
+                profile=profile, overrides=overrides, session_id=session_id, recorder=recorder
+            )
         finally:
             self._pending[tenant] -= 1
         kernel_name = "sandkernel-python-gvisor" if session.profile.runtime.value == "runsc" else "sandkernel-python"
@@ -138,7 +149,7 @@ class SessionRegistry:
     def list(self, tenant: str) -> list[ManagedSession]:
         return [s for s in self._sessions.values() if s.tenant == tenant]
 
-    async def delete(self, tenant: str, session_id: str) -> None:
+    async def delete(self, tenant: str, session_id: str, keep_notebook: bool = True) -> None:
         """Forget the session and remove its container. The removal is shielded: a cancelled
         caller (a culler stopped mid-way, a client gone) never leaves a container behind,
         and :meth:`shutdown_all` waits for removals still under way."""
@@ -148,6 +159,8 @@ class SessionRegistry:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         await asyncio.shield(task)
+        if not keep_notebook and managed.session.recorder is not None:
+            managed.session.recorder.delete()
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -14,6 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
+from tornado import httpserver, web
+
+from sandkernel import __version__
+from sandkernel.errors import SandkernelError
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.budget import OutputBudget
@@ -29,12 +33,16 @@ from sandkernel.gateway.kernels_api import (
 )
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
-from sandkernel.gateway.sessions_api import ExecuteHandler, SessionActionHandler, SessionHandler, SessionsHandler
+from sandkernel.gateway.sessions_api import (
+    ExecuteHandler,
+    MarkdownHandler,
+    NotebookHandler,
+    SessionActionHandler,
+    SessionHandler,
+    SessionsHandler,
+)
 from sandkernel.kernels.reaper import reap
-from tornado import httpserver, web
-
-from sandkernel import __version__
-from sandkernel.errors import SandkernelError
+from sandkernel.notebooks.recorder import default_notebook_dir
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +101,8 @@ def make_app(
         (rf"/api/sessions/{sid}/execute/?", ExecuteHandler),
         (rf"/api/sessions/{sid}/(?P<action>interrupt|restart)/?", SessionActionHandler),
         (rf"/api/sessions/{sid}/variables/?", VariablesHandler),
+        (rf"/api/sessions/{sid}/notebook/?", NotebookHandler),
+        (rf"/api/sessions/{sid}/markdown/?", MarkdownHandler),
         (rf"/api/sessions/{sid}/files/?", FilesHandler),
         (rf"/api/sessions/{sid}/files/(?P<path>.+)", FilesHandler),
         (r".*", NotFoundHandler),
@@ -130,6 +140,7 @@ async def serve(
     max_lifetime: float | None = 24 * 3600.0,
     shutdown_grace: float = 10.0,
     cull_interval: float = CULL_INTERVAL,
+    notebook_dir: Path | None = None,
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set).
 
@@ -139,7 +150,7 @@ async def serve(
     report = await reap()
     if report.removed:
         log.info("reaped orphaned containers", extra={"count": len(report.removed)})
-    registry = SessionRegistry(max_sessions, max_sessions_total, idle_timeout, max_lifetime)
+    registry = SessionRegistry(max_sessions, max_sessions_total, idle_timeout, max_lifetime, notebook_dir)
     app = make_app(registry, auth, {"budget": budget or OutputBudget()})
     server = httpserver.HTTPServer(app, max_body_size=MAX_BODY_BYTES * 2, idle_connection_timeout=3600)
     server.listen(port, address=ip)
@@ -150,6 +161,7 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
     url = f"http://{ip}:{port}"
     print(f"sandkernel gateway at {url}", flush=True)
+    print(f"notebooks: {notebook_dir or default_notebook_dir()}", flush=True)
     if shown_token:
         print(f"token: {shown_token}", flush=True)
         print(f"JupyterLab: jupyter lab --gateway-url={url} --GatewayClient.auth_token={shown_token}", flush=True)

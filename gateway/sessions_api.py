@@ -8,12 +8,12 @@ import contextlib
 import json
 from typing import Any
 
-from sandkernel.gateway.base import ApiError, BaseHandler
-from sandkernel.gateway.budget import OutputBudget, apply_budget
-from sandkernel.gateway.registry import ManagedSession
 from tornado.iostream import StreamClosedError
 
 from sandkernel.errors import SandkernelError
+from sandkernel.gateway.base import ApiError, BaseHandler
+from sandkernel.gateway.budget import OutputBudget, apply_budget
+from sandkernel.gateway.registry import ManagedSession
 
 KEEPALIVE_SECONDS = 10.0
 MAX_CODE_BYTES = 1024 * 1024
@@ -54,7 +54,8 @@ class SessionHandler(BaseHandler):
 
     async def delete(self, session_id: str) -> None:
         self.managed(session_id)
-        await self.call(self.registry.delete(self.tenant, session_id))
+        keep = self.get_query_argument("delete_notebook", "0") not in ("1", "true")
+        await self.call(self.registry.delete(self.tenant, session_id, keep_notebook=keep))
         self.set_status(204)
         self.finish()
 
@@ -88,15 +89,18 @@ class ExecuteHandler(SessionHandler):
         if len(code.encode()) > MAX_CODE_BYTES:
             raise ApiError(413, f"code is larger than {MAX_CODE_BYTES} bytes; upload a file and run it instead")
         timeout = body.get("timeout")
+        tag = body.get("tag")
+        if tag is not None and not isinstance(tag, str):
+            raise ApiError(400, "'tag' must be a string (e.g. the agent's tool-call id)")
         streaming = self.get_query_argument("stream", "") in ("1", "true") or "application/x-ndjson" in (
             self.request.headers.get("Accept") or ""
         )
         managed.touch("busy")
         try:
             if streaming:
-                await self._stream(managed, code, timeout)
+                await self._stream(managed, code, timeout, tag)
             else:
-                result = await self.call(managed.session.execute(code, timeout=timeout))
+                result = await self.call(managed.session.execute(code, timeout=timeout, tag=tag, source="session_api"))
                 self.write_json(self._reply(result))
         finally:
             managed.touch("idle")
@@ -114,7 +118,7 @@ class ExecuteHandler(SessionHandler):
         )
         return data
 
-    async def _stream(self, managed: ManagedSession, code: str, timeout: Any) -> None:
+    async def _stream(self, managed: ManagedSession, code: str, timeout: Any, tag: str | None) -> None:
         self.set_header("Content-Type", "application/x-ndjson")
         self.set_header("Cache-Control", "no-cache")
         sent_bytes = 0
@@ -151,10 +155,38 @@ class ExecuteHandler(SessionHandler):
 
         helpers = [asyncio.create_task(keepalive()), asyncio.create_task(interrupt_on_disconnect())]
         try:
-            result = await self.call(managed.session.execute(code, timeout=timeout, on_output=on_output))
+            result = await self.call(
+                managed.session.execute(code, timeout=timeout, on_output=on_output, tag=tag, source="session_api")
+            )
             await send({"type": "result", "result": self._reply(result)})
         finally:
             for task in helpers:
                 task.cancel()
         if not disconnected.is_set():
             self.finish()
+
+
+class NotebookHandler(SessionHandler):
+    """GET the session's transcript (an .ipynb document)."""
+
+    def get(self, session_id: str) -> None:
+        recorder = self.managed(session_id).session.recorder
+        if recorder is None:
+            raise ApiError(404, "this session has no transcript")
+        self.set_header("Content-Disposition", f'attachment; filename="{recorder.path.name}"')
+        self.write_json(recorder.notebook)
+
+
+class MarkdownHandler(SessionHandler):
+    """POST {text}: add a markdown cell (the agent's reasoning) to the transcript."""
+
+    async def post(self, session_id: str) -> None:
+        recorder = self.managed(session_id).session.recorder
+        text = self.json_body().get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise ApiError(400, "'text' must be a non-empty string of markdown")
+        if recorder is None:
+            raise ApiError(404, "this session has no transcript")
+        await recorder.add_markdown(text)
+        self.set_status(204)
+        self.finish()

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import docker.errors
 from docker.types import LogConfig, Ulimit
+
+from sandkernel.errors import KernelStartError
 from sandkernel.kernels.docker_engine import DockerEngine, translate_api_error
 from sandkernel.kernels.profiles import Profile, Runtime
 from sandkernel.kernels.reaper import (
@@ -33,8 +35,6 @@ from sandkernel.kernels.reaper import (
 )
 from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.seccomp import seccomp_security_opt
-
-from sandkernel.errors import KernelStartError
 
 log = logging.getLogger(__name__)
 

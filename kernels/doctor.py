@@ -11,11 +11,11 @@ import dataclasses
 import shutil
 
 import docker.errors
+
+from sandkernel.errors import SandkernelError
 from sandkernel.kernels.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.profiles import resolve_profile
 from sandkernel.kernels.runtime_dir import RuntimeDir
-
-from sandkernel.errors import SandkernelError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import docker.errors
-from sandkernel.kernels.docker_engine import DockerEngine, default_engine
-from sandkernel.kernels.profiles import DEFAULT_IMAGE
 
 from sandkernel import __version__
 from sandkernel.errors import ImageBuildError
+from sandkernel.kernels.docker_engine import DockerEngine, default_engine
+from sandkernel.kernels.profiles import DEFAULT_IMAGE
 
 HUB_BASE = "python:3.11-slim"
 OFFLINE_BASE = "sandkernel-base:bookworm"

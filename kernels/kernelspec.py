@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
+
 from sandkernel.kernels.container import LAUNCHER
 
 KERNEL_NAMES = {"sandkernel-python": "runc", "sandkernel-python-gvisor": "runsc"}

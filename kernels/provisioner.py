@@ -21,13 +21,13 @@ from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerBase
+from traitlets import Unicode
+
+from sandkernel.errors import KernelStartError
 from sandkernel.kernels.container import LAUNCHER, ContainerSpec, SandboxContainer
 from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.profiles import Profile, resolve_profile
 from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
-from traitlets import Unicode
-
-from sandkernel.errors import KernelStartError
 
 EXEC_POLL_INTERVAL = 0.25
 
@@ -42,6 +42,7 @@ class DockerProvisioner(KernelProvisionerBase):
     runtime_dir: RuntimeDir | None = None
     profile: Profile | None = None
     session_id: str = ""
+    image_id: str = ""
     # Set when the ladder had to replace the whole container: /workspace was lost with it.
     workspace_lost: bool = False
 
@@ -63,7 +64,7 @@ class DockerProvisioner(KernelProvisionerBase):
             profile = resolve_profile(profile_name, overrides)
             engine = default_engine()
             await engine.require_runtime(profile.runtime.value)
-            await engine.image_id(profile.image)
+            self.image_id = await engine.image_id(profile.image)
             self.profile = profile
             self.session_id = str(session_id or self.kernel_id)
             self.runtime_dir = await asyncio.to_thread(RuntimeDir.create)

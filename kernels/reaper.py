@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import docker.errors
+
 from sandkernel.kernels.docker_engine import DockerEngine, default_engine
 
 log = logging.getLogger(__name__)

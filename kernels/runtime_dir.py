@@ -26,9 +26,8 @@ import stat
 import tempfile
 from pathlib import Path
 
-from sandkernel.kernels.seccomp import seccomp_profile
-
 from sandkernel.errors import ConfigError, TransportError
+from sandkernel.kernels.seccomp import seccomp_profile
 
 CONTAINER_DIR = "/run/sandkernel"
 CONNECTION_FILE = "connection.json"

@@ -24,6 +24,8 @@ from typing import Any
 import zmq
 from jupyter_client import AsyncKernelManager
 from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from sandkernel.errors import ArgumentTypeError, ConfigError, KernelStartError, SandkernelError, SessionClosedError
 from sandkernel.kernels.container import SandboxContainer
 from sandkernel.kernels.kernelspec import SandkernelSpecManager
 from sandkernel.kernels.outputs import (
@@ -35,8 +37,7 @@ from sandkernel.kernels.outputs import (
 )
 from sandkernel.kernels.profiles import Profile, Runtime, resolve_profile
 from sandkernel.kernels.provisioner import DockerProvisioner
-
-from sandkernel.errors import ArgumentTypeError, ConfigError, KernelStartError, SandkernelError, SessionClosedError
+from sandkernel.notebooks.recorder import TranscriptRecorder
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class KernelSession:
         profile: str | None = None,
         overrides: Mapping[str, Any] | None = None,
         session_id: str | None = None,
+        recorder: TranscriptRecorder | None = None,
     ) -> None:
         # Validate everything that can be validated before a container exists.
         self.profile: Profile = resolve_profile(profile, overrides)
@@ -93,6 +95,8 @@ class KernelSession:
         self._interrupt_requested = False
         self._early_reply: dict[str, Any] | None = None
         self._oom_baseline: int | None = None
+        self._notes: list[str] = []  # state-loss notes for the transcript, written after the cell
+        self.recorder = recorder
         self._closed = False
 
     @staticmethod
@@ -108,11 +112,30 @@ class KernelSession:
 
     @classmethod
     async def start(
-        cls, profile: str | None = None, overrides: Mapping[str, Any] | None = None, session_id: str | None = None
+        cls,
+        profile: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        session_id: str | None = None,
+        recorder: TranscriptRecorder | None = None,
     ) -> KernelSession:
-        session = cls(profile, overrides, session_id)
+        session = cls(profile, overrides, session_id, recorder)
         await session._start_kernel()
+        if recorder is not None:
+            recorder.update_metadata(**session.describe())
+            await recorder.start()
         return session
+
+    def describe(self) -> dict[str, Any]:
+        """What a transcript reader needs to know about this sandbox."""
+        provisioner = self.provisioner
+        return {
+            "session_id": self.id,
+            "kernel_id": self.kernel_id,
+            "image": self.profile.image,
+            "image_id": provisioner.image_id,
+            "runtime": self.profile.runtime.value,
+            "limits": self.profile.to_dict(),
+        }
 
     async def __aenter__(self) -> KernelSession:
         if self._client is None:
@@ -244,7 +267,16 @@ class KernelSession:
     async def restart(self) -> None:
         """Restart the kernel: memory state is dropped, /workspace files are kept."""
         self._check_open()
+        # Not behind the execute lock: restart is how a caller rescues a stuck execution (the
+        # running execute sees the epoch change and returns kernel_died).
         await self._restart_kernel("the kernel was restarted on request")
+        await self._flush_notes()
+
+    async def _flush_notes(self) -> None:
+        notes, self._notes = self._notes, []
+        if self.recorder is not None:
+            for note in notes:
+                await self.recorder.note(note)
 
     async def _restart_kernel(self, reason: str) -> TimeoutStep:
         """Restart and report whether the container had to be replaced (workspace lost)."""
@@ -261,6 +293,7 @@ class KernelSession:
             if replaced
             else "; variables and imports are gone, /workspace files are kept"
         )
+        self._notes.append(self._pending_state_lost)
         return TimeoutStep.KILL if replaced else TimeoutStep.RESTART
 
     def _check_open(self) -> None:
@@ -270,7 +303,12 @@ class KernelSession:
     # -- execute --------------------------------------------------------------------------
 
     async def execute(
-        self, code: str, timeout: float | None = None, on_output: OutputCallback | None = None
+        self,
+        code: str,
+        timeout: float | None = None,
+        on_output: OutputCallback | None = None,
+        tag: str | None = None,
+        source: str | None = None,
     ) -> ExecutionResult:
         """Run ``code`` in the kernel and return its ordered outputs and status.
 
@@ -289,7 +327,11 @@ class KernelSession:
         self._check_open()
         async with self._lock:
             self._check_open()
-            return await self._execute_locked(code, float(timeout), on_output)
+            result = await self._execute_locked(code, float(timeout), on_output)
+            if self.recorder is not None:
+                await self.recorder.record(code, result, tag=tag, source=source)
+            await self._flush_notes()
+            return result
 
     async def _execute_locked(self, code: str, timeout: float, on_output: OutputCallback | None) -> ExecutionResult:
         assert self._client is not None
@@ -421,6 +463,7 @@ class KernelSession:
         self._client = None
         await self._start_kernel()
         self._pending_state_lost = reason + "; variables, imports and /workspace files are gone"
+        self._notes.append(self._pending_state_lost)
 
     async def _death_status(self, oom_before: int | None) -> ExecutionStatus:
         """KERNEL_DIED, or OOM when the container's OOM-kill counter moved."""

@@ -15,9 +15,9 @@ import socket
 
 import docker.errors
 from docker.utils.socket import frames_iter
-from sandkernel.kernels.container import SANDBOX_USER, WORKSPACE, SandboxContainer
 
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
+from sandkernel.kernels.container import SANDBOX_USER, WORKSPACE, SandboxContainer
 
 MAX_FILE_BYTES = 32 * 1024 * 1024
 MAX_LISTING = 10000

@@ -14,21 +14,34 @@ from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+
 from sandkernel.kernels.outputs import ExecutionResult
 
 
-def result_to_cell(code: str, result: ExecutionResult) -> nbformat.NotebookNode:
+def result_to_cell(
+    code: str, result: ExecutionResult, tag: str | None = None, source: str | None = None
+) -> nbformat.NotebookNode:
+    """A code cell for one execution: its outputs in order, and what happened in metadata.
+
+    ``tag`` is the caller's label (e.g. the agent's tool-use id); ``source`` the door the code
+    came through (session_api, websocket, agent, cli)."""
     outputs = [new_output(**output) for output in result.outputs]
-    metadata = {
-        "sandkernel": {
-            "status": result.status.value,
-            "started_at": result.started_at,
-            "duration": result.duration,
-            "ended_by": result.ended_by.value if result.ended_by else None,
-            "state_lost": result.state_lost,
-        }
+    info = {
+        "status": result.status.value,
+        "started_at": result.started_at,
+        "duration": result.duration,
+        "ended_by": result.ended_by.value if result.ended_by else None,
+        "state_lost": result.state_lost,
     }
-    return new_code_cell(source=code, outputs=outputs, execution_count=result.execution_count, metadata=metadata)
+    if result.chars_cut or result.outputs_dropped:
+        info["truncated"] = {"chars_cut": result.chars_cut, "outputs_dropped": result.outputs_dropped}
+    if tag:
+        info["tag"] = tag
+    if source:
+        info["source"] = source
+    return new_code_cell(
+        source=code, outputs=outputs, execution_count=result.execution_count, metadata={"sandkernel": info}
+    )
 
 
 def markdown_cell(text: str) -> nbformat.NotebookNode:

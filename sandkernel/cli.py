@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,8 +43,74 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_sessions_total=args.max_sessions_total,
             idle_timeout=args.idle_timeout or None,
             max_lifetime=args.max_lifetime or None,
+            notebook_dir=Path(args.notebook_dir) if args.notebook_dir else None,
         )
     )
+    return 0
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from sandkernel.notebooks.compare import format_report
+    from sandkernel.notebooks.replay import replay_notebook
+
+    path = Path(args.notebook)
+    if not path.is_file():
+        print(f"sandkernel: no notebook at {path}", file=sys.stderr)
+        return 2
+    kernel = "sandkernel-python-gvisor" if args.runtime == "runsc" else "sandkernel-python"
+    target, verdicts = replay_notebook(path, until=args.until, kernel_name=kernel, rules_file=args.rules)
+    print(format_report(verdicts))
+    print(f"replayed notebook: {target}")
+    return 0 if all(v.verdict == "same" for v in verdicts) else 1
+
+
+def _cmd_diff(args: argparse.Namespace) -> int:
+    import nbformat
+
+    from sandkernel.notebooks.compare import compare_notebooks, format_report, load_rules
+
+    for name in (args.first, args.second):
+        if not Path(name).is_file():
+            print(f"sandkernel: no notebook at {name}", file=sys.stderr)
+            return 2
+    a, b = (nbformat.read(name, as_version=4) for name in (args.first, args.second))
+    verdicts = compare_notebooks(a, b, load_rules(args.rules))
+    print(format_report(verdicts))
+    return 0 if all(v.verdict == "same" for v in verdicts) else 1
+
+
+def _cmd_attach(args: argparse.Namespace) -> int:
+    import urllib.error
+    import urllib.request
+
+    token = args.token or os.environ.get("SANDKERNEL_TOKEN")
+    if not token:
+        print("sandkernel: give the gateway token with --token or SANDKERNEL_TOKEN", file=sys.stderr)
+        return 2
+    request = urllib.request.Request(
+        f"{args.url.rstrip('/')}/api/sessions/{args.session}", headers={"Authorization": f"token {token}"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            session = json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        print(f"sandkernel: the gateway said {err.code}: {err.read().decode(errors='replace')}", file=sys.stderr)
+        return 2
+    except OSError as err:
+        print(f"sandkernel: cannot reach the gateway at {args.url}: {err}", file=sys.stderr)
+        return 2
+    kernel_id = session["kernel"]["id"]
+    print(f"session {session['id']}: kernel {kernel_id} ({session['kernel']['name']}), transcript {session['path']}")
+    print("\n1. Start JupyterLab against the gateway:")
+    print(f"   jupyter lab --gateway-url={args.url} --GatewayClient.auth_token={token} --port=8889")
+    print("2. Adopt the agent's kernel (JupyterLab token from its start-up line):")
+    print(
+        f"   curl -X POST -H 'Authorization: token <JUPYTER_TOKEN>' http://127.0.0.1:8889/api/kernels "
+        f'-d \'{{"kernel_id": "{kernel_id}"}}\''
+    )
+    print("3. In JupyterLab, open a notebook and pick that kernel (Kernel > Change Kernel > Use Kernel from Other")
+    print("   Session). The agent's variables are there; the debugger panel works through the gateway.")
+    print("   Shutting the kernel down from JupyterLab ends the agent's session: detach instead.")
     return 0
 
 
@@ -124,9 +191,29 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions-total", type=int, default=100, help="live sessions in all (default 100)")
     serve.add_argument("--idle-timeout", type=float, default=3600, help="cull sessions idle this long, s (0: never)")
     serve.add_argument("--max-lifetime", type=float, default=86400, help="cull sessions this old, s (0: never)")
+    serve.add_argument("--notebook-dir", default=None, help="where transcripts go (default ~/.local/share/...)")
     serve.add_argument("--output-budget", type=int, default=64 * 1024, help="text bytes per execute reply")
     serve.add_argument("--max-images", type=int, default=8, help="images per execute reply")
     serve.set_defaults(func=_cmd_serve)
+
+    replay = sub.add_parser("replay", help="re-run a transcript in a fresh sandbox and compare, cell by cell")
+    replay.add_argument("notebook", help="the .ipynb transcript to replay")
+    replay.add_argument("--until", type=int, default=None, help="replay only the first N code cells")
+    replay.add_argument("--runtime", choices=["runc", "runsc"], default="runc", help="container runtime")
+    replay.add_argument("--rules", default=None, help='JSON [["regex", "replacement"], ...] for volatile text')
+    replay.set_defaults(func=_cmd_replay)
+
+    diff = sub.add_parser("diff", help="compare two transcripts cell by cell")
+    diff.add_argument("first")
+    diff.add_argument("second")
+    diff.add_argument("--rules", default=None, help='JSON [["regex", "replacement"], ...] for volatile text')
+    diff.set_defaults(func=_cmd_diff)
+
+    attach = sub.add_parser("attach", help="print how to open an agent session's live kernel in JupyterLab")
+    attach.add_argument("session", help="session id")
+    attach.add_argument("--url", default="http://127.0.0.1:8888", help="gateway URL")
+    attach.add_argument("--token", default=None, help="gateway token (default: $SANDKERNEL_TOKEN)")
+    attach.set_defaults(func=_cmd_attach)
 
     demo = sub.add_parser("demo", help="run a sandboxed session doing data work and write its notebook")
     demo.add_argument("--notebook", default="sandkernel-demo.ipynb", help="where to write the notebook")

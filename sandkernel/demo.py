@@ -11,11 +11,9 @@ import platform
 import time
 from pathlib import Path
 
-import nbformat
-
 from sandkernel.kernels.outputs import ExecutionStatus
 from sandkernel.kernels.session import KernelSession
-from sandkernel.notebooks.transcript import build_notebook, markdown_cell, result_to_cell, write_notebook_atomic
+from sandkernel.notebooks.recorder import TranscriptRecorder
 
 DEMO_CELLS = [
     (
@@ -59,32 +57,30 @@ print("uid:", os.getuid())""",
 
 
 def run_demo(notebook_path: Path, runtime: str = "runc") -> int:
-    """Run the demo cells, print what they return, write the notebook. Returns an exit code."""
+    """Run the demo cells, print what they return; the session's recorder writes the notebook
+    after every cell (crash-safe). Returns an exit code."""
     import asyncio
 
-    notebook, failures = asyncio.run(_run(runtime))
-    write_notebook_atomic(notebook, notebook_path)
+    failures = asyncio.run(_run(notebook_path.resolve(), runtime))
     print(f"notebook: {notebook_path.resolve()}")
     return 1 if failures else 0
 
 
-async def _run(runtime: str) -> tuple[nbformat.NotebookNode, int]:
-    cells = []
+async def _run(notebook_path: Path, runtime: str) -> int:
     t0 = time.monotonic()
-    async with await KernelSession.start(overrides={"runtime": runtime}) as session:
+    recorder = TranscriptRecorder(notebook_path, {"host": platform.node(), "purpose": "sandkernel demo"})
+    failures = 0
+    async with await KernelSession.start(overrides={"runtime": runtime}, recorder=recorder) as session:
         print(f"sandbox ready in {time.monotonic() - t0:.2f}s (runtime {runtime}, session {session.id[:12]})\n")
-        failures = 0
         for note, code in DEMO_CELLS:
-            result = await session.execute(code, timeout=120)
-            cells += [markdown_cell(note), result_to_cell(code, result)]
+            await recorder.add_markdown(note)
+            result = await session.execute(code, timeout=120, source="cli")
             images = sum("image/png" in o.get("data", {}) for o in result.outputs)
-            print(
-                f"## {note}\n[{result.status.value}, {result.duration:.2f}s{f', {images} image(s)' if images else ''}]"
-            )
+            shown = f", {images} image(s)" if images else ""
+            print(f"## {note}\n[{result.status.value}, {result.duration:.2f}s{shown}]")
             print(result.text.rstrip() or "(no text output)")
             if result.error:
                 print(f"{result.error.name}: {result.error.value}")
             print()
             failures += result.status is not ExecutionStatus.OK
-        metadata = {"session_id": session.id, "profile": session.profile.to_dict(), "host": platform.node()}
-    return build_notebook(cells, metadata), failures
+    return failures

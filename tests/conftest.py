@@ -12,12 +12,12 @@ from __future__ import annotations
 import shutil
 
 import pytest
+
+from sandkernel.errors import SandkernelError
 from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.profiles import resolve_profile
 from sandkernel.kernels.reaper import OWNER_LABEL, owner_label, reap_sync
 from sandkernel.kernels.session import KernelSession
-
-from sandkernel.errors import SandkernelError
 
 
 def _runsc_state() -> str:

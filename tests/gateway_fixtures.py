@@ -8,9 +8,10 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+
 from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.server import serve
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef00"

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.reaper import OWNER_LABEL, owner_label
-from sandkernel.kernels.runtime_dir import default_base_dir
-from sandkernel.kernels.session import KernelSession
 
 from sandkernel.errors import (
     ArgumentTypeError,
@@ -16,6 +12,10 @@ from sandkernel.errors import (
     SessionClosedError,
     UnknownProfileError,
 )
+from sandkernel.kernels.docker_engine import default_engine
+from sandkernel.kernels.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.runtime_dir import default_base_dir
+from sandkernel.kernels.session import KernelSession
 
 
 def _our_containers() -> set[str]:

@@ -8,6 +8,7 @@ import zipfile
 
 import nbformat
 import pytest
+
 from sandkernel.kernels.outputs import ExecutionStatus
 from sandkernel.kernels.session import KernelSession
 

@@ -7,9 +7,10 @@ import json
 import uuid
 
 import pytest
-from sandkernel.gateway.budget import OutputBudget
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
+
+from sandkernel.gateway.budget import OutputBudget
 
 from .conftest import container_ids_of
 from .gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway

@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+
 from sandkernel.kernels.container import host_pids_limit
 from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.runtime_dir import CONTAINER_DIR

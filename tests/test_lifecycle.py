@@ -9,6 +9,7 @@ import sys
 import textwrap
 
 import pytest
+
 from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.outputs import ExecutionStatus, TimeoutStep
 from sandkernel.kernels.reaper import reap

@@ -1,9 +1,9 @@
 """Profile validation: pure logic, so no containers needed."""
 
 import pytest
-from sandkernel.kernels.profiles import PROFILES, Runtime, resolve_profile
 
 from sandkernel.errors import ConfigError, UnknownProfileError
+from sandkernel.kernels.profiles import PROFILES, Runtime, resolve_profile
 
 
 def test_default_profile_is_bounded():

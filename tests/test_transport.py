@@ -10,9 +10,9 @@ import threading
 from pathlib import Path
 
 import pytest
-from sandkernel.kernels.runtime_dir import RuntimeDir
 
 from sandkernel.errors import TransportError
+from sandkernel.kernels.runtime_dir import RuntimeDir
 
 
 class UnixListener:
