@@ -169,10 +169,11 @@ class ExecuteHandler(SessionHandler):
 class NotebookHandler(SessionHandler):
     """GET the session's transcript (an .ipynb document)."""
 
-    def get(self, session_id: str) -> None:
+    async def get(self, session_id: str) -> None:
         recorder = self.managed(session_id).session.recorder
         if recorder is None:
             raise ApiError(404, "this session has no transcript")
+        await recorder.flushed()  # what we return is what is on disk
         self.set_header("Content-Disposition", f'attachment; filename="{recorder.path.name}"')
         self.write_json(recorder.notebook)
 

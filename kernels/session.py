@@ -225,6 +225,8 @@ class KernelSession:
             return
         self._closed = True
         await self._teardown()
+        if self.recorder is not None:
+            await self.recorder.close()
         log.info("session shut down", extra={"session": self.id})
 
     async def variables(self, timeout: float = 10.0) -> list[dict[str, Any]]:

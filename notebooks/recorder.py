@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import nbformat
 
 from sandkernel.kernels.outputs import ExecutionResult
-from sandkernel.notebooks.transcript import build_notebook, markdown_cell, result_to_cell, write_notebook_atomic
+from sandkernel.notebooks.transcript import build_notebook, markdown_cell, result_to_cell
 
 
 def default_notebook_dir() -> Path:
@@ -37,24 +39,39 @@ def notebook_path_for(session_id: str, directory: Path | None = None) -> Path:
 
 
 class TranscriptRecorder:
-    """Appends cells to one session's notebook and keeps the file valid after each."""
+    """Appends cells to one session's notebook; a writer task it owns keeps the file current.
+
+    Recording is off the execute's critical path (an append and a JSON dump of the new cell);
+    the writer task then rebuilds the file from cached per-cell JSON, writes it to a temp file
+    and renames it over the old one, so the file on disk is always a complete, valid notebook
+    holding whole cells: a process killed at any moment leaves the previous or the new one.
+    Writes coalesce under bursts; fsync follows ``SYNC_DELAY`` after the last write, for
+    durability against power loss. :meth:`flushed` waits until the file holds every cell.
+    """
+
+    SYNC_DELAY = 0.2  # seconds
 
     def __init__(self, path: Path, metadata: dict[str, Any]) -> None:
         self.path = path
         self.notebook = build_notebook([], {"created": dt.datetime.now(dt.timezone.utc).isoformat(), **metadata})
-        self._lock = asyncio.Lock()
+        self._cells_json: list[str] = []
+        self._version = 0  # bumped on every change
+        self._written = 0  # version the file holds
+        self._changed = asyncio.Event()
+        self._written_cond = asyncio.Condition()
+        self._writer: asyncio.Task | None = None
 
     async def start(self) -> None:
-        """Write the empty notebook, so the file exists from the session's first moment."""
-        await self._flush()
+        """Create the file (empty notebook) and the writer task."""
+        await asyncio.to_thread(self.path.parent.mkdir, parents=True, exist_ok=True)
+        self._mark_changed()
+        await self.flushed()
 
     async def record(
         self, code: str, result: ExecutionResult, tag: str | None = None, source: str | None = None
     ) -> None:
-        """Append one execution (preceded by a note if state was lost before it)."""
-        async with self._lock:
-            self.notebook.cells.append(result_to_cell(code, result, tag=tag, source=source))
-            await self._flush()
+        """Append one execution (the file follows within a write)."""
+        self._append(result_to_cell(code, result, tag=tag, source=source))
 
     async def note(self, text: str) -> None:
         """A markdown note from sandkernel itself (kernel restarts, deaths)."""
@@ -62,18 +79,82 @@ class TranscriptRecorder:
 
     async def add_markdown(self, text: str, role: str = "agent") -> None:
         """A markdown cell (the agent's reasoning, or a note), recorded in order."""
-        async with self._lock:
-            cell = markdown_cell(text)
-            cell.metadata["sandkernel"] = {"role": role, "at": dt.datetime.now(dt.timezone.utc).isoformat()}
-            self.notebook.cells.append(cell)
-            await self._flush()
+        cell = markdown_cell(text)
+        cell.metadata["sandkernel"] = {"role": role, "at": dt.datetime.now(dt.timezone.utc).isoformat()}
+        self._append(cell)
 
     def update_metadata(self, **values: Any) -> None:
         self.notebook.metadata["sandkernel"].update(values)
+        self._mark_changed()
 
-    async def _flush(self) -> None:
-        snapshot = nbformat.from_dict(self.notebook)  # copy: later appends never race the writer
-        await asyncio.to_thread(write_notebook_atomic, snapshot, self.path)
+    async def flushed(self) -> None:
+        """Wait until the file on disk holds everything recorded so far."""
+        target = self._version
+        async with self._written_cond:
+            await self._written_cond.wait_for(lambda: self._written >= target)
+
+    def _append(self, cell: nbformat.NotebookNode) -> None:
+        self.notebook.cells.append(cell)
+        self._cells_json.append(json.dumps(cell, sort_keys=True, indent=1, ensure_ascii=False))
+        self._mark_changed()
+
+    def _mark_changed(self) -> None:
+        self._version += 1
+        self._changed.set()
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write_behind())
+
+    def _document(self) -> str:
+        shell = dict(self.notebook)
+        shell["cells"] = []
+        head, tail = json.dumps(shell, sort_keys=True, indent=1, ensure_ascii=False).split('"cells": []', 1)
+        return head + '"cells": [\n' + ",\n".join(self._cells_json) + "\n]" + tail + "\n"
+
+    async def _write_behind(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            version, text = self._version, self._document()
+            await asyncio.to_thread(_replace_file, self.path, text)
+            async with self._written_cond:
+                self._written = version
+                self._written_cond.notify_all()
+            try:  # fsync once the burst is over
+                await asyncio.wait_for(self._changed.wait(), self.SYNC_DELAY)
+            except asyncio.TimeoutError:
+                await asyncio.to_thread(_fsync_file_and_dir, self.path)
+
+    async def close(self) -> None:
+        """Write what is pending, make it durable, stop the writer task."""
+        if self._writer is not None:
+            await self.flushed()
+            self._writer.cancel()
+            self._writer = None
+            await asyncio.to_thread(_fsync_file_and_dir, self.path)
 
     def delete(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Atomic replace: unique temp file in the same directory, then rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _fsync_file_and_dir(path: Path) -> None:
+    for target, flags in ((path, os.O_RDONLY), (path.parent, os.O_RDONLY | os.O_DIRECTORY)):
+        try:
+            fd = os.open(target, flags)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
 import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_output
+from nbformat.v4 import new_markdown_cell, new_notebook
 
 from sandkernel.kernels.outputs import ExecutionResult
 
@@ -25,7 +26,10 @@ def result_to_cell(
 
     ``tag`` is the caller's label (e.g. the agent's tool-use id); ``source`` the door the code
     came through (session_api, websocket, agent, cli)."""
-    outputs = [new_output(**output) for output in result.outputs]
+    # Built as plain dicts: outputs are already nbformat-shaped (output_from_msg), and nbformat's
+    # constructors would validate each one against the schema (1 ms a cell). The notebook is
+    # validated as a whole in the tests and by readers.
+    outputs = [dict(output) for output in result.outputs]
     info = {
         "status": result.status.value,
         "started_at": result.started_at,
@@ -39,8 +43,15 @@ def result_to_cell(
         info["tag"] = tag
     if source:
         info["source"] = source
-    return new_code_cell(
-        source=code, outputs=outputs, execution_count=result.execution_count, metadata={"sandkernel": info}
+    return nbformat.from_dict(
+        {
+            "cell_type": "code",
+            "id": uuid.uuid4().hex[:16],
+            "source": code,
+            "outputs": outputs,
+            "execution_count": result.execution_count,
+            "metadata": {"sandkernel": info},
+        }
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -104,6 +105,7 @@ async def test_hostile_html_is_never_trusted(gateway, tmp_path):
             f"/api/sessions/{session['id']}/execute",
             {"code": "from IPython.display import HTML\nHTML('<script>alert(1)</script>')"},
         )
+        await gateway.request("GET", f"/api/sessions/{session['id']}/notebook")  # flushed to disk
         nb = nbformat.read(session["path"], as_version=4)
         notary = NotebookNotary(data_dir=str(tmp_path))
         assert not notary.check_signature(nb)
@@ -177,9 +179,17 @@ async def test_sigkill_of_the_gateway_leaves_a_valid_notebook(tmp_path):
         for i in range(3):
             result = await call("POST", f"/api/sessions/{session['id']}/execute", {"code": f"x{i} = {i}\nprint({i})"})
             assert result["status"] == "ok"
+        await call("GET", f"/api/sessions/{session['id']}/notebook")  # returns once the file holds them
+        # A fourth execution is running when the gateway dies.
+        in_flight = asyncio.create_task(
+            call("POST", f"/api/sessions/{session['id']}/execute", {"code": "import time\ntime.sleep(600)"})
+        )
+        await asyncio.sleep(0.5)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+    with pytest.raises(Exception):  # noqa: B017 - the connection dies with the gateway
+        await in_flight
     nb = nbformat.read(session["path"], as_version=4)
     nbformat.validate(nb)
     assert [c.source for c in nb.cells if c.cell_type == "code"] == [f"x{i} = {i}\nprint({i})" for i in range(3)]
