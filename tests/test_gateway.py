@@ -302,3 +302,37 @@ async def test_gateway_tokens_never_reach_the_kernel(gateway):
         assert ALICE not in environment and BOB not in environment and "SANDKERNEL_TOKEN" not in environment
     finally:
         await gateway.request("DELETE", f"/api/sessions/{session['id']}")
+
+
+async def test_streaming_client_that_disconnects_interrupts_its_code(gateway):
+    import socket as socketlib
+
+    _, session = await gateway.request("POST", "/api/sessions", {})
+    sid = session["id"]
+    try:
+        body = json.dumps({"code": "import time\nprint('working', flush=True)\ntime.sleep(600)"}).encode()
+        raw = socketlib.create_connection(("127.0.0.1", gateway.port))
+        raw.sendall(
+            f"POST /api/sessions/{sid}/execute?stream=1 HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        received = b""
+        while b"working" not in received:  # the code is running: its first output has streamed
+            chunk = await asyncio.to_thread(raw.recv, 4096)
+            assert chunk, "stream closed early"
+            received += chunk
+        raw.close()
+        for _ in range(200):  # bounded wait for the outcome
+            _, model = await gateway.request("GET", f"/api/sessions/{sid}")
+            if model["kernel"]["execution_state"] == "idle":
+                break
+            await asyncio.sleep(0.05)
+        assert model["kernel"]["execution_state"] == "idle"
+        _, result = await gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": "print('free')"})
+        assert result["text"] == "free\n"
+        _, nb = await gateway.request("GET", f"/api/sessions/{sid}/notebook")
+        statuses = [c["metadata"]["sandkernel"]["status"] for c in nb["cells"] if c["cell_type"] == "code"]
+        assert statuses == ["interrupted", "ok"]
+    finally:
+        await gateway.request("DELETE", f"/api/sessions/{sid}")
