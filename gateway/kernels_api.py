@@ -45,7 +45,9 @@ class KernelsHandler(BaseHandler):
         if name not in KERNEL_NAMES:
             raise ApiError(400, f"unknown kernel name {name!r}; use one of {sorted(KERNEL_NAMES)}", "unknown_kernel")
         overrides = {"runtime": KERNEL_NAMES[name]}
-        managed = await self.call(self.registry.create(self.tenant, overrides=overrides, metadata={"name": "kernel"}))
+        managed = await self.call(
+            self.registry.create(self.tenant, overrides=overrides, metadata={"name": "kernel"}, origin="kernel_api")
+        )
         self.set_header("Location", f"/api/kernels/{managed.session.kernel_id}")
         self.write_json(managed.kernel_model(), status=201)
 
@@ -55,7 +57,16 @@ class KernelHandler(BaseHandler):
         self.write_json(self._managed(kernel_id).kernel_model())
 
     async def delete(self, kernel_id: str) -> None:
+        """Shut a kernel down. An agent session's kernel is refused (409): a person debugging it
+        from JupyterLab (or JupyterLab exiting) must not end the agent's sandbox."""
         managed = self._managed(kernel_id)
+        if managed.origin == "session_api":
+            raise ApiError(
+                409,
+                f"kernel {kernel_id} belongs to agent session {managed.id}; "
+                f"end it with DELETE /api/sessions/{managed.id}",
+                "conflict",
+            )
         await self.call(self.registry.delete(self.tenant, managed.id))
         self.set_status(204)
         self.finish()

@@ -42,6 +42,7 @@ class ManagedSession:
     last_activity: str = dataclasses.field(default_factory=_now)
     execution_state: str = "idle"
     connections: int = 0
+    origin: str = "session_api"  # or "kernel_api": who created it decides who may end it
     created_mono: float = dataclasses.field(default_factory=time.monotonic)
     active_mono: float = dataclasses.field(default_factory=time.monotonic)
 
@@ -105,6 +106,7 @@ class SessionRegistry:
         profile: str | None = None,
         overrides: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
+        origin: str = "session_api",
     ) -> ManagedSession:
         count = sum(1 for s in self._sessions.values() if s.tenant == tenant) + self._pending.get(tenant, 0)
         if count >= self.max_sessions_per_tenant:
@@ -128,7 +130,7 @@ class SessionRegistry:
         finally:
             self._pending[tenant] -= 1
         kernel_name = "sandkernel-python-gvisor" if session.profile.runtime.value == "runsc" else "sandkernel-python"
-        managed = ManagedSession(session, tenant, _now(), dict(metadata or {}), kernel_name)
+        managed = ManagedSession(session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})
         return managed

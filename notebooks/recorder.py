@@ -137,8 +137,13 @@ class TranscriptRecorder:
 
 
 def _replace_file(path: Path, text: str) -> None:
-    """Atomic replace: unique temp file in the same directory, then rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Atomic replace: unique temp file in the same directory, then rename. The directory is
+    made on first need: metadata may be recorded before :meth:`TranscriptRecorder.start`."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)

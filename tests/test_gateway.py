@@ -154,6 +154,8 @@ async def test_tenants_cannot_see_each_other(gateway):
     with pytest.raises(Exception) as err:
         await connect(gateway, kid, token=BOB)
     assert "404" in str(err.value)
+    code, body = await gateway.request("DELETE", f"/api/kernels/{kid}")
+    assert code == 409 and f"DELETE /api/sessions/{sid}" in body["message"]
     # Alice's session still works and is hers.
     code, result = await gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": "print('mine')"})
     assert code == 200 and result["text"] == "mine\n"

@@ -129,5 +129,15 @@ async def test_attach_to_an_agent_sessions_live_kernel(stack):
         assert session["kernel"]["id"] in [k["id"] for k in kernels]
         seen = await run_through_jupyter(url, session["kernel"]["id"], "agent_state['note']")
         assert seen["content"]["data"]["text/plain"] == "'from the agent'"
+        # Shutting the kernel down from JupyterLab must not end the agent's session.
+        code, _ = await jupyter(url, "DELETE", f"/api/kernels/{session['kernel']['id']}")
+        assert code != 204
+        code, result = await gateway.request(
+            "POST", f"/api/sessions/{session['id']}/execute", {"code": "agent_state['step']"}
+        )
+        assert result["status"] == "ok" and result["outputs"][0]["data"]["text/plain"] == "3"
+        _, nb = await gateway.request("GET", f"/api/sessions/{session['id']}/notebook")
+        sources = [c["metadata"]["sandkernel"].get("source") for c in nb["cells"] if c["cell_type"] == "code"]
+        assert "websocket" in sources  # what the person ran from Jupyter is in the transcript too
     finally:
         await gateway.request("DELETE", f"/api/sessions/{session['id']}")
