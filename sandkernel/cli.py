@@ -110,7 +110,8 @@ def _cmd_attach(args: argparse.Namespace) -> int:
     )
     print("3. In JupyterLab, open a notebook and pick that kernel (Kernel > Change Kernel > Use Kernel from Other")
     print("   Session). The agent's variables are there; the debugger panel works through the gateway.")
-    print("   Shutting the kernel down from JupyterLab ends the agent's session: detach instead.")
+    print("   Shutting the kernel down from JupyterLab is refused (409): the session ends only through")
+    print(f"   DELETE /api/sessions/{session['id']}, so closing JupyterLab leaves the agent working.")
     return 0
 
 
