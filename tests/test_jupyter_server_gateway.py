@@ -122,7 +122,15 @@ async def test_attach_to_an_agent_sessions_live_kernel(stack):
             {"code": "agent_state = {'step': 3, 'note': 'from the agent'}"},
         )
         assert result["status"] == "ok"
-        # Adopt the agent's kernel in jupyter_server (what `sandkernel attach` will print).
+        # `sandkernel attach` prints the steps, naming this kernel.
+        attach = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "sandkernel.cli", "attach", session["id"], "--url", gateway.url, "--token", ALICE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        printed = (await attach.communicate())[0].decode()
+        assert attach.returncode == 0 and f'"kernel_id": "{session["kernel"]["id"]}"' in printed
+        assert f"DELETE /api/sessions/{session['id']}" in printed
+        # Adopt the agent's kernel in jupyter_server, as printed.
         code, adopted = await jupyter(url, "POST", "/api/kernels", {"kernel_id": session["kernel"]["id"]})
         assert code == 201 and adopted["id"] == session["kernel"]["id"]
         code, kernels = await jupyter(url, "GET", "/api/kernels")
