@@ -1,1 +1,48 @@
-"""sandkernel.agent (see the issues for what lands here)."""
+"""The agent side: a Python client for the session API (sync and async), and a Claude tool-use
+loop that works in a sandbox and leaves its notebook."""
+
+from sandkernel.agent.client import AsyncSandkernel, AsyncSession
+from sandkernel.agent.errors import (
+    AuthenticationError,
+    BadRequestError,
+    ClientError,
+    CodeError,
+    ConflictError,
+    ExecutionFailed,
+    ExecutionInterruptedError,
+    ExecutionTimeoutError,
+    GatewayError,
+    GatewayUnreachableError,
+    KernelDiedError,
+    LimitExceededError,
+    NotFoundError,
+    OutOfMemoryError,
+    RequestTimeoutError,
+)
+from sandkernel.agent.execution import Execution, ExecutionError, Image
+from sandkernel.agent.sync_client import Sandkernel, Session
+
+__all__ = [
+    "AsyncSandkernel",
+    "AsyncSession",
+    "AuthenticationError",
+    "BadRequestError",
+    "ClientError",
+    "CodeError",
+    "ConflictError",
+    "Execution",
+    "ExecutionError",
+    "ExecutionFailed",
+    "ExecutionInterruptedError",
+    "ExecutionTimeoutError",
+    "GatewayError",
+    "GatewayUnreachableError",
+    "Image",
+    "KernelDiedError",
+    "LimitExceededError",
+    "NotFoundError",
+    "OutOfMemoryError",
+    "RequestTimeoutError",
+    "Sandkernel",
+    "Session",
+]

@@ -1,0 +1,370 @@
+"""Async Python client for the session API: ``AsyncSandkernel`` and ``AsyncSession``.
+
+    async with AsyncSandkernel() as sk:              # SANDKERNEL_URL / SANDKERNEL_TOKEN
+        async with sk.session(profile="small") as s:  # deleted on exit
+            result = await s.run("import pandas as pd; pd.__version__")
+            print(result.text, result.status, result.duration)
+
+Why tornado's HTTP client: tornado is already a core dependency (the gateway), and its
+``streaming_callback`` reads the NDJSON execute stream as it arrives. Idempotent calls (GET,
+PUT, DELETE, interrupt) are retried with exponential backoff on connection errors and 502/503/504;
+calls that start work (create, execute, restart) are never retried, since a retry could run
+the code twice. The sync twins live in :mod:`sandkernel.agent.sync_client`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
+from tornado.simple_httpclient import HTTPTimeoutError
+
+from sandkernel.agent.errors import (
+    ClientError,
+    GatewayUnreachableError,
+    RequestTimeoutError,
+    error_for_status,
+)
+from sandkernel.agent.execution import Execution
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL = "http://127.0.0.1:8888"
+RETRYABLE_STATUSES = (502, 503, 504)
+OutputCallback = Callable[[dict[str, Any]], Any]
+
+
+class AsyncSandkernel:
+    """A connection to one gateway with one token.
+
+    ``url`` and ``token`` default to ``SANDKERNEL_URL`` and ``SANDKERNEL_TOKEN``.
+    ``request_timeout`` bounds calls other than ``run`` (whose bound follows its own timeout).
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        request_timeout: float = 120.0,
+        max_retries: int = 4,
+        backoff: float = 0.25,
+    ) -> None:
+        self.url = (url or os.environ.get("SANDKERNEL_URL") or DEFAULT_URL).rstrip("/")
+        self.token = token or os.environ.get("SANDKERNEL_TOKEN")
+        self.request_timeout = request_timeout
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self._http: AsyncHTTPClient | None = None
+
+    async def __aenter__(self) -> AsyncSandkernel:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._http is not None:
+            self._http.close()
+            self._http = None
+
+    # -- sessions -------------------------------------------------------------------------
+
+    async def create_session(
+        self,
+        profile: str | None = None,
+        limits: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> AsyncSession:
+        """Start a sandbox (a container with its kernel); its transcript starts with it."""
+        body: dict[str, Any] = {"limits": limits or {}, "metadata": metadata or {}}
+        if profile:
+            body["profile"] = profile
+        info = await self.request("POST", "/api/sessions", body, idempotent=False, timeout=300)
+        return AsyncSession(self, info)
+
+    @contextlib.asynccontextmanager
+    async def session(self, profile: str | None = None, **options: Any) -> AsyncIterator[AsyncSession]:
+        """``async with sk.session() as s:``: a session deleted on exit (its notebook is kept)."""
+        created = await self.create_session(profile, **options)
+        try:
+            yield created
+        finally:
+            with contextlib.suppress(ClientError):
+                await created.delete()
+
+    async def get_session(self, session_id: str) -> AsyncSession:
+        return AsyncSession(self, await self.request("GET", f"/api/sessions/{quote(session_id)}"))
+
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        return await self.request("GET", "/api/sessions")
+
+    async def health(self) -> dict[str, Any]:
+        return await self.request("GET", "/api/health")
+
+    # -- HTTP -----------------------------------------------------------------------------
+
+    def _client(self) -> AsyncHTTPClient:
+        if self._http is None:
+            self._http = AsyncHTTPClient(force_instance=True, max_clients=64)
+        return self._http
+
+    def _request(self, method: str, path: str, body: bytes | None, timeout: float | None, **kw: Any) -> HTTPRequest:
+        headers = {"Accept": "application/json", **kw.pop("headers", {})}
+        if self.token:
+            headers["Authorization"] = f"token {self.token}"
+        if body is None and method in ("POST", "PUT"):
+            body = b""
+        return HTTPRequest(
+            self.url + path,
+            method=method,
+            body=body,
+            headers=headers,
+            request_timeout=timeout or self.request_timeout,
+            connect_timeout=10,
+            **kw,
+        )
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        json_body: Any = None,
+        *,
+        raw: bytes | None = None,
+        idempotent: bool | None = None,
+        timeout: float | None = None,
+        parse: bool = True,
+    ) -> Any:
+        """One call; JSON in and out. Raises the :mod:`~sandkernel.agent.errors` class for the failure."""
+        if idempotent is None:
+            idempotent = method in ("GET", "PUT", "DELETE", "HEAD")
+        body = raw if raw is not None else (json.dumps(json_body).encode() if json_body is not None else None)
+        headers = {"Content-Type": "application/json"} if raw is None and body is not None else {}
+        attempts = 1 + (self.max_retries if idempotent else 0)
+        for attempt in range(attempts):
+            try:
+                response = await self._client().fetch(
+                    self._request(method, path, body, timeout, headers=headers), raise_error=False
+                )
+                failure = _failure(response, method, path)
+            except (OSError, HTTPClientError) as err:  # refused, dropped, timed out: no HTTP answer
+                failure = self._transport_failure(method, path, err)
+            if failure is None:
+                return _parse(response) if parse else response.body
+            retryable = isinstance(failure, GatewayUnreachableError) or failure.status in RETRYABLE_STATUSES
+            if not retryable or attempt == attempts - 1:
+                raise failure
+            delay = self.backoff * 2**attempt
+            log.info("retrying %s %s in %.2fs: %s", method, path, delay, failure)
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def stream_execute(
+        self, session_id: str, body: dict[str, Any], on_output: OutputCallback, timeout: float
+    ) -> dict[str, Any]:
+        """POST execute with NDJSON streaming: ``on_output`` gets each output as it happens."""
+        buffer = bytearray()
+        result: dict[str, Any] = {}
+
+        def on_chunk(chunk: bytes) -> None:
+            buffer.extend(chunk)
+            while b"\n" in buffer:
+                line, _, rest = bytes(buffer).partition(b"\n")
+                buffer[:] = rest
+                try:
+                    event = json.loads(line)
+                except ValueError:  # an error body is one JSON document; handled below
+                    buffer[:0] = line + b"\n"
+                    return
+                if event.get("type") == "output":
+                    on_output(event["output"])
+                elif event.get("type") == "result":
+                    result.update(event["result"])
+
+        request = self._request(
+            "POST",
+            f"/api/sessions/{quote(session_id)}/execute?stream=1",
+            json.dumps(body).encode(),
+            timeout,
+            headers={"Content-Type": "application/json", "Accept": "application/x-ndjson"},
+            streaming_callback=on_chunk,
+        )
+        try:
+            response = await self._client().fetch(request, raise_error=False)
+        except (OSError, HTTPClientError) as err:
+            raise self._transport_failure("POST", request.url, err) from err
+        if response.code != 200 or not result:
+            failure = _failure(response, "POST", request.url, body=bytes(buffer))
+            raise failure or ClientError("the execute stream ended without a result", response.code)
+        return result
+
+    def _transport_failure(self, method: str, path: str, err: Exception) -> ClientError:
+        if isinstance(err, HTTPTimeoutError):
+            return RequestTimeoutError(f"{method} {path}: no answer from {self.url} within the request timeout")
+        return GatewayUnreachableError(f"cannot reach the sandkernel gateway at {self.url}: {err}")
+
+
+class AsyncSession:
+    """One sandbox: a kernel whose state persists between :meth:`run` calls, and its transcript."""
+
+    def __init__(self, client: AsyncSandkernel, info: dict[str, Any]) -> None:
+        self.client = client
+        self.info = info
+
+    @property
+    def id(self) -> str:
+        return self.info["id"]
+
+    @property
+    def kernel_id(self) -> str:
+        return self.info["kernel"]["id"]
+
+    def __repr__(self) -> str:
+        return f"<AsyncSession {self.id} at {self.client.url}>"
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with contextlib.suppress(ClientError):
+            await self.delete()
+
+    def _path(self, suffix: str = "") -> str:
+        return f"/api/sessions/{quote(self.id)}{suffix}"
+
+    async def run(
+        self,
+        code: str,
+        timeout: float | None = None,
+        *,
+        tag: str | None = None,
+        on_output: OutputCallback | None = None,
+        on_stdout: Callable[[str], Any] | None = None,
+        on_stderr: Callable[[str], Any] | None = None,
+        on_result: Callable[[dict[str, Any]], Any] | None = None,
+        on_error: Callable[[dict[str, Any]], Any] | None = None,
+        check: bool = False,
+    ) -> Execution:
+        """Run ``code`` in the session's kernel; state persists between calls.
+
+        With a callback, outputs stream in as they happen (``on_output`` gets every output in
+        nbformat shape; ``on_stdout``/``on_stderr`` get text; ``on_result`` MIME bundles;
+        ``on_error`` the error output). ``tag`` is recorded in the transcript cell (e.g. a
+        tool-use id). An exception in the code is ``result.error``, not raised, unless
+        ``check=True``; timeouts, kernel deaths and OOM kills are statuses likewise.
+        """
+        body: dict[str, Any] = {"code": code}
+        if timeout is not None:
+            body["timeout"] = timeout
+        if tag is not None:
+            body["tag"] = tag
+        request_timeout = (timeout + 120) if timeout else 3600.0
+        callbacks = (on_output, on_stdout, on_stderr, on_result, on_error)
+        if any(callbacks):
+            dispatch = _dispatcher(*callbacks)
+            reply = await self.client.stream_execute(self.id, body, dispatch, request_timeout)
+        else:
+            reply = await self.client.request(
+                "POST", self._path("/execute"), body, idempotent=False, timeout=request_timeout
+            )
+        execution = Execution.from_reply(reply)
+        return execution.raise_for_status() if check else execution
+
+    async def interrupt(self) -> None:
+        await self.client.request("POST", self._path("/interrupt"), idempotent=True)
+
+    async def restart(self) -> dict[str, Any]:
+        """Restart the kernel: variables are gone, workspace files stay."""
+        self.info = await self.client.request("POST", self._path("/restart"), idempotent=False, timeout=300)
+        return self.info
+
+    async def refresh(self) -> dict[str, Any]:
+        self.info = await self.client.request("GET", self._path())
+        return self.info
+
+    async def delete(self, delete_notebook: bool = False) -> None:
+        query = "?delete_notebook=1" if delete_notebook else ""
+        await self.client.request("DELETE", self._path(query))
+
+    async def upload(self, path: str, data: bytes | str) -> dict[str, Any]:
+        """Write a file in the session's workspace (``path`` relative to /workspace)."""
+        raw = data.encode() if isinstance(data, str) else data
+        return await self.client.request("PUT", self._path(f"/files/{quote(path)}"), raw=raw)
+
+    async def upload_file(self, local: str | Path, path: str | None = None) -> dict[str, Any]:
+        local = Path(local)
+        data = await asyncio.to_thread(local.read_bytes)
+        return await self.upload(path or local.name, data)
+
+    async def download(self, path: str) -> bytes:
+        return await self.client.request("GET", self._path(f"/files/{quote(path)}"), parse=False)
+
+    async def list_files(self, path: str = "") -> list[dict[str, Any]]:
+        return await self.client.request("GET", self._path("/files") + "?" + urlencode({"path": path}))
+
+    async def variables(self) -> list[dict[str, Any]]:
+        """Names, types and sizes in the kernel's namespace (cheap; values are not sent)."""
+        return await self.client.request("GET", self._path("/variables"))
+
+    async def notebook(self) -> dict[str, Any]:
+        """The session's transcript as an nbformat v4 document."""
+        return await self.client.request("GET", self._path("/notebook"))
+
+    async def add_markdown(self, text: str) -> None:
+        """Add a markdown cell (e.g. the agent's reasoning) to the transcript."""
+        await self.client.request("POST", self._path("/markdown"), {"text": text}, idempotent=False)
+
+
+def _dispatcher(
+    on_output: OutputCallback | None,
+    on_stdout: Callable[[str], Any] | None,
+    on_stderr: Callable[[str], Any] | None,
+    on_result: Callable[[dict[str, Any]], Any] | None,
+    on_error: Callable[[dict[str, Any]], Any] | None,
+) -> OutputCallback:
+    def dispatch(output: dict[str, Any]) -> None:
+        if on_output:
+            on_output(output)
+        kind = output.get("output_type")
+        if kind == "stream":
+            handler = on_stdout if output.get("name") == "stdout" else on_stderr
+            if handler:
+                handler(output.get("text", ""))
+        elif kind in ("display_data", "execute_result") and on_result:
+            on_result(output.get("data", {}))
+        elif kind == "error" and on_error:
+            on_error(output)
+
+    return dispatch
+
+
+def _failure(response: HTTPResponse, method: str, path: str, body: bytes | None = None) -> ClientError | None:
+    """The exception for a failed response, or None when it succeeded."""
+    if response.code < 400 and response.error is None:
+        return None
+    if response.code == 599:  # tornado's code for "no HTTP response"
+        if isinstance(response.error, HTTPTimeoutError):
+            return RequestTimeoutError(f"{method} {path}: no answer within the request timeout")
+        return GatewayUnreachableError(f"{method} {path}: {response.error}")
+    raw = body if body is not None else (response.body or b"")
+    try:
+        payload = json.loads(raw)
+        message, code = payload.get("message") or str(payload), payload.get("error", "")
+    except (ValueError, AttributeError):
+        message, code = raw.decode(errors="replace")[:500] or response.reason, ""
+    return error_for_status(response.code, message, code)
+
+
+def _parse(response: HTTPResponse) -> Any:
+    if not response.body:
+        return None
+    return json.loads(response.body)

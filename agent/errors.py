@@ -1,0 +1,112 @@
+"""Exceptions of the Python client, one per failure kind, so callers can catch what they handle.
+
+Two families: the gateway refused or could not serve a request (:class:`ClientError` and its
+HTTP-status subclasses, :class:`GatewayUnreachableError`, :class:`RequestTimeoutError`), and
+code that ran but did not finish well (:class:`ExecutionFailed` subclasses, raised only when the
+caller asks: ``run(..., check=True)`` or :meth:`Execution.raise_for_status`). An exception in the
+user's code is data in the :class:`~sandkernel.agent.execution.Execution` unless asked otherwise,
+as in E2B's ``run_code``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sandkernel.agent.execution import Execution
+
+
+class ClientError(Exception):
+    """The gateway answered with an error. ``status`` is the HTTP status (0 when there was none),
+    ``code`` the gateway's machine code, ``message`` its sentence saying what to fix."""
+
+    def __init__(self, message: str, status: int = 0, code: str = "") -> None:
+        super().__init__(f"{message} (HTTP {status})" if status else message)
+        self.message = message
+        self.status = status
+        self.code = code
+
+
+class BadRequestError(ClientError, ValueError):
+    """400/422: an argument the gateway cannot use (the message names it)."""
+
+
+class AuthenticationError(ClientError, PermissionError):
+    """401/403: no token, or a wrong one. Set SANDKERNEL_TOKEN or pass ``token=``."""
+
+
+class NotFoundError(ClientError, LookupError):
+    """404: no such session or file, or it belongs to another token."""
+
+
+class ConflictError(ClientError):
+    """409: the request conflicts with the resource's state."""
+
+
+class LimitExceededError(ClientError):
+    """413/429: a size or count limit was hit (body, file, sessions per token)."""
+
+
+class GatewayError(ClientError):
+    """5xx: the gateway or Docker behind it failed; retrying later may help."""
+
+
+class GatewayUnreachableError(ClientError, ConnectionError):
+    """No connection to the gateway (after the retries allowed for the call)."""
+
+
+class RequestTimeoutError(ClientError, TimeoutError):
+    """The gateway did not answer within the client's request timeout."""
+
+
+class ExecutionFailed(ClientError):
+    """Code ran in the sandbox but did not end ``ok``; ``execution`` holds what it produced."""
+
+    def __init__(self, message: str, execution: Execution) -> None:
+        super().__init__(message, 0, execution.status)
+        self.execution = execution
+
+
+class CodeError(ExecutionFailed):
+    """The code raised an exception (``execution.error`` has name, value, traceback)."""
+
+
+class ExecutionTimeoutError(ExecutionFailed, TimeoutError):
+    """The code ran past its timeout and was stopped (``execution.ended_by`` says how)."""
+
+
+class ExecutionInterruptedError(ExecutionFailed):
+    """The execution was interrupted (by :meth:`interrupt` or a disconnect)."""
+
+
+class KernelDiedError(ExecutionFailed):
+    """The kernel process died during the execution; its variables are gone."""
+
+
+class OutOfMemoryError(KernelDiedError, MemoryError):
+    """The kernel was killed for using more memory than its profile allows."""
+
+
+STATUS_ERRORS: dict[int, type[ClientError]] = {
+    400: BadRequestError,
+    401: AuthenticationError,
+    403: AuthenticationError,
+    404: NotFoundError,
+    409: ConflictError,
+    413: LimitExceededError,
+    422: BadRequestError,
+    429: LimitExceededError,
+}
+
+EXECUTION_ERRORS: dict[str, type[ExecutionFailed]] = {
+    "error": CodeError,
+    "timeout": ExecutionTimeoutError,
+    "interrupted": ExecutionInterruptedError,
+    "kernel_died": KernelDiedError,
+    "oom": OutOfMemoryError,
+}
+
+
+def error_for_status(status: int, message: str, code: str = "") -> ClientError:
+    cls = STATUS_ERRORS.get(status) or (GatewayError if status >= 500 else ClientError)
+    return cls(message, status, code)

@@ -1,0 +1,106 @@
+"""What one ``run`` returns: the ordered outputs in nbformat shape, plus views people reach for.
+
+Field names follow the gateway's execute reply; the views (``text``, ``stdout``, ``results``,
+``images``, ``error``) are what E2B's ``Execution`` users expect to find.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+from typing import Any
+
+from sandkernel.agent.errors import EXECUTION_ERRORS
+
+IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutionError:
+    """An exception raised by the code in the sandbox."""
+
+    name: str
+    value: str
+    traceback: list[str]
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.value}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Image:
+    """An image the code displayed (e.g. a matplotlib figure), decoded."""
+
+    mime_type: str
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Execution:
+    status: str  # ok | error | timeout | interrupted | kernel_died | oom
+    outputs: list[dict[str, Any]]
+    execution_count: int | None
+    duration: float
+    started_at: str = ""
+    text: str = ""
+    error: ExecutionError | None = None
+    ended_by: str | None = None
+    state_lost: str | None = None
+    truncation: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_reply(cls, reply: dict[str, Any]) -> Execution:
+        error = reply.get("error")
+        return cls(
+            status=reply["status"],
+            outputs=list(reply.get("outputs") or []),
+            execution_count=reply.get("execution_count"),
+            duration=float(reply.get("duration") or 0.0),
+            started_at=reply.get("started_at") or "",
+            text=reply.get("text") or "",
+            error=ExecutionError(error["name"], error["value"], list(error.get("traceback") or [])) if error else None,
+            ended_by=reply.get("ended_by"),
+            state_lost=reply.get("state_lost"),
+            truncation=reply.get("truncation") or {},
+        )
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def truncated(self) -> bool:
+        """True when the reply was cut to the gateway's output budget (the notebook has it all)."""
+        return bool(self.truncation.get("truncated"))
+
+    def _stream(self, name: str) -> str:
+        return "".join(o["text"] for o in self.outputs if o["output_type"] == "stream" and o.get("name") == name)
+
+    @property
+    def stdout(self) -> str:
+        return self._stream("stdout")
+
+    @property
+    def stderr(self) -> str:
+        return self._stream("stderr")
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        """MIME bundles of display_data and execute_result outputs, in order."""
+        return [o.get("data", {}) for o in self.outputs if o["output_type"] in ("display_data", "execute_result")]
+
+    @property
+    def images(self) -> list[Image]:
+        found = []
+        for bundle in self.results:
+            for mime in IMAGE_MIME_TYPES:
+                if isinstance(bundle.get(mime), str):
+                    found.append(Image(mime, base64.b64decode(bundle[mime])))
+        return found
+
+    def raise_for_status(self) -> Execution:
+        """Raise the :mod:`~sandkernel.agent.errors` exception for a non-ok status; else return self."""
+        if self.ok:
+            return self
+        detail = str(self.error) if self.error else (self.state_lost or self.status)
+        raise EXECUTION_ERRORS.get(self.status, EXECUTION_ERRORS["error"])(f"execution {self.status}: {detail}", self)
