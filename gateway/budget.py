@@ -27,7 +27,7 @@ def _marker(cut: int) -> str:
     return f"\n…[sandkernel: {cut} bytes of output cut here; the full output is in the session notebook]…\n"
 
 
-def _clip(text: str, keep: int) -> tuple[str, int, int]:
+def clip_text(text: str, keep: int) -> tuple[str, int, int]:
     """Keep at most ``keep`` bytes of ``text`` (head and tail halves around a marker).
 
     Returns the new text, the bytes of the original kept, and the bytes cut.
@@ -51,7 +51,7 @@ def apply_budget(outputs: list[dict[str, Any]], budget: OutputBudget) -> tuple[l
 
     def clip(value: str) -> str:
         nonlocal remaining, text_cut
-        clipped, kept, cut = _clip(value, remaining)
+        clipped, kept, cut = clip_text(value, remaining)
         remaining -= kept
         text_cut += cut
         return clipped

@@ -44,6 +44,9 @@ class FilesHandler(SessionHandler):
             written = await files.write(path, self.body)
         except WorkspaceFileError as err:
             raise ApiError(STATUS_FOR_FILE_ERROR.get(err.code, 400), str(err), err.code) from None
+        recorder = self.managed(session_id).session.recorder
+        if recorder is not None:  # so a replay can restore the session's inputs
+            recorder.record_input(written.get("path", path), self.body)
         self.write_json(written, status=201)
 
 

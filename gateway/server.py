@@ -141,6 +141,7 @@ async def serve(
     shutdown_grace: float = 10.0,
     cull_interval: float = CULL_INTERVAL,
     notebook_dir: Path | None = None,
+    announce: bool = True,
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set).
 
@@ -160,11 +161,12 @@ async def serve(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
     url = f"http://{ip}:{port}"
-    print(f"sandkernel gateway at {url}", flush=True)
-    print(f"notebooks: {notebook_dir or default_notebook_dir()}", flush=True)
-    if shown_token:
-        print(f"token: {shown_token}", flush=True)
-        print(f"JupyterLab: jupyter lab --gateway-url={url} --GatewayClient.auth_token={shown_token}", flush=True)
+    if announce:
+        print(f"sandkernel gateway at {url}", flush=True)
+        print(f"notebooks: {notebook_dir or default_notebook_dir()}", flush=True)
+        if shown_token:
+            print(f"token: {shown_token}", flush=True)
+            print(f"JupyterLab: jupyter lab --gateway-url={url} --GatewayClient.auth_token={shown_token}", flush=True)
     if ready is not None:
         ready.set()
     culler = asyncio.create_task(_cull_forever(registry, cull_interval))
@@ -175,4 +177,5 @@ async def serve(
         server.stop()
         await registry.interrupt_busy(shutdown_grace)
         await registry.shutdown_all()
-        print("gateway stopped; all sessions shut down", flush=True)
+        if announce:
+            print("gateway stopped; all sessions shut down", flush=True)

@@ -11,7 +11,9 @@ not run when a reviewer opens them in Jupyter.
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime as dt
+import hashlib
 import json
 import os
 import tempfile
@@ -22,6 +24,9 @@ import nbformat
 
 from sandkernel.kernels.outputs import ExecutionResult
 from sandkernel.notebooks.transcript import build_notebook, markdown_cell, result_to_cell
+
+# Uploaded files up to this size are embedded in the transcript (see record_input).
+EMBED_INPUT_BYTES = 2 * 1024 * 1024
 
 
 def default_notebook_dir() -> Path:
@@ -82,6 +87,21 @@ class TranscriptRecorder:
         cell = markdown_cell(text)
         cell.metadata["sandkernel"] = {"role": role, "at": dt.datetime.now(dt.timezone.utc).isoformat()}
         self._append(cell)
+
+    def record_input(self, path: str, data: bytes) -> None:
+        """Note a file uploaded into the workspace, so a replay can put it back before the same
+        cell. Files up to :data:`EMBED_INPUT_BYTES` are embedded (base64): the transcript is then
+        self-contained; larger ones are named by size and SHA-256 and ``replay --file`` supplies them."""
+        entry: dict[str, Any] = {
+            "path": path,
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "before_cell": sum(1 for cell in self.notebook.cells if cell.cell_type == "code"),
+        }
+        if len(data) <= EMBED_INPUT_BYTES:
+            entry["base64"] = base64.b64encode(data).decode()
+        inputs = [i for i in self.notebook.metadata["sandkernel"].get("inputs", []) if i["path"] != path]
+        self.update_metadata(inputs=[*inputs, entry])
 
     def update_metadata(self, **values: Any) -> None:
         self.notebook.metadata["sandkernel"].update(values)

@@ -58,7 +58,9 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(f"sandkernel: no notebook at {path}", file=sys.stderr)
         return 2
     kernel = "sandkernel-python-gvisor" if args.runtime == "runsc" else "sandkernel-python"
-    target, verdicts = replay_notebook(path, until=args.until, kernel_name=kernel, rules_file=args.rules)
+    target, verdicts = replay_notebook(
+        path, until=args.until, kernel_name=kernel, rules_file=args.rules, files=[Path(f) for f in args.file]
+    )
     print(format_report(verdicts))
     print(f"replayed notebook: {target}")
     return 0 if all(v.verdict == "same" for v in verdicts) else 1
@@ -202,6 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--until", type=int, default=None, help="replay only the first N code cells")
     replay.add_argument("--runtime", choices=["runc", "runsc"], default="runc", help="container runtime")
     replay.add_argument("--rules", default=None, help='JSON [["regex", "replacement"], ...] for volatile text')
+    replay.add_argument(
+        "--file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="an input file the session uploaded that is too large to be embedded in the transcript (repeatable)",
+    )
     replay.set_defaults(func=_cmd_replay)
 
     diff = sub.add_parser("diff", help="compare two transcripts cell by cell")

@@ -1,0 +1,112 @@
+"""Run one task end to end: a sandbox session, the user's files uploaded, the Claude loop, the
+notebook saved. Shared by ``sandkernel agent``, ``sandkernel demo``, the tests and the benchmark.
+
+Without a gateway URL, :func:`local_gateway` runs one in this process on a loopback port with a
+fresh token, so a single command needs nothing else running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import secrets
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import nbformat
+
+from sandkernel.agent.client import AsyncSandkernel, AsyncSession
+from sandkernel.agent.errors import ClientError
+from sandkernel.agent.loop import AgentConfig, AgentRun, ClaudeAgent, Progress
+from sandkernel.notebooks.transcript import write_notebook_atomic
+
+
+@dataclasses.dataclass
+class TaskOutcome:
+    run: AgentRun
+    session_id: str
+    notebook: dict[str, Any]
+    notebook_path: Path | None  # where the notebook was written, if asked; else the gateway's copy
+    transcript: str | None  # the gateway's transcript path
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def local_gateway(notebook_dir: Path | None = None, **options: Any) -> AsyncIterator[AsyncSandkernel]:
+    """A gateway in this process (loopback, fresh token) and a client for it; stopped on exit."""
+    from sandkernel.gateway.server import serve
+
+    token, port = secrets.token_urlsafe(24), _free_port()
+    ready, stop = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(
+        serve("127.0.0.1", port, token, ready=ready, stop=stop, notebook_dir=notebook_dir, announce=False, **options)
+    )
+    waiter = asyncio.create_task(ready.wait())
+    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        waiter.cancel()
+        task.result()  # raises what stopped the gateway from starting
+    try:
+        async with AsyncSandkernel(f"http://127.0.0.1:{port}", token) as client:
+            yield client
+    finally:
+        stop.set()
+        await task
+
+
+async def upload_inputs(session: AsyncSession, paths: list[Path]) -> list[str]:
+    """Upload files (a directory keeps its name and layout); returns the workspace paths."""
+    uploaded = []
+    for path in paths:
+        if path.is_dir():
+            for item in sorted(p for p in path.rglob("*") if p.is_file()):
+                target = f"{path.name}/{item.relative_to(path).as_posix()}"
+                await session.upload_file(item, target)
+                uploaded.append(target)
+        else:
+            await session.upload_file(path)
+            uploaded.append(path.name)
+    return uploaded
+
+
+async def run_task(
+    task: str,
+    sandkernel: AsyncSandkernel,
+    model_client: anthropic.AsyncAnthropic,
+    *,
+    files: list[Path] | None = None,
+    config: AgentConfig | None = None,
+    progress: Progress | None = None,
+    profile: str | None = None,
+    notebook_path: Path | None = None,
+    download: list[str] | None = None,
+    download_to: Path | None = None,
+) -> TaskOutcome:
+    """Create a session, upload ``files``, run the loop, fetch the notebook (written to
+    ``notebook_path`` if given) and any ``download`` files, then delete the session."""
+    config = config or AgentConfig()
+    metadata = {"agent": "sandkernel.agent", "model": config.model, "task": task[:500]}
+    async with sandkernel.session(profile, metadata=metadata) as session:
+        if progress:
+            progress("session", {"id": session.id, "url": sandkernel.url})
+        uploaded = await upload_inputs(session, files or [])
+        if progress and uploaded:
+            progress("uploaded", {"paths": uploaded})
+        run = await ClaudeAgent(model_client, session, config, progress).run(task)
+        notebook = await session.notebook()
+        for name in download or []:
+            with contextlib.suppress(ClientError):  # a file the agent did not write
+                data = await session.download(name)
+                (download_to or Path.cwd()).joinpath(Path(name).name).write_bytes(data)
+    if notebook_path is not None:
+        await asyncio.to_thread(write_notebook_atomic, nbformat.from_dict(notebook), notebook_path)
+    return TaskOutcome(run, session.id, notebook, notebook_path, session.info.get("path"))
