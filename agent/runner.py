@@ -87,6 +87,7 @@ async def run_task(
     config: AgentConfig | None = None,
     progress: Progress | None = None,
     profile: str | None = None,
+    limits: dict[str, Any] | None = None,
     notebook_path: Path | None = None,
     download: list[str] | None = None,
     download_to: Path | None = None,
@@ -95,7 +96,7 @@ async def run_task(
     ``notebook_path`` if given) and any ``download`` files, then delete the session."""
     config = config or AgentConfig()
     metadata = {"agent": "sandkernel.agent", "model": config.model, "task": task[:500]}
-    async with sandkernel.session(profile, metadata=metadata) as session:
+    async with sandkernel.session(profile, limits=limits, metadata=metadata) as session:
         if progress:
             progress("session", {"id": session.id, "url": sandkernel.url})
         uploaded = await upload_inputs(session, files or [])

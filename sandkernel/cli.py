@@ -1,6 +1,7 @@
 """The ``sandkernel`` command line.
 
-sandkernel demo                 run a sandboxed session doing real data work; leaves a notebook
+sandkernel demo                 an agent analyses a CSV in a sandbox; leaves report.png and a notebook
+sandkernel agent TASK           run a task with Claude in a fresh sandbox (--file data.csv ...)
 sandkernel run CODE             execute code (or - for stdin) in a fresh sandbox and print the result
 sandkernel image build          build the kernel image (works with no registry)
 sandkernel doctor               check Docker, the image, runc and runsc, and say how to fix
@@ -24,7 +25,7 @@ from sandkernel.errors import SandkernelError
 def _cmd_demo(args: argparse.Namespace) -> int:
     from sandkernel.demo import run_demo
 
-    return run_demo(Path(args.notebook), runtime=args.runtime)
+    return run_demo(Path(args.notebook), runtime=args.runtime, workdir=Path(args.workdir))
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -184,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="WARNING", help="DEBUG, INFO, WARNING (default) or ERROR")
     parser.add_argument("--log-format", choices=["text", "json"], default="text", help="log line format")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    from sandkernel.agent.cli import add_parser as add_agent_parser
+
+    add_agent_parser(sub)
 
     serve = sub.add_parser("serve", help="run the gateway: Jupyter-compatible kernel API and session API")
     serve.add_argument("--ip", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -225,8 +229,16 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--token", default=None, help="gateway token (default: $SANDKERNEL_TOKEN)")
     attach.set_defaults(func=_cmd_attach)
 
-    demo = sub.add_parser("demo", help="run a sandboxed session doing data work and write its notebook")
+    demo = sub.add_parser(
+        "demo",
+        help="an agent analyses a sales CSV in a sandbox and leaves its notebook (offline without an API key)",
+        description="The main job: an agent computes quarterly sales from a CSV in a sandboxed kernel, draws "
+        "report.png and answers; the session notebook is written. With ANTHROPIC_API_KEY Claude does the task; "
+        "without it a scripted conversation is played by a local offline Messages API server (said plainly), "
+        "and the code still runs for real in the sandbox.",
+    )
     demo.add_argument("--notebook", default="sandkernel-demo.ipynb", help="where to write the notebook")
+    demo.add_argument("--workdir", default="sandkernel-demo", help="where sales.csv and report.png go")
     demo.add_argument("--runtime", choices=["runc", "runsc"], default="runc", help="container runtime")
     demo.set_defaults(func=_cmd_demo)
 

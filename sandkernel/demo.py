@@ -1,86 +1,70 @@
-"""The main job: one sandboxed session doing real data work, leaving its notebook.
+"""The main job: an agent analyses a sales CSV in a sandbox and leaves its notebook.
 
-Run by ``sandkernel demo`` (and scripts/demo.sh). The cells build a small sales data set in
-the sandbox's workspace, summarise it with pandas, draw a chart with matplotlib, show that
-state persists between calls, and show the sandbox holding (no network, read-only root).
+Run by ``sandkernel demo`` (and scripts/demo.sh). With ``ANTHROPIC_API_KEY`` set, Claude does
+the task; without it, the scripted conversation of the sales scenario is played by the local
+offline Messages API server through the real ``anthropic`` SDK. Either way the code runs for
+real in a sandboxed kernel behind an in-process gateway, report.png is copied out, and the
+session's notebook is written.
 """
 
 from __future__ import annotations
 
-import platform
-import time
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-from sandkernel.kernels.outputs import ExecutionStatus
-from sandkernel.kernels.session import KernelSession
-from sandkernel.notebooks.recorder import TranscriptRecorder
+import anthropic
 
-DEMO_CELLS = [
-    (
-        "Make a year of daily sales in the sandbox's workspace.",
-        """import numpy as np, pandas as pd
-rng = np.random.default_rng(7)
-days = pd.date_range("2025-01-01", "2025-12-31", freq="D")
-orders = pd.DataFrame({
-    "date": rng.choice(days, 2000),
-    "region": rng.choice(["north", "south", "east", "west"], 2000),
-    "amount": rng.gamma(2.0, 40.0, 2000).round(2),
-})
-orders.to_csv("sales.csv", index=False)
-print(f"wrote sales.csv: {len(orders)} orders")""",
-    ),
-    (
-        "Per-quarter totals and average order value (the data frame is still in memory).",
-        """orders["quarter"] = pd.PeriodIndex(orders["date"], freq="Q").astype(str)
-summary = orders.groupby("quarter")["amount"].agg(total="sum", orders="count", avg_order="mean").round(2)
-summary""",
-    ),
-    (
-        "A chart, returned as a PNG and saved in the workspace.",
-        """import matplotlib.pyplot as plt
-fig, ax = plt.subplots(figsize=(6, 3))
-summary["total"].plot(kind="bar", ax=ax, color="#4c72b0", title="Sales per quarter")
-fig.tight_layout(); fig.savefig("report.png"); plt.show()
-import os; print(sorted(os.listdir(".")))""",
-    ),
-    (
-        "The sandbox holds: only loopback, a read-only root, an unprivileged user.",
-        """import os, socket
-print("interfaces:", [name for _, name in socket.if_nameindex()])
-try:
-    open("/etc/hacked", "w")
-except OSError as err:
-    print("write to /etc:", err.strerror)
-print("uid:", os.getuid())""",
-    ),
-]
+from sandkernel.agent.cli import ProgressPrinter, print_outcome
+from sandkernel.agent.loop import DEFAULT_MODEL, AgentConfig
+from sandkernel.agent.offline_api import ScriptedMessagesServer
+from sandkernel.agent.runner import local_gateway, run_task
+from sandkernel.agent.scenarios import SCENARIOS
+
+OFFLINE_NOTICE = (
+    "ANTHROPIC_API_KEY is not set: playing a scripted conversation from a local offline Messages API\n"
+    "server instead of Claude. The code still runs for real in the sandbox. Set ANTHROPIC_API_KEY to\n"
+    "let Claude do the task."
+)
 
 
-def run_demo(notebook_path: Path, runtime: str = "runc") -> int:
-    """Run the demo cells, print what they return; the session's recorder writes the notebook
-    after every cell (crash-safe). Returns an exit code."""
-    import asyncio
+@contextlib.asynccontextmanager
+async def model_client(scenario_name: str) -> AsyncIterator[tuple[anthropic.AsyncAnthropic, str]]:
+    if os.environ.get("ANTHROPIC_API_KEY"):
+        yield anthropic.AsyncAnthropic(), os.environ.get("SANDKERNEL_MODEL") or DEFAULT_MODEL
+        return
+    print(OFFLINE_NOTICE, flush=True)
+    async with ScriptedMessagesServer(SCENARIOS[scenario_name].turns()) as server:
+        yield anthropic.AsyncAnthropic(base_url=server.url, api_key="offline"), "scripted (offline)"
 
-    failures = asyncio.run(_run(notebook_path.resolve(), runtime))
-    print(f"notebook: {notebook_path.resolve()}")
-    return 1 if failures else 0
+
+async def _run(notebook_path: Path, workdir: Path, runtime: str) -> int:
+    scenario = SCENARIOS["sales"]
+    await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
+    files = await asyncio.to_thread(scenario.make_files, workdir)
+    async with model_client(scenario.name) as (client, model), local_gateway() as sandkernel:
+        progress = ProgressPrinter(model=model)
+        print(f"task: {scenario.task}\n", flush=True)
+        outcome = await run_task(
+            scenario.task,
+            sandkernel,
+            client,
+            files=files,
+            config=AgentConfig(model=model if "offline" not in model else DEFAULT_MODEL),
+            progress=progress,
+            limits={"runtime": runtime},
+            notebook_path=notebook_path,
+            download=["report.png"],
+            download_to=workdir,
+        )
+    print_outcome(outcome)
+    if (workdir / "report.png").exists():
+        print(f"chart: {workdir / 'report.png'}")
+    return 0 if outcome.run.stop == "answer" else 1
 
 
-async def _run(notebook_path: Path, runtime: str) -> int:
-    t0 = time.monotonic()
-    recorder = TranscriptRecorder(notebook_path, {"host": platform.node(), "purpose": "sandkernel demo"})
-    failures = 0
-    async with await KernelSession.start(overrides={"runtime": runtime}, recorder=recorder) as session:
-        print(f"sandbox ready in {time.monotonic() - t0:.2f}s (runtime {runtime}, session {session.id[:12]})\n")
-        for note, code in DEMO_CELLS:
-            await recorder.add_markdown(note)
-            result = await session.execute(code, timeout=120, source="cli")
-            images = sum("image/png" in o.get("data", {}) for o in result.outputs)
-            shown = f", {images} image(s)" if images else ""
-            print(f"## {note}\n[{result.status.value}, {result.duration:.2f}s{shown}]")
-            print(result.text.rstrip() or "(no text output)")
-            if result.error:
-                print(f"{result.error.name}: {result.error.value}")
-            print()
-            failures += result.status is not ExecutionStatus.OK
-    return failures
+def run_demo(notebook_path: Path, runtime: str = "runc", workdir: Path | None = None) -> int:
+    """Returns an exit code: 0 when the agent answered."""
+    return asyncio.run(_run(notebook_path.resolve(), (workdir or Path("sandkernel-demo")).resolve(), runtime))

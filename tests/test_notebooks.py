@@ -232,3 +232,21 @@ def test_bad_notebook_paths_get_clear_errors(tmp_path):
     proc = run_cli("replay", str(tmp_path / "missing.ipynb"))
     assert proc.returncode == 2 and "no notebook at" in proc.stderr
     assert os.path.exists(EXAMPLES / "sales-demo.ipynb")
+
+
+def test_replay_restores_uploads_and_asks_for_files_too_large_to_embed(tmp_path):
+    from sandkernel.agent.scenarios import make_sales_files
+
+    nb = nbformat.read(EXAMPLES / "sales-demo.ipynb", as_version=4)
+    [entry] = nb.metadata["sandkernel"]["inputs"]
+    assert entry["path"] == "sales.csv" and entry["before_cell"] == 0 and "base64" in entry
+    del entry["base64"]  # as for an upload over the embedding limit
+    path = tmp_path / "big-input.ipynb"
+    nbformat.write(nb, path)
+    proc = run_cli("replay", str(path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "needs the file sales.csv" in proc.stderr and "pass it with --file" in proc.stderr
+    [csv_path] = make_sales_files(tmp_path)
+    proc = run_cli("replay", str(path), "--file", str(csv_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "3 of 3 code cells the same" in proc.stdout

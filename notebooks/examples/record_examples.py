@@ -2,14 +2,16 @@
 
     python notebooks/examples/record_examples.py
 
-sales-demo.ipynb is the README demo (``sandkernel demo``); error-recovery.ipynb is an agent-style
-session that hits an error, reads the traceback and fixes it. The test suite replays both.
+sales-demo.ipynb is the README demo (``sandkernel demo``: the agent's sales scenario, scripted
+offline when ANTHROPIC_API_KEY is unset); error-recovery.ipynb is an agent-style session that hits
+an error, reads the traceback and fixes it. The test suite replays both.
 """
 
 from __future__ import annotations
 
 import asyncio
 import platform
+import tempfile
 from pathlib import Path
 
 from sandkernel.demo import run_demo
@@ -47,6 +49,7 @@ async def record_recovery(path: Path) -> None:
 
 
 if __name__ == "__main__":
-    run_demo(HERE / "sales-demo.ipynb")
+    with tempfile.TemporaryDirectory() as workdir:
+        run_demo(HERE / "sales-demo.ipynb", workdir=Path(workdir))
     asyncio.run(record_recovery(HERE / "error-recovery.ipynb"))
     print("recorded", sorted(p.name for p in HERE.glob("*.ipynb")))
