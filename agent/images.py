@@ -43,6 +43,8 @@ def image_block(image: Image) -> dict[str, Any] | str:
                 buffer = io.BytesIO()
                 resized.save(buffer, format="PNG", optimize=True)
                 data, mime = buffer.getvalue(), "image/png"
-    except (OSError, ValueError, PILImage.DecompressionBombError) as err:
+    except PILImage.DecompressionBombError:
+        return "[image not shown: too large to decode safely]"
+    except (OSError, ValueError) as err:
         return f"[image not shown: it could not be read ({err})]"
     return {"type": "image", "source": {"type": "base64", "media_type": mime, "data": base64.b64encode(data).decode()}}

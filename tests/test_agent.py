@@ -137,6 +137,9 @@ async def test_loop_limits_stop_a_model_that_never_finishes(sandkernel):
         assert run.stop == "max_turns" and run.turns == 3 and len(server.requests) == 3
         run = await ClaudeAgent(model, s, AgentConfig(max_total_tokens=1)).run("loop forever")
         assert run.stop == "max_tokens" and run.turns == 1
+        run = await ClaudeAgent(model, s, AgentConfig(max_seconds=0)).run("loop forever")
+        assert run.stop == "max_seconds" and run.turns == 0
+        assert len(server.requests) == 4  # the time limit stopped it before any model call
 
 
 async def test_repeated_failures_stop_as_stuck(sandkernel):
@@ -163,3 +166,21 @@ async def test_offline_server_refuses_what_the_real_api_would(sandkernel):
                 ],
             )
         assert "without tool_result" in str(err.value)
+
+
+async def test_malformed_tool_calls_get_error_results_and_the_loop_goes_on(sandkernel):
+    turns = [
+        ScriptedTurn([call("delete_everything", path="/"), call("run_python", code="   ")]),
+        ScriptedTurn([call("run_python", code="print('still here')")]),
+        ScriptedTurn([call("final_answer", answer="done")]),
+    ]
+    async with ScriptedMessagesServer(turns) as server, sandkernel.session(profile="small") as s:
+        model = anthropic.AsyncAnthropic(base_url=server.url, api_key="offline-test", max_retries=0)
+        run = await ClaudeAgent(model, s, AgentConfig(stream=False)).run("misbehave")
+        assert run.stop == "answer" and run.answer == "done"
+        first = server.requests[1]["messages"][-1]["content"]
+        assert [b["is_error"] for b in first] == [True, True]
+        assert "unknown tool 'delete_everything'" in first[0]["content"] and "non-empty 'code'" in first[1]["content"]
+        assert "still here" in json.dumps(server.requests[2]["messages"][-1])
+        nb = await s.notebook()
+        assert [c["source"] for c in nb["cells"] if c["cell_type"] == "code"] == ["print('still here')"]

@@ -51,6 +51,8 @@ async def test_run_keeps_state_and_returns_ordered_outputs(session):
     assert [o["output_type"] for o in first.outputs] == ["stream", "stream", "execute_result"]
     assert first.stdout == "out\n" and first.stderr == "err\n"
     assert first.results[0]["text/plain"] == "6" and first.duration > 0
+    shell = await session.run("!echo shell works in $PWD")
+    assert shell.ok and shell.text.strip() == "shell works in /workspace"  # a pty: \r\n
     second = await session.run("rows.append(4); len(rows)", tag="toolu_01")
     assert second.text == "4\n" and second.execution_count == first.execution_count + 1
     nb = await session.notebook()
