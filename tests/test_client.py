@@ -54,7 +54,7 @@ async def test_run_keeps_state_and_returns_ordered_outputs(session):
     shell = await session.run("!echo shell works in $PWD")
     assert shell.ok and shell.text.strip() == "shell works in /workspace"  # a pty: \r\n
     second = await session.run("rows.append(4); len(rows)", tag="toolu_01")
-    assert second.text == "4\n" and second.execution_count == first.execution_count + 1
+    assert second.text == "4\n" and second.execution_count == first.execution_count + 2
     nb = await session.notebook()
     tags = [c["metadata"]["sandkernel"].get("tag") for c in nb["cells"] if c["cell_type"] == "code"]
     assert "toolu_01" in tags
