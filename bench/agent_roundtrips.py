@@ -32,7 +32,7 @@ from sandkernel.agent.loop import AgentConfig
 from sandkernel.agent.offline_api import ScriptedMessagesServer
 from sandkernel.agent.runner import local_gateway, run_task
 from sandkernel.agent.scenarios import SCENARIOS
-from sandkernel.kernels.container import SANDBOX_USER, WORKSPACE
+from sandkernel.kernels.container import WORKSPACE
 from sandkernel.kernels.session import KernelSession
 from sandkernel.kernels.workspace_files import WorkspaceFiles
 
@@ -71,7 +71,7 @@ async def fresh_process(session: KernelSession, code: str) -> tuple[bool, float]
         exec_id = api.exec_create(
             session.container.id,
             ["python", "-c", code],
-            user=SANDBOX_USER,
+            user=session.container.user,
             workdir=WORKSPACE,
             environment={"MPLBACKEND": "Agg"},
         )["Id"]

@@ -12,6 +12,7 @@ with it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import signal
@@ -38,7 +39,12 @@ from sandkernel.kernels.seccomp import seccomp_security_opt
 
 log = logging.getLogger(__name__)
 
-SANDBOX_USER = "10001:10001"
+SANDBOX_GID = 10001
+# Each sandbox runs as its own host uid, drawn from this range: per-user kernel accounting
+# (inotify instances and watches, pipe buffers, RLIMIT_NPROC/MSGQUEUE, signal permission) is
+# per uid on the host under runc, so a shared uid would let one sandbox exhaust another's.
+SANDBOX_UID_RANGE = (100_000, 2_000_000)
+UID_LABEL = "sandkernel.uid"
 WORKSPACE = "/workspace"
 WHEELHOUSE = "/wheels"
 LAUNCHER = "/opt/sandkernel/launch-kernel"
@@ -52,13 +58,22 @@ class ContainerSpec:
     session_id: str
     kernel_id: str
     runtime_dir: RuntimeDir
+    uid: int = dataclasses.field(
+        default_factory=lambda: SANDBOX_UID_RANGE[0] + secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0])
+    )
+
+    @property
+    def user(self) -> str:
+        """``uid:gid`` for Docker: a uid of this sandbox's own, the image's sandbox group."""
+        return f"{self.uid}:{SANDBOX_GID}"
 
     def create_kwargs(self) -> dict:
         """Keyword arguments for ``containers.create``: every hardening setting in one place."""
         p = self.profile
         mib = 1024 * 1024
         volumes = {str(self.runtime_dir.path): {"bind": CONTAINER_DIR, "mode": "rw"}}
-        environment = dict(p.env)
+        # No passwd entry exists for the per-sandbox uid: name the user for getpass and friends.
+        environment = {"USER": "sandbox", "LOGNAME": "sandbox", **p.env}
         if p.wheelhouse:
             volumes[p.wheelhouse] = {"bind": WHEELHOUSE, "mode": "ro"}
             environment.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=WHEELHOUSE)
@@ -66,7 +81,7 @@ class ContainerSpec:
             "image": p.image,
             "name": f"sandkernel-{self.session_id[:12]}-{secrets.token_hex(3)}",
             "hostname": "sandbox",
-            "user": SANDBOX_USER,
+            "user": self.user,
             "working_dir": WORKSPACE,
             "environment": environment,
             "runtime": p.runtime.value,
@@ -77,7 +92,7 @@ class ContainerSpec:
             "ipc_mode": "private",
             "tmpfs": {
                 "/tmp": f"rw,nosuid,nodev,noexec,size={p.tmp_mb}m,mode=1777",
-                WORKSPACE: f"rw,nosuid,nodev,exec,size={p.workspace_mb}m,uid=10001,gid=10001,mode=0700",
+                WORKSPACE: f"rw,nosuid,nodev,exec,size={p.workspace_mb}m,uid={self.uid},gid={SANDBOX_GID},mode=0700",
             },
             "volumes": volumes,
             "mem_limit": p.memory_mb * mib,
@@ -96,6 +111,7 @@ class ContainerSpec:
                 OWNER_LABEL: owner_label(),
                 RUNTIME_DIR_LABEL: str(self.runtime_dir.path),
                 "sandkernel.profile": p.name,
+                UID_LABEL: str(self.uid),
             },
             "detach": True,
         }
@@ -121,6 +137,7 @@ class SandboxContainer:
         self.engine = engine
         self.id = container_id
         self.spec = spec
+        self.user = spec.user
         self.exec_id: str | None = None
         self._host_process: tuple[int, str] | None = None
 
@@ -155,7 +172,7 @@ class SandboxContainer:
             exec_id = api.exec_create(
                 self.id,
                 [LAUNCHER, f"{CONTAINER_DIR}/{CONNECTION_FILE}"],
-                user=SANDBOX_USER,
+                user=self.user,
                 workdir=WORKSPACE,
             )["Id"]
             api.exec_start(exec_id, detach=True)
@@ -192,7 +209,7 @@ class SandboxContainer:
         api = self.engine.client.api
 
         def run() -> tuple[int, str]:
-            exec_id = api.exec_create(self.id, argv, user=SANDBOX_USER)["Id"]
+            exec_id = api.exec_create(self.id, argv, user=self.user)["Id"]
             output = api.exec_start(exec_id)
             return int(api.exec_inspect(exec_id).get("ExitCode") or 0), output.decode(errors="replace")
 

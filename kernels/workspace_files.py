@@ -17,7 +17,7 @@ import docker.errors
 from docker.utils.socket import frames_iter
 
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
-from sandkernel.kernels.container import SANDBOX_USER, WORKSPACE, SandboxContainer
+from sandkernel.kernels.container import WORKSPACE, SandboxContainer
 
 MAX_FILE_BYTES = 32 * 1024 * 1024
 MAX_LISTING = 10000
@@ -113,7 +113,7 @@ class WorkspaceFiles:
         def run() -> tuple[int, bytes, bytes]:
             api = engine.client.api
             exec_id = api.exec_create(
-                self.container.id, argv, user=SANDBOX_USER, workdir=WORKSPACE, stdin=stdin is not None
+                self.container.id, argv, user=self.container.user, workdir=WORKSPACE, stdin=stdin is not None
             )["Id"]
             if stdin is None:
                 stdout, stderr = api.exec_start(exec_id, demux=True)

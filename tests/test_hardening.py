@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from sandkernel.kernels.container import host_pids_limit
+from sandkernel.kernels.container import SANDBOX_UID_RANGE, host_pids_limit
 from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.runtime_dir import CONTAINER_DIR
 
@@ -77,7 +77,9 @@ finally:
 
 
 async def test_unprivileged_no_caps_no_new_privs_seccomp(session, inspected):
-    assert inspected["Config"]["User"] == "10001:10001"
+    uid, gid = (int(part) for part in inspected["Config"]["User"].split(":"))
+    assert SANDBOX_UID_RANGE[0] <= uid < SANDBOX_UID_RANGE[1] and gid == 10001  # a host uid of its own
+    assert inspected["Config"]["Labels"]["sandkernel.uid"] == str(uid)
     assert inspected["HostConfig"]["CapDrop"] == ["ALL"] and not inspected["HostConfig"]["CapAdd"]
     security = inspected["HostConfig"]["SecurityOpt"]
     assert "no-new-privileges:true" in security
@@ -95,7 +97,7 @@ found['NoNewPrivs'] = libc.prctl(39, 0, 0, 0, 0)  # PR_GET_NO_NEW_PRIVS
 found['Seccomp'] = libc.prctl(21, 0, 0, 0, 0)  # PR_GET_SECCOMP: 2 means a filter is installed
 print(json.dumps(found))""",
     )
-    assert found["Uid"].split()[0] == "10001"
+    assert found["Uid"].split()[0] == str(uid) and found["Uid"].split()[0] != "0"
     assert int(found["CapEff"], 16) == 0 and int(found["CapPrm"], 16) == 0 and int(found["CapBnd"], 16) == 0
     assert found["NoNewPrivs"] == 1
     assert found["Seccomp"] == 2
