@@ -1,7 +1,8 @@
 """Token authentication and tenants.
 
-Every request carries a token (``Authorization: token T`` or ``Bearer T``; websockets may use
-``?token=T`` because browsers cannot set headers on them). Each token names a tenant; every
+Every request carries a token (``Authorization: token T`` or ``Bearer T``). ``?token=T`` in the
+URL is refused unless the operator allows it (``--allow-token-in-url``, for browser websockets,
+which cannot set headers): URLs end up in logs, proxies and browser history. Each token names a tenant; every
 session and kernel belongs to the tenant whose token created it. Tokens are compared with
 ``hmac.compare_digest`` against every known token, so timing reveals nothing. Tokens live only
 in the gateway process: they are never placed in a kernel's environment.
@@ -23,10 +24,11 @@ DEFAULT_TENANT = "default"
 class TokenAuth:
     """Maps bearer tokens to tenant names."""
 
-    def __init__(self, tokens: dict[str, str]) -> None:
+    def __init__(self, tokens: dict[str, str], allow_query_token: bool = False) -> None:
         if not tokens:
             raise ConfigError("at least one token is required (or pass --no-auth explicitly)")
         self._tokens = [(token.encode(), tenant) for token, tenant in tokens.items()]
+        self.allow_query_token = allow_query_token
 
     @classmethod
     def from_sources(cls, token: str | None = None, tokens_file: str | None = None) -> tuple[TokenAuth, str | None]:

@@ -59,6 +59,27 @@ def api_error_from(err: SandkernelError) -> ApiError:
     return ApiError(500, str(err))
 
 
+def authenticate_request(handler: web.RequestHandler, auth: TokenAuth | None) -> str:
+    """The tenant of the request's token; 401 when it has none or a wrong one (or a URL token
+    where those are not allowed: the message says why and how to allow them)."""
+    if auth is None:
+        return "default"
+    query_token = handler.get_query_argument("token", None)
+    if query_token and not auth.allow_query_token and not handler.request.headers.get("Authorization"):
+        raise ApiError(
+            401,
+            "tokens in the URL are refused (URLs end up in logs): send 'Authorization: token <TOKEN>', "
+            "or start the gateway with --allow-token-in-url",
+            "unauthorized",
+        )
+    tenant = auth.tenant_for(
+        handler.request.headers.get("Authorization"), query_token if auth.allow_query_token else None
+    )
+    if tenant is None:
+        raise ApiError(401, "missing or wrong token: send 'Authorization: token <TOKEN>'", "unauthorized")
+    return tenant
+
+
 # Request bodies larger than this get a JSON 413 (checked on Content-Length, then while reading).
 MAX_BODY_BYTES = 40 * 1024 * 1024
 
@@ -103,12 +124,7 @@ class BaseHandler(web.RequestHandler):
         return b"".join(getattr(self, "_chunks", []))
 
     def authenticate(self) -> str:
-        if self.auth is None:
-            return "default"
-        tenant = self.auth.tenant_for(self.request.headers.get("Authorization"), self.get_query_argument("token", None))
-        if tenant is None:
-            raise ApiError(401, "missing or wrong token: send 'Authorization: token <TOKEN>'", "unauthorized")
-        return tenant
+        return authenticate_request(self, self.auth)
 
     def json_body(self) -> dict[str, Any]:
         """The request body as a JSON object; {} when empty; 400 when not an object."""

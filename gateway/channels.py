@@ -16,13 +16,14 @@ import json
 import logging
 import time
 from typing import Any
+from urllib.parse import urlparse
 
 import zmq
 from jupyter_client.session import Session
 from tornado import websocket
 
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import ApiError
+from sandkernel.gateway.base import ApiError, authenticate_request
 from sandkernel.gateway.registry import ManagedSession, SessionRegistry
 from sandkernel.gateway.wire import FrameError, from_frame, to_frame
 from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus, OutputCollector
@@ -30,6 +31,8 @@ from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus, OutputC
 log = logging.getLogger(__name__)
 
 CLIENT_CHANNELS = ("shell", "control", "stdin")
+# Each websocket holds four ZMQ sockets (file descriptors) in the gateway: bounded per kernel.
+MAX_CONNECTIONS_PER_KERNEL = 16
 NUDGE_TIMEOUT = 30.0
 
 
@@ -66,27 +69,57 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.tasks: list[asyncio.Task] = []
         self.managed: ManagedSession | None = None
         self.session: Session | None = None
+        self.counted = False  # this handler holds one of the kernel's connection slots
 
     def check_origin(self, origin: str) -> bool:
-        return True  # token auth, not cookies: cross-origin pages cannot present the token
+        """Browsers send Origin; a page of another site may open a websocket to us. Allowed:
+        the gateway's own origin and those the operator lists (``--allow-origin``). Clients
+        that send no Origin (SDKs, jupyter_server) are not browsers and pass."""
+        allowed = self.config.get("allow_origins") or ()
+        if "*" in allowed or origin in allowed:
+            return True
+        return urlparse(origin).netloc.lower() == (self.request.headers.get("Host") or "").lower()
+
+    def _refuse(self, status: int, code: str, message: str) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps({"error": code, "message": message}))
 
     async def get(self, kernel_id: str, *args: Any, **kwargs: Any) -> None:
-        tenant = "default"
-        if self.auth is not None:
-            tenant = self.auth.tenant_for(
-                self.request.headers.get("Authorization"), self.get_query_argument("token", None)
-            )
-            if tenant is None:
-                self.set_status(401)
-                self.finish(json.dumps({"error": "unauthorized", "message": "missing or wrong token"}))
-                return
+        try:
+            tenant = authenticate_request(self, self.auth)
+        except ApiError as err:
+            self._refuse(err.status_code, err.code, err.message)
+            return
         try:
             self.managed = self.registry.by_kernel(tenant, kernel_id)
         except LookupError:
-            self.set_status(404)
-            self.finish(json.dumps({"error": "not_found", "message": f"no kernel {kernel_id!r}"}))
+            self._refuse(404, "not_found", f"no kernel {kernel_id!r}")
             return
-        await super().get(kernel_id, *args, **kwargs)
+        per_kernel = self.config.get("max_connections_per_kernel", MAX_CONNECTIONS_PER_KERNEL)
+        if self.managed.connections >= per_kernel:
+            self._refuse(
+                429,
+                "too_many_connections",
+                f"kernel {kernel_id} already has {per_kernel} websocket connections; close one first",
+            )
+            return
+        origin = self.request.headers.get("Origin")
+        if origin and not self.check_origin(origin):
+            self._refuse(
+                403,
+                "forbidden_origin",
+                f"websocket from origin {origin!r} refused; the operator can allow it with --allow-origin",
+            )
+            return
+        self.managed.connections += 1  # counted from the handshake, so a burst cannot overshoot
+        self.counted = True
+        try:
+            await super().get(kernel_id, *args, **kwargs)
+        finally:
+            if self.ws_connection is None and self.counted:  # the upgrade failed: give the slot back
+                self.counted = False
+                self.managed.connections = max(0, self.managed.connections - 1)
 
     def get_compression_options(self) -> None:
         return None
@@ -103,7 +136,6 @@ class ChannelsHandler(websocket.WebSocketHandler):
             "stdin": km.connect_stdin(identity=identity),
             "iopub": km.connect_iopub(),
         }
-        self.managed.connections += 1
         self.recording: dict[str, _Recording] = {}
         self.iopub_ready = asyncio.Event()
         self.nudge_ids: set[str] = set()
@@ -195,7 +227,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
             task.cancel()
         for sock in self.sockets.values():
             sock.close(linger=0)
-        if self.managed is not None:
+        if self.managed is not None and self.counted:
+            self.counted = False
             self.managed.connections = max(0, self.managed.connections - 1)
 
 

@@ -21,7 +21,7 @@ from sandkernel.errors import SandkernelError
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.budget import OutputBudget
-from sandkernel.gateway.channels import ChannelsHandler
+from sandkernel.gateway.channels import MAX_CONNECTIONS_PER_KERNEL, ChannelsHandler
 from sandkernel.gateway.files_api import FilesHandler, VariablesHandler
 from sandkernel.gateway.kernels_api import (
     ApiRootHandler,
@@ -142,17 +142,29 @@ async def serve(
     cull_interval: float = CULL_INTERVAL,
     notebook_dir: Path | None = None,
     announce: bool = True,
+    allow_token_in_url: bool = False,
+    allow_origins: tuple[str, ...] = (),
+    max_connections_per_kernel: int = MAX_CONNECTIONS_PER_KERNEL,
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set).
 
     On stop: accept no new connections, interrupt running executions and give them
     ``shutdown_grace`` seconds to return their results, then remove every container."""
     auth, shown_token = TokenAuth.from_sources(token, tokens_file)
+    auth.allow_query_token = allow_token_in_url
     report = await reap()
     if report.removed:
         log.info("reaped orphaned containers", extra={"count": len(report.removed)})
     registry = SessionRegistry(max_sessions, max_sessions_total, idle_timeout, max_lifetime, notebook_dir)
-    app = make_app(registry, auth, {"budget": budget or OutputBudget()})
+    app = make_app(
+        registry,
+        auth,
+        {
+            "budget": budget or OutputBudget(),
+            "allow_origins": tuple(allow_origins),
+            "max_connections_per_kernel": max_connections_per_kernel,
+        },
+    )
     server = httpserver.HTTPServer(app, max_body_size=MAX_BODY_BYTES * 2, idle_connection_timeout=3600)
     server.listen(port, address=ip)
     if stop is None:  # run as a program: stop on SIGINT/SIGTERM

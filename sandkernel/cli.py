@@ -45,6 +45,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             idle_timeout=args.idle_timeout or None,
             max_lifetime=args.max_lifetime or None,
             notebook_dir=Path(args.notebook_dir) if args.notebook_dir else None,
+            allow_token_in_url=args.allow_token_in_url,
+            allow_origins=tuple(args.allow_origin),
+            max_connections_per_kernel=args.max_connections_per_kernel,
         )
     )
     return 0
@@ -201,6 +204,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--notebook-dir", default=None, help="where transcripts go (default ~/.local/share/...)")
     serve.add_argument("--output-budget", type=int, default=64 * 1024, help="text bytes per execute reply")
     serve.add_argument("--max-images", type=int, default=8, help="images per execute reply")
+    serve.add_argument(
+        "--allow-token-in-url",
+        action="store_true",
+        help="accept ?token= (browser websockets); off by default because URLs end up in logs",
+    )
+    serve.add_argument(
+        "--allow-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="a browser origin allowed to open kernel websockets, e.g. https://lab.example.com (repeatable; * for any)",
+    )
+    serve.add_argument(
+        "--max-connections-per-kernel", type=int, default=16, metavar="N", help="websockets per kernel (default 16)"
+    )
     serve.set_defaults(func=_cmd_serve)
 
     replay = sub.add_parser("replay", help="re-run a transcript in a fresh sandbox and compare, cell by cell")
