@@ -42,7 +42,7 @@ class KernelsHandler(BaseHandler):
     async def post(self) -> None:
         body = self.json_body()
         name = body.get("name") or "sandkernel-python"
-        if name not in KERNEL_NAMES:
+        if not isinstance(name, str) or name not in KERNEL_NAMES:
             raise ApiError(400, f"unknown kernel name {name!r}; use one of {sorted(KERNEL_NAMES)}", "unknown_kernel")
         overrides = {"runtime": KERNEL_NAMES[name]}
         managed = await self.call(

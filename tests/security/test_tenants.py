@@ -1,0 +1,170 @@
+"""Every API client is possibly another tenant: tokens, ids of other tenants, the file API's
+paths, absurd JSON, and browser origins on the websocket. Each refusal is a clear 4xx in JSON."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tornado.httpclient import HTTPClientError, HTTPRequest
+from tornado.websocket import websocket_connect
+
+from ..gateway_fixtures import ALICE, BOB
+
+pytestmark = pytest.mark.security
+
+
+def assert_clear_error(status: int, body, expected: int) -> None:
+    assert status == expected, (status, body)
+    assert isinstance(body, dict) and set(body) == {"error", "message"} and body["message"], body
+    assert "Traceback" not in json.dumps(body)
+
+
+async def test_no_token_wrong_token_and_token_in_url(arena):
+    sid = arena.attacker["id"]
+    for token in (None, "x" * 40, ALICE[:-1], ALICE + "x"):
+        status, body = await arena.gateway.request("GET", f"/api/sessions/{sid}", token=token)
+        assert_clear_error(status, body, 401)
+    status, body = await arena.gateway.request("GET", f"/api/sessions/{sid}?token={ALICE}", token=None)
+    assert_clear_error(status, body, 401)
+    assert "tokens in the URL are refused" in body["message"]
+    with pytest.raises(HTTPClientError) as err:
+        await websocket_connect(
+            f"ws://127.0.0.1:{arena.gateway.port}/api/kernels/{arena.attacker['kernel']['id']}/channels?token={ALICE}"
+        )
+    assert err.value.code == 401
+
+
+async def test_another_tenants_ids_look_like_ids_that_do_not_exist(arena):
+    canary_sid, canary_kid = arena.canary["id"], arena.canary["kernel"]["id"]
+    routes = [
+        ("GET", "/api/sessions/{sid}"),
+        ("DELETE", "/api/sessions/{sid}"),
+        ("POST", "/api/sessions/{sid}/execute"),
+        ("POST", "/api/sessions/{sid}/interrupt"),
+        ("POST", "/api/sessions/{sid}/restart"),
+        ("GET", "/api/sessions/{sid}/notebook"),
+        ("POST", "/api/sessions/{sid}/markdown"),
+        ("GET", "/api/sessions/{sid}/variables"),
+        ("GET", "/api/sessions/{sid}/files"),
+        ("GET", "/api/sessions/{sid}/files/anything.txt"),
+        ("PUT", "/api/sessions/{sid}/files/planted.txt"),
+        ("GET", "/api/kernels/{kid}"),
+        ("DELETE", "/api/kernels/{kid}"),
+        ("POST", "/api/kernels/{kid}/interrupt"),
+        ("POST", "/api/kernels/{kid}/restart"),
+    ]
+    body = {"code": "canary_value = 0", "text": "pwned"}
+    for method, route in routes:
+        payload = body if method in ("POST", "PUT") else None
+        theirs = await arena.gateway.request(method, route.format(sid=canary_sid, kid=canary_kid), payload, token=ALICE)
+        missing = await arena.gateway.request(method, route.format(sid="0" * 32, kid="0" * 36), payload, token=ALICE)
+        assert theirs[0] == missing[0] == 404, (method, route, theirs, missing)
+        assert theirs[1]["error"] == missing[1]["error"]
+        mine = theirs[1]["message"].replace(canary_sid, "ID").replace(canary_kid, "ID")
+        assert mine == missing[1]["message"].replace("0" * 36, "ID").replace("0" * 32, "ID"), (theirs, missing)
+    listed = (await arena.gateway.request("GET", "/api/sessions", token=ALICE))[1]
+    assert canary_sid not in [s["id"] for s in listed]
+    with pytest.raises(HTTPClientError) as err:
+        await websocket_connect(
+            HTTPRequest(
+                f"ws://127.0.0.1:{arena.gateway.port}/api/kernels/{canary_kid}/channels",
+                headers={"Authorization": f"token {ALICE}"},
+            )
+        )
+    assert err.value.code == 404
+
+
+FILE_ATTACKS = {
+    "dotdot": "../../etc/passwd",
+    "dotdot_encoded": "..%2F..%2Fetc%2Fpasswd",
+    "symlink_to_shadow": "link_shadow",
+    "symlink_to_runtime_dir": "link_rundir/connection.json",
+    "symlink_dir_escape": "link_root/etc/hostname",
+    "fifo": "pipe",
+    "device": "link_zero",
+    "proc_self": "link_proc/environ",
+}
+
+
+async def test_file_api_refuses_traversal_links_fifos_and_devices(arena):
+    plant = await arena.attack(
+        """import os
+for target, name in [('/etc/shadow', 'link_shadow'), ('/run/sandkernel', 'link_rundir'), ('/', 'link_root'),
+                     ('/dev/zero', 'link_zero'), ('/proc/self', 'link_proc')]:
+    if not os.path.lexists(name):
+        os.symlink(target, name)
+if not os.path.exists('pipe'):
+    os.mkfifo('pipe')
+print('planted')"""
+    )
+    assert plant["text"] == "planted\n"
+    sid = arena.attacker["id"]
+    for name, path in FILE_ATTACKS.items():
+        status, body = await arena.gateway.request("GET", f"/api/sessions/{sid}/files/{path}")
+        assert 400 <= status < 500 and isinstance(body, dict), (name, status, body)
+        assert "root:" not in json.dumps(body)
+        status, body = await arena.gateway.request("PUT", f"/api/sessions/{sid}/files/{path}", raw=b"pwned")
+        assert 400 <= status < 500 and isinstance(body, dict), (name, status, body)
+    check = await arena.attack("print(open('/etc/hostname').read().strip(), os.path.islink('link_shadow'))")
+    assert check["status"] == "ok" and "pwned" not in check["text"]
+    # A leading slash means the workspace's root (as in Jupyter's contents API), never the system's.
+    status, body = await arena.gateway.request("PUT", f"/api/sessions/{sid}/files/%2Fetc%2Fpasswd", raw=b"mine")
+    assert status == 201 and body["path"] == "etc/passwd"
+    status, body = await arena.gateway.request("GET", f"/api/sessions/{sid}/files/%2Fetc%2Fpasswd")
+    assert status == 200 and body == "mine"
+
+
+ABSURD_BODIES = [
+    ("POST", "/api/sessions", {"profile": 7}),
+    ("POST", "/api/sessions", {"profile": "x" * 100_000}),
+    ("POST", "/api/sessions", {"limits": {"memory_mb": 10**30}}),
+    ("POST", "/api/sessions", {"limits": {"memory_mb": -1}}),
+    ("POST", "/api/sessions", {"limits": {"cpus": "lots"}}),
+    ("POST", "/api/sessions", {"limits": {"runtime": "kvm"}}),
+    ("POST", "/api/sessions", {"limits": {"image": "../../etc"}}),
+    ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": ["x"]}}}),
+    ("POST", "/api/sessions", {"limits": [1, 2]}),
+    ("POST", "/api/sessions", {"metadata": "nope"}),
+    ("POST", "/api/sessions/{sid}/execute", {"code": None}),
+    ("POST", "/api/sessions/{sid}/execute", {"code": ["print(1)"]}),
+    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": "soon"}),
+    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": -5}),
+    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": 10**100}),
+    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "tag": {"a": 1}}),
+    ("POST", "/api/sessions/{sid}/execute", {"code": "x" * (2 * 1024 * 1024)}),
+    ("POST", "/api/sessions/{sid}/markdown", {"text": 5}),
+    ("POST", "/api/sessions/{sid}/markdown", {}),
+    ("POST", "/api/kernels", {"name": {"$ne": 1}}),
+    ("POST", "/api/kernels", {"name": "python3"}),
+]
+
+
+@pytest.mark.parametrize("case", range(len(ABSURD_BODIES)))
+async def test_absurd_json_gets_a_clear_4xx(arena, case):
+    method, route, body = ABSURD_BODIES[case]
+    status, reply = await arena.gateway.request(method, route.format(sid=arena.attacker["id"]), body)
+    assert 400 <= status < 500, (route, body if len(json.dumps(body)) < 200 else "(large)", status, reply)
+    assert_clear_error(status, reply, status)
+
+
+async def test_malformed_bodies_get_a_clear_4xx(arena):
+    sid = arena.attacker["id"]
+    for raw in (b"{", b"[]", b"\xff\xfe", b'"just a string"', b"null", b"{" * 10000 + b"}" * 10000):
+        status, reply = await arena.gateway.request("POST", f"/api/sessions/{sid}/execute", raw=raw)
+        assert_clear_error(status, reply, 400)
+
+
+async def test_websocket_origin_is_checked(arena):
+    url = f"ws://127.0.0.1:{arena.gateway.port}/api/kernels/{arena.attacker['kernel']['id']}/channels"
+    auth = {"Authorization": f"token {ALICE}"}
+    with pytest.raises(HTTPClientError) as err:
+        await websocket_connect(HTTPRequest(url, headers={**auth, "Origin": "http://evil.example"}))
+    assert err.value.code == 403
+    same = await websocket_connect(
+        HTTPRequest(url, headers={**auth, "Origin": f"http://127.0.0.1:{arena.gateway.port}"})
+    )
+    same.close()
+    bare = await websocket_connect(HTTPRequest(url, headers=auth))  # SDKs send no Origin
+    bare.close()
+    _ = BOB
