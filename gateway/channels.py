@@ -34,6 +34,7 @@ CLIENT_CHANNELS = ("shell", "control", "stdin")
 # Each websocket holds four ZMQ sockets (file descriptors) in the gateway: bounded per kernel.
 MAX_CONNECTIONS_PER_KERNEL = 16
 NUDGE_TIMEOUT = 30.0
+IOPUB_RECOVERY_SECONDS = 10.0
 
 
 class _Recording:
@@ -141,23 +142,45 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.nudge_ids: set[str] = set()
         self.tasks = [asyncio.create_task(self._relay(name, sock)) for name, sock in self.sockets.items()]
         self.tasks.append(asyncio.create_task(self._nudge()))
+        self.tasks.append(asyncio.create_task(self._watch_iopub(self.sockets["iopub"])))
 
-    async def _nudge(self) -> None:
-        """Hold client messages until our iopub subscription is live.
+    async def _nudge(self, timeout: float = NUDGE_TIMEOUT) -> bool:
+        """Hold client messages until our iopub subscription is live; True when it is.
 
         A SUB socket joins late: without this, outputs of the first request (its ``idle``
         status above all) can be lost and the client waits forever. We send kernel_info
         requests until one's iopub status arrives; their replies are not forwarded.
         """
         assert self.session is not None
-        deadline = asyncio.get_running_loop().time() + NUDGE_TIMEOUT
+        self.iopub_ready.clear()
+        deadline = asyncio.get_running_loop().time() + timeout
         while not self.iopub_ready.is_set() and asyncio.get_running_loop().time() < deadline:
             msg = self.session.msg("kernel_info_request")
             self.nudge_ids.add(msg["header"]["msg_id"])
             self.session.send(self.sockets["shell"], msg)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.iopub_ready.wait(), 0.25)
+        live = self.iopub_ready.is_set()
         self.iopub_ready.set()  # give up waiting: better late outputs than a dead socket
+        return live
+
+    async def _watch_iopub(self, sock: zmq.asyncio.Socket) -> None:
+        """ZMQ cuts a subscriber that receives a message over the size cap and never restores
+        it. After a disconnect (also seen on kernel restarts, which recover by themselves) the
+        subscription is probed; if it stays dead the websocket is closed so the client
+        reconnects (JupyterLab does) with a fresh one, instead of silently getting no output."""
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await monitor.recv_multipart()
+                if not await self._nudge(IOPUB_RECOVERY_SECONDS):
+                    break
+        finally:
+            with contextlib.suppress(zmq.ZMQError):  # the websocket may have closed the socket
+                sock.disable_monitor()
+            monitor.close(linger=0)
+        log.warning("kernel output channel lost (oversized message?); closing the websocket")
+        self.close(1011, "kernel output channel lost; reconnect")
 
     async def _relay(self, channel: str, sock: zmq.asyncio.Socket) -> None:
         assert self.session is not None and self.managed is not None

@@ -67,6 +67,18 @@ def _utcnow() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
+# Added to an execution whose outputs were cut off with the iopub subscription.
+OUTPUT_LOST_NOTE = {
+    "header": {"msg_type": "stream"},
+    "parent_header": {},
+    "content": {
+        "name": "stderr",
+        "text": f"[sandkernel: output lost: the kernel sent a message over the {MAX_MESSAGE_BYTES // 2**20} MiB "
+        "transport limit; the output channel was reconnected]\n",
+    },
+}
+
+
 class KernelSession:
     """A sandboxed IPython kernel with a serialised, bounded ``execute``.
 
@@ -199,16 +211,44 @@ class KernelSession:
         except RuntimeError as err:
             raise KernelStartError(f"sandboxed kernel did not answer: {err}") from err
         while time.monotonic() < deadline:
-            msg_id = self._client.kernel_info()
-            nudge_deadline = time.monotonic() + 0.25
-            while (remaining := nudge_deadline - time.monotonic()) > 0:
-                try:
-                    msg = await self._client.get_iopub_msg(timeout=remaining)
-                except queue.Empty:
-                    break
-                if msg.get("parent_header", {}).get("msg_id") == msg_id:
-                    return
+            if await self._iopub_answers(0.25):
+                return
         raise KernelStartError(f"the kernel's output channel did not connect within {self.profile.start_timeout:g}s")
+
+    async def _iopub_answers(
+        self, wait: float, msg_id: str | None = None, collector: OutputCollector | None = None
+    ) -> bool:
+        """Send a kernel_info request and wait up to ``wait`` seconds for its status on iopub.
+
+        Messages of a running execution ``msg_id`` that arrive meanwhile go to ``collector``."""
+        assert self._client is not None
+        probe_id = self._client.kernel_info()
+        deadline = time.monotonic() + wait
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self._next_message("iopub", remaining)
+            except queue.Empty:
+                return False
+            parent = msg.get("parent_header", {}).get("msg_id")
+            if parent == probe_id:
+                return True
+            if collector is not None and parent == msg_id and msg["header"]["msg_type"] != "status":
+                await collector.add(msg)
+        return False
+
+    async def _reconnect_iopub(self) -> None:
+        """A fresh iopub subscription. ZMQ drops a subscriber that receives a message over the
+        transport's size cap and does not bring it back: without this, every later output of
+        the session would be lost."""
+        assert self._client is not None
+        log.warning("iopub went silent (a message over the size cap?); reconnecting", extra={"session": self.id})
+        with contextlib.suppress(Exception):
+            self._client.iopub_channel.stop()
+        self._client._iopub_channel = None
+        self._client.iopub_channel.start()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not await self._iopub_answers(0.25):
+            pass
 
     async def _teardown(self) -> None:
         if self._client is not None:
@@ -244,7 +284,7 @@ class KernelSession:
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 try:
-                    msg = await self._client.get_shell_msg(timeout=max(deadline - time.monotonic(), 0.01))
+                    msg = await self._next_message("shell", max(deadline - time.monotonic(), 0.01))
                 except queue.Empty:
                     break
                 if msg.get("parent_header", {}).get("msg_id") != msg_id:
@@ -374,6 +414,28 @@ class KernelSession:
             outputs_dropped=collector.outputs_dropped,
         )
 
+    async def _next_message(self, channel: str, timeout: float) -> dict[str, Any]:
+        """The next message on iopub or shell that passes verification; raises queue.Empty.
+
+        Kernel output is untrusted: code in the kernel holds its key but may also send garbage
+        or mis-signed frames on its own sockets. Those are dropped and logged, never raised
+        into the execute path (where they would fail the caller's request)."""
+        assert self._client is not None
+        get = self._client.get_iopub_msg if channel == "iopub" else self._client.get_shell_msg
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return await get(timeout=max(deadline - time.monotonic(), 0))
+            except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+                log.warning(
+                    "dropped a %s message that failed verification: %s",
+                    channel,
+                    str(err)[:200],
+                    extra={"session": self.id},
+                )
+                if time.monotonic() >= deadline:
+                    raise queue.Empty from None
+
     async def _collect(self, msg_id: str, collector: OutputCollector, deadline: float, epoch: int) -> ExecutionStatus:
         """Feed iopub messages of ``msg_id`` to the collector until the kernel is idle.
 
@@ -385,12 +447,17 @@ class KernelSession:
             if remaining <= 0:
                 return ExecutionStatus.TIMEOUT
             try:
-                msg = await self._client.get_iopub_msg(timeout=min(remaining, WATCHDOG_INTERVAL))
+                msg = await self._next_message("iopub", min(remaining, WATCHDOG_INTERVAL))
             except queue.Empty:
                 if epoch != self._epoch or not await self._km.is_alive():
                     return ExecutionStatus.KERNEL_DIED
                 if await self._reply_arrived(msg_id):
-                    return ExecutionStatus.OK  # iopub's idle was dropped under flood; the reply is final
+                    # The reply is final but iopub never said idle: dropped under flood, or the
+                    # subscription itself was cut (an oversized message). Check, and repair.
+                    if not await self._iopub_answers(2.0, msg_id, collector):
+                        await self._reconnect_iopub()
+                        await collector.add(OUTPUT_LOST_NOTE)
+                    return ExecutionStatus.OK
                 continue
             if msg.get("parent_header", {}).get("msg_id") != msg_id:
                 continue
@@ -403,7 +470,7 @@ class KernelSession:
         assert self._client is not None
         while True:
             try:
-                msg = await self._client.get_shell_msg(timeout=0)
+                msg = await self._next_message("shell", 0)
             except queue.Empty:
                 return False
             if msg.get("parent_header", {}).get("msg_id") == msg_id:
@@ -418,7 +485,7 @@ class KernelSession:
         self._early_reply = None
         while reply is None and time.monotonic() < deadline:
             try:
-                msg = await self._client.get_shell_msg(timeout=max(deadline - time.monotonic(), 0.01))
+                msg = await self._next_message("shell", max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
                 break
             if msg.get("parent_header", {}).get("msg_id") == msg_id:
