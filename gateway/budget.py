@@ -69,7 +69,9 @@ def apply_budget(outputs: list[dict[str, Any]], budget: OutputBudget) -> tuple[l
                     if images_seen > budget.max_images or size > budget.max_image_bytes:
                         del data[mime]
                         images_omitted += 1
-                        data.setdefault("text/plain", f"[sandkernel: {mime} of {size} bytes omitted: over the budget]")
+                        note = f"[sandkernel: {mime} of {size} bytes omitted: over the budget]"
+                        plain = data.get("text/plain")
+                        data["text/plain"] = f"{plain}\n{note}" if isinstance(plain, str) and plain else note
             for mime, value in list(data.items()):
                 if mime.startswith("text/") and isinstance(value, str):
                     data[mime] = clip(value)

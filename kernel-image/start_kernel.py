@@ -149,7 +149,30 @@ def main() -> None:
         connection_file,
         "--IPKernelApp.exec_lines=import os as _sk_os; _sk_os.umask(0o022); del _sk_os",
     ]
+    bound_iopub_queue()
     runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+
+
+# Messages the kernel queues for each iopub subscriber that reads slower than the code writes.
+# ZMQ's default (1000) lets a flood of 1 MiB chunks pile up a gigabyte in the kernel and end in
+# an OOM kill; past this many, ZMQ drops output instead (the host keeps head and tail anyway).
+IOPUB_SEND_QUEUE = 16
+
+
+def bound_iopub_queue() -> None:
+    import zmq
+    from ipykernel.kernelapp import IPKernelApp
+
+    original = IPKernelApp.init_iopub
+
+    def init_iopub(self, context):  # type: ignore[no-untyped-def]
+        context.setsockopt(zmq.SNDHWM, IOPUB_SEND_QUEUE)  # a default for sockets made from here on
+        try:
+            original(self, context)
+        finally:
+            context.sockopts.pop(zmq.SNDHWM, None)  # the shell and control sockets keep ZMQ's
+
+    IPKernelApp.init_iopub = init_iopub
 
 
 if __name__ == "__main__":
