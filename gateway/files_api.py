@@ -54,3 +54,19 @@ class VariablesHandler(SessionHandler):
     async def get(self, session_id: str) -> None:
         managed = self.managed(session_id)
         self.write_json(await self.call(managed.session.variables()))
+
+
+class EgressHandler(SessionHandler):
+    """GET the session's egress audit: its policy and every request, allowed or refused."""
+
+    def get(self, session_id: str) -> None:
+        session = self.managed(session_id).session
+        records = session.egress_records()
+        network = session.profile.network
+        self.write_json(
+            {
+                "policy": network.to_dict() if network else "none",
+                "records": records or [],
+                "summary": session.provisioner.egress.summary() if network and session.provisioner.egress else None,
+            }
+        )

@@ -22,7 +22,7 @@ from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.channels import MAX_CONNECTIONS_PER_KERNEL, ChannelsHandler
-from sandkernel.gateway.files_api import FilesHandler, VariablesHandler
+from sandkernel.gateway.files_api import EgressHandler, FilesHandler, VariablesHandler
 from sandkernel.gateway.kernels_api import (
     ApiRootHandler,
     KernelActionHandler,
@@ -41,6 +41,7 @@ from sandkernel.gateway.sessions_api import (
     SessionHandler,
     SessionsHandler,
 )
+from sandkernel.kernels.egress_policy import EgressPolicy
 from sandkernel.kernels.reaper import reap
 from sandkernel.notebooks.recorder import default_notebook_dir
 
@@ -101,6 +102,7 @@ def make_app(
         (rf"/api/sessions/{sid}/execute/?", ExecuteHandler),
         (rf"/api/sessions/{sid}/(?P<action>interrupt|restart)/?", SessionActionHandler),
         (rf"/api/sessions/{sid}/variables/?", VariablesHandler),
+        (rf"/api/sessions/{sid}/egress/?", EgressHandler),
         (rf"/api/sessions/{sid}/notebook/?", NotebookHandler),
         (rf"/api/sessions/{sid}/markdown/?", MarkdownHandler),
         (rf"/api/sessions/{sid}/files/?", FilesHandler),
@@ -145,6 +147,7 @@ async def serve(
     allow_token_in_url: bool = False,
     allow_origins: tuple[str, ...] = (),
     max_connections_per_kernel: int = MAX_CONNECTIONS_PER_KERNEL,
+    egress_policy: EgressPolicy | None = None,
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set).
 
@@ -163,6 +166,7 @@ async def serve(
             "budget": budget or OutputBudget(),
             "allow_origins": tuple(allow_origins),
             "max_connections_per_kernel": max_connections_per_kernel,
+            "egress_policy": egress_policy,
         },
     )
     server = httpserver.HTTPServer(app, max_body_size=MAX_BODY_BYTES * 2, idle_connection_timeout=3600)

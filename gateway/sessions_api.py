@@ -10,10 +10,11 @@ from typing import Any
 
 from tornado.iostream import StreamClosedError
 
-from sandkernel.errors import SandkernelError
+from sandkernel.errors import ConfigError, SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler
 from sandkernel.gateway.budget import OutputBudget, apply_budget
 from sandkernel.gateway.registry import ManagedSession
+from sandkernel.kernels.egress_policy import EgressNotPermitted, EgressPolicy
 
 KEEPALIVE_SECONDS = 10.0
 MAX_CODE_BYTES = 1024 * 1024
@@ -32,6 +33,8 @@ class SessionsHandler(BaseHandler):
             raise ApiError(400, "profile must be a profile name such as 'default', 'small' or 'large'")
         if not isinstance(overrides, dict) or not isinstance(metadata, dict):
             raise ApiError(400, "limits and metadata must be JSON objects")
+        if overrides.get("network") not in (None, "none"):
+            overrides = dict(overrides, network=self._network_for(overrides["network"]))
         try:
             managed = await self.call(self.registry.create(self.tenant, profile, overrides, metadata))
         except ApiError as err:
@@ -40,6 +43,22 @@ class SessionsHandler(BaseHandler):
             raise
         self.set_header("Location", f"/api/sessions/{managed.id}")
         self.write_json(managed.session_model(), status=201)
+
+    def _network_for(self, request: Any) -> dict[str, Any]:
+        """The session's network policy: a narrowing of the operator's (``--egress-policy``)."""
+        operator: EgressPolicy | None = self.settings_.get("egress_policy")
+        if operator is None:
+            raise ApiError(
+                403,
+                "this gateway grants no network: the operator can enable an allowlist with --egress-policy FILE",
+                "egress_not_permitted",
+            )
+        try:
+            return operator.narrowed(request)
+        except EgressNotPermitted as err:
+            raise ApiError(403, str(err), "egress_not_permitted") from None
+        except ConfigError as err:
+            raise ApiError(400, str(err), "bad_network") from None
 
 
 class SessionHandler(BaseHandler):

@@ -25,6 +25,8 @@ from docker.types import LogConfig, Ulimit
 
 from sandkernel.errors import KernelStartError
 from sandkernel.kernels.docker_engine import DockerEngine, translate_api_error
+from sandkernel.kernels.egress_policy import EgressPolicy
+from sandkernel.kernels.egress_proxy import CONTAINER_EGRESS_DIR, RELAY_PORT, SOCKET_NAME
 from sandkernel.kernels.profiles import Profile, Runtime
 from sandkernel.kernels.reaper import (
     KERNEL_LABEL,
@@ -58,6 +60,7 @@ class ContainerSpec:
     session_id: str
     kernel_id: str
     runtime_dir: RuntimeDir
+    egress_dir: Path | None = None  # the session's egress proxy socket lives here (allowlist policies)
     uid: int = dataclasses.field(
         default_factory=lambda: SANDBOX_UID_RANGE[0] + secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0])
     )
@@ -77,6 +80,11 @@ class ContainerSpec:
         if p.wheelhouse:
             volumes[p.wheelhouse] = {"bind": WHEELHOUSE, "mode": "ro"}
             environment.update(PIP_NO_INDEX="1", PIP_FIND_LINKS=WHEELHOUSE)
+        if p.network is not None and self.egress_dir is not None:
+            volumes[str(self.egress_dir)] = {"bind": CONTAINER_EGRESS_DIR, "mode": "ro"}
+            environment.update(egress_environment(p.network))
+            if p.network.ca_bundle:
+                volumes[p.network.ca_bundle] = {"bind": CA_BUNDLE, "mode": "ro"}
         return {
             "image": p.image,
             "name": f"sandkernel-{self.session_id[:12]}-{secrets.token_hex(3)}",
@@ -115,6 +123,26 @@ class ContainerSpec:
             },
             "detach": True,
         }
+
+
+CA_BUNDLE = "/etc/sandkernel/ca-bundle.pem"
+
+
+def egress_environment(policy: EgressPolicy) -> dict[str, str]:
+    """What makes ordinary tools (pip, requests, urllib, curl) use the egress relay."""
+    proxy = f"http://127.0.0.1:{RELAY_PORT}"
+    env = {
+        "SANDKERNEL_EGRESS_SOCKET": f"{CONTAINER_EGRESS_DIR}/{SOCKET_NAME}",
+        "HTTP_PROXY": proxy,
+        "HTTPS_PROXY": proxy,
+        "http_proxy": proxy,
+        "https_proxy": proxy,
+        "NO_PROXY": "localhost,127.0.0.1",
+        "no_proxy": "localhost,127.0.0.1",
+    }
+    if policy.ca_bundle:
+        env.update(SSL_CERT_FILE=CA_BUNDLE, REQUESTS_CA_BUNDLE=CA_BUNDLE, PIP_CERT=CA_BUNDLE, CURL_CA_BUNDLE=CA_BUNDLE)
+    return env
 
 
 def host_pids_limit(profile: Profile) -> int:

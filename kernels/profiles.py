@@ -16,6 +16,7 @@ from typing import Any
 
 from sandkernel import __version__
 from sandkernel.errors import ConfigError, UnknownProfileError
+from sandkernel.kernels.egress_policy import EgressPolicy
 
 DEFAULT_IMAGE = f"sandkernel-kernel:{__version__}"
 
@@ -49,12 +50,14 @@ class Profile:
     interrupt_grace: float = 3.0
     wheelhouse: str | None = None
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    network: EgressPolicy | None = None  # None: no network at all; else an allowlist via the proxy
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-friendly form, for notebook metadata and API replies."""
         data = dataclasses.asdict(self)
         data["runtime"] = self.runtime.value
         data["env"] = dict(self.env)
+        data["network"] = self.network.to_dict() if self.network else "none"
         return data
 
 
@@ -112,6 +115,8 @@ def _check_field(name: str, value: Any) -> Any:
         if value is not None and not os.path.isdir(value):
             raise ConfigError(f"wheelhouse directory {value!r} does not exist on the host")
         return value
+    if name == "network":
+        return EgressPolicy.from_config(value)
     if name == "env":
         if not isinstance(value, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in value.items()

@@ -26,6 +26,7 @@ from traitlets import Unicode
 from sandkernel.errors import KernelStartError
 from sandkernel.kernels.container import LAUNCHER, ContainerSpec, SandboxContainer
 from sandkernel.kernels.docker_engine import default_engine
+from sandkernel.kernels.egress_proxy import EgressProxy
 from sandkernel.kernels.profiles import Profile, resolve_profile
 from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
 
@@ -40,6 +41,7 @@ class DockerProvisioner(KernelProvisionerBase):
 
     container: SandboxContainer | None = None
     runtime_dir: RuntimeDir | None = None
+    egress: EgressProxy | None = None
     profile: Profile | None = None
     session_id: str = ""
     image_id: str = ""
@@ -68,6 +70,9 @@ class DockerProvisioner(KernelProvisionerBase):
             self.profile = profile
             self.session_id = str(session_id or self.kernel_id)
             self.runtime_dir = await asyncio.to_thread(RuntimeDir.create)
+            if profile.network is not None:  # allowlist: the session's proxy, before any container
+                self.egress = EgressProxy(profile.network, self.session_id, self.runtime_dir.egress_dir)
+                await self.egress.start()
 
         km = self.parent
         km.transport = "ipc"
@@ -90,7 +95,8 @@ class DockerProvisioner(KernelProvisionerBase):
                 self.container = None
                 self.workspace_lost = True
             if self.container is None:
-                spec = ContainerSpec(self.profile, self.session_id, str(self.kernel_id), self.runtime_dir)
+                egress_dir = self.egress.directory if self.egress else None
+                spec = ContainerSpec(self.profile, self.session_id, str(self.kernel_id), self.runtime_dir, egress_dir)
                 self.container = await SandboxContainer.start(default_engine(), spec)
             key = self.connection_info["key"]
             info = dict(self.connection_info, key=key.decode() if isinstance(key, bytes) else key)
@@ -170,6 +176,9 @@ class DockerProvisioner(KernelProvisionerBase):
         if self.container is not None:
             await self.container.remove()
             self.container = None
+        if self.egress is not None:
+            await self.egress.close()
+            self.egress = None
         if self.runtime_dir is not None:
             await asyncio.to_thread(self.runtime_dir.remove)
 

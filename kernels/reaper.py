@@ -85,6 +85,7 @@ def reap_sync(engine: DockerEngine | None = None, *, owner: str | None = None, e
             rundir = labels.get(RUNTIME_DIR_LABEL)
             if rundir and os.path.isdir(rundir):
                 shutil.rmtree(rundir, ignore_errors=True)
+                shutil.rmtree(rundir + "-egress", ignore_errors=True)  # an allowlist session's proxy socket
             removed.append(container.name)
         else:
             kept += 1

@@ -71,6 +71,12 @@ class RuntimeDir:
         return cls(path)
 
     @property
+    def egress_dir(self) -> Path:
+        """Beside the runtime dir, never inside it: the kernel may only connect to the egress
+        socket (read-only mount), never write where it lives."""
+        return self.path.with_name(self.path.name + "-egress")
+
+    @property
     def host_ip(self) -> str:
         """The ``ip`` of the host-side connection info (ipc paths are ``{ip}-{port}``)."""
         return str(self.path / SOCKET_PREFIX)
@@ -115,3 +121,4 @@ class RuntimeDir:
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+        shutil.rmtree(self.egress_dir, ignore_errors=True)

@@ -135,7 +135,15 @@ class KernelSession:
         if recorder is not None:
             recorder.update_metadata(**session.describe())
             await recorder.start()
+            proxy = session.provisioner.egress
+            if proxy is not None:  # the transcript keeps a running summary of the session's egress
+                proxy.on_record = lambda _record: recorder.update_metadata(egress=proxy.summary())
         return session
+
+    def egress_records(self) -> list[dict[str, Any]] | None:
+        """Every request through this session's egress proxy; None when its network is "none"."""
+        proxy = self.provisioner.egress
+        return None if proxy is None else [record.to_dict() for record in proxy.records]
 
     def describe(self) -> dict[str, Any]:
         """What a transcript reader needs to know about this sandbox."""

@@ -28,6 +28,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(Path(args.notebook), runtime=args.runtime, workdir=Path(args.workdir))
 
 
+def _load_egress_policy(path: str | None):  # type: ignore[no-untyped-def]
+    """The operator's egress policy file, validated (ConfigError says what to fix)."""
+    if path is None:
+        return None
+    from sandkernel.errors import ConfigError
+    from sandkernel.kernels.egress_policy import EgressPolicy
+
+    try:
+        config = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read the egress policy {path}: {err}") from err
+    return EgressPolicy.from_config(config)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from sandkernel.gateway.budget import OutputBudget
     from sandkernel.gateway.server import serve
@@ -48,6 +62,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             allow_token_in_url=args.allow_token_in_url,
             allow_origins=tuple(args.allow_origin),
             max_connections_per_kernel=args.max_connections_per_kernel,
+            egress_policy=_load_egress_policy(args.egress_policy),
         )
     )
     return 0
@@ -215,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ORIGIN",
         help="a browser origin allowed to open kernel websockets, e.g. https://lab.example.com (repeatable; * for any)",
+    )
+    serve.add_argument(
+        "--egress-policy",
+        default=None,
+        metavar="FILE",
+        help='JSON allowlist sessions may use or narrow ({"allow": ["pypi.org", ...], ...}); default: no network',
     )
     serve.add_argument(
         "--max-connections-per-kernel", type=int, default=16, metavar="N", help="websockets per kernel (default 16)"

@@ -8,7 +8,9 @@ import json
 import sys
 from pathlib import Path
 
-RUNSC_ARGS = ["--network=none", "--host-uds=create", "--platform=ptrace", "--oci-seccomp"]
+# --host-uds=all: the kernel binds its sockets in the runtime dir (create) and connects to its
+# session's egress proxy socket (open). Only those two directories are mounted.
+RUNSC_ARGS = ["--network=none", "--host-uds=all", "--platform=ptrace", "--oci-seccomp"]
 
 
 def main(path: str, runsc: str) -> None:

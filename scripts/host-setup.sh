@@ -26,7 +26,8 @@ if ! command -v runsc >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
 fi
 
 # Register runsc: ptrace platform (never KVM: it hangs here), no network of its own, and
-# --host-uds=create so the kernel's ZMQ ipc sockets appear in the bind-mounted runtime dir.
+# --host-uds=all so the kernel's ZMQ ipc sockets appear in the bind-mounted runtime dir (create) and
+# an allowlist session can reach its egress proxy socket (open).
 daemon_changed=unchanged
 if command -v runsc >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
   daemon_changed=$(python3 "$here/scripts/docker_daemon_config.py" /etc/docker/daemon.json "$(command -v runsc)")
