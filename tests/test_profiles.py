@@ -30,7 +30,8 @@ def test_overrides_apply_and_named_profiles_exist():
         ({"wheelhouse": "relative/dir"}, "wheelhouse must be an absolute host directory path"),
         ({"wheelhouse": "/no/such/dir"}, "does not exist on the host"),
         ({"env": {"A": 1}}, "env must be a mapping of strings to strings"),
-        ({"network": "all"}, "unknown profile setting 'network'"),
+        ({"network": "all"}, 'network must be "none" or {"allow"'),
+        ({"network": {"allow": ["*"]}}, "would allow any host"),
     ],
 )
 def test_bad_overrides_name_the_fix(overrides, message):
