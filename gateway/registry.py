@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sandkernel.errors import ConfigError, KernelNotFoundError
+from sandkernel.kernels.pool import WarmPool
 from sandkernel.kernels.session import KernelSession
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
@@ -90,7 +91,9 @@ class SessionRegistry:
         idle_timeout: float | None = 3600.0,
         max_lifetime: float | None = 24 * 3600.0,
         notebook_dir: Path | None = None,
+        pool: WarmPool | None = None,
     ) -> None:
+        self.pool = pool
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.max_sessions_total = max_sessions_total
         self.idle_timeout = idle_timeout
@@ -113,20 +116,25 @@ class SessionRegistry:
             raise TooManySessionsError(
                 f"session limit reached ({self.max_sessions_per_tenant} per token); delete a session first"
             )
-        if len(self._sessions) + sum(self._pending.values()) >= self.max_sessions_total:
+        reserved = self.pool.size if self.pool else 0  # pooled sandboxes count toward the limit
+        if len(self._sessions) + sum(self._pending.values()) + reserved >= self.max_sessions_total:
             raise TooManySessionsError(
                 f"the gateway is at its limit of {self.max_sessions_total} sessions; try again later"
             )
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
-        session_id = uuid.uuid4().hex
-        recorder = TranscriptRecorder(
-            notebook_path_for(session_id, self.notebook_dir),
-            {"tenant": tenant, "client_metadata": dict(metadata or {})},
-        )
         try:
-            session = await KernelSession.start(
-                profile=profile, overrides=overrides, session_id=session_id, recorder=recorder
+            session = await self.pool.acquire() if self.pool and self.pool.matches(profile, overrides) else None
+            session_id = session.id if session else uuid.uuid4().hex
+            recorder = TranscriptRecorder(
+                notebook_path_for(session_id, self.notebook_dir),
+                {"tenant": tenant, "client_metadata": dict(metadata or {}), "warm_pool": session is not None},
             )
+            if session is not None:
+                await session.attach_recorder(recorder)
+            else:
+                session = await KernelSession.start(
+                    profile=profile, overrides=overrides, session_id=session_id, recorder=recorder
+                )
         finally:
             self._pending[tenant] -= 1
         kernel_name = "sandkernel-python-gvisor" if session.profile.runtime.value == "runsc" else "sandkernel-python"
@@ -195,4 +203,7 @@ class SessionRegistry:
     async def shutdown_all(self) -> None:
         sessions = list(self._sessions.values())
         self._sessions.clear()
-        await asyncio.gather(*(s.session.shutdown() for s in sessions), *self._closing, return_exceptions=True)
+        pool_closed = self.pool.close() if self.pool else asyncio.sleep(0)
+        await asyncio.gather(
+            *(s.session.shutdown() for s in sessions), *self._closing, pool_closed, return_exceptions=True
+        )

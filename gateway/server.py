@@ -42,6 +42,7 @@ from sandkernel.gateway.sessions_api import (
     SessionsHandler,
 )
 from sandkernel.kernels.egress_policy import EgressPolicy
+from sandkernel.kernels.pool import WarmPool
 from sandkernel.kernels.reaper import reap
 from sandkernel.notebooks.recorder import default_notebook_dir
 
@@ -55,7 +56,9 @@ class HealthHandler(BaseHandler):
         return "anonymous"  # for load balancers and probes; says nothing tenant-specific
 
     def get(self) -> None:
-        self.write_json({"status": "ok", "version": __version__, "sessions": len(self.registry)})
+        pool = self.registry.pool
+        warm = len(pool) if pool else 0
+        self.write_json({"status": "ok", "version": __version__, "sessions": len(self.registry), "warm_pool": warm})
 
 
 class MetricsHandler(BaseHandler):
@@ -148,6 +151,7 @@ async def serve(
     allow_origins: tuple[str, ...] = (),
     max_connections_per_kernel: int = MAX_CONNECTIONS_PER_KERNEL,
     egress_policy: EgressPolicy | None = None,
+    pool_size: int = 0,
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set).
 
@@ -158,7 +162,8 @@ async def serve(
     report = await reap()
     if report.removed:
         log.info("reaped orphaned containers", extra={"count": len(report.removed)})
-    registry = SessionRegistry(max_sessions, max_sessions_total, idle_timeout, max_lifetime, notebook_dir)
+    pool = WarmPool(pool_size) if pool_size > 0 else None
+    registry = SessionRegistry(max_sessions, max_sessions_total, idle_timeout, max_lifetime, notebook_dir, pool)
     app = make_app(
         registry,
         auth,
@@ -183,6 +188,10 @@ async def serve(
         if shown_token:
             print(f"token: {shown_token}", flush=True)
             print(f"JupyterLab: jupyter lab --gateway-url={url} --GatewayClient.auth_token={shown_token}", flush=True)
+    if pool is not None:
+        pool.start()
+        if announce:
+            print(f"warm pool: {pool_size} sandbox(es) of the default profile, filling in the background", flush=True)
     if ready is not None:
         ready.set()
     culler = asyncio.create_task(_cull_forever(registry, cull_interval))

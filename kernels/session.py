@@ -130,15 +130,20 @@ class KernelSession:
         session_id: str | None = None,
         recorder: TranscriptRecorder | None = None,
     ) -> KernelSession:
-        session = cls(profile, overrides, session_id, recorder)
+        session = cls(profile, overrides, session_id, None)
         await session._start_kernel()
         if recorder is not None:
-            recorder.update_metadata(**session.describe())
-            await recorder.start()
-            proxy = session.provisioner.egress
-            if proxy is not None:  # the transcript keeps a running summary of the session's egress
-                proxy.on_record = lambda _record: recorder.update_metadata(egress=proxy.summary())
+            await session.attach_recorder(recorder)
         return session
+
+    async def attach_recorder(self, recorder: TranscriptRecorder) -> None:
+        """Start recording into ``recorder`` (at start, or when a warm-pool session is handed out)."""
+        self.recorder = recorder
+        recorder.update_metadata(**self.describe())
+        await recorder.start()
+        proxy = self.provisioner.egress
+        if proxy is not None:  # the transcript keeps a running summary of the session's egress
+            proxy.on_record = lambda _record: recorder.update_metadata(egress=proxy.summary())
 
     def egress_records(self) -> list[dict[str, Any]] | None:
         """Every request through this session's egress proxy; None when its network is "none"."""

@@ -63,6 +63,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             allow_origins=tuple(args.allow_origin),
             max_connections_per_kernel=args.max_connections_per_kernel,
             egress_policy=_load_egress_policy(args.egress_policy),
+            pool_size=args.pool_size,
         )
     )
     return 0
@@ -230,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ORIGIN",
         help="a browser origin allowed to open kernel websockets, e.g. https://lab.example.com (repeatable; * for any)",
+    )
+    serve.add_argument(
+        "--pool-size",
+        type=int,
+        default=2,
+        metavar="N",
+        help="sandboxes of the default profile kept ready for new sessions (default 2; 0 disables)",
     )
     serve.add_argument(
         "--egress-policy",
