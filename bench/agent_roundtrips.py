@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import anthropic
+from results_dir import results_path
 
 from sandkernel.agent.loop import AgentConfig
 from sandkernel.agent.offline_api import ScriptedMessagesServer
@@ -36,7 +37,7 @@ from sandkernel.kernels.container import WORKSPACE
 from sandkernel.kernels.session import KernelSession
 from sandkernel.kernels.workspace_files import WorkspaceFiles
 
-RESULTS = Path(__file__).with_name("results") / "agent_roundtrips.json"
+RESULTS = results_path("agent_roundtrips.json")
 
 
 def scenario_steps() -> list[str]:

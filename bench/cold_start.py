@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from jupyter_client import AsyncKernelClient
+from results_dir import results_path
 
 from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.profiles import resolve_profile
@@ -145,7 +146,7 @@ async def main() -> None:
                 f"{runtime:7} {metric:22} {a['median_ms']:11.1f} /{a['p95_ms']:8.1f}   "
                 f"{b['median_ms']:9.1f} /{b['p95_ms']:8.1f}   {ratio:8.2f}x"
             )
-    out = Path(__file__).parent / "results" / "cold_start.json"
+    out = results_path("cold_start.json")
     out.write_text(json.dumps(report, indent=2))
     print(f"\nwritten: {out}")
 

@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
+from results_dir import results_path
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.websocket import websocket_connect
 
@@ -205,7 +205,7 @@ async def main() -> None:
             results["Kernel Gateway 3 websocket (local kernel)"]["p50_ms"] / results["sandkernel websocket"]["p50_ms"]
         )
         print(f"\nsandkernel websocket is {kg_ratio:.1f}x faster than Kernel Gateway 3 out of the box (p50)")
-    out = Path(__file__).parent / "results" / "execute_roundtrip.json"
+    out = results_path("execute_roundtrip.json")
     out.write_text(json.dumps({"n": args.n, "cpus": os.cpu_count(), "results": results}, indent=2))
     print(f"written: {out}")
 

@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from results_dir import results_path
+
 from sandkernel.kernels.session import KernelSession
 from sandkernel.notebooks.recorder import TranscriptRecorder
 
@@ -42,7 +44,7 @@ async def main() -> None:
     for name, value in p50.items():
         print(f"{name:18} p50 {value:6.2f} ms")
     print(f"recording overhead: {overhead * 100:+.1f}% of a trivial execute (target < 5%)")
-    out = Path(__file__).parent / "results" / "recording_overhead.json"
+    out = results_path("recording_overhead.json")
     out.write_text(json.dumps({"n": args.n, "p50_ms": p50, "overhead": overhead}, indent=2))
 
 

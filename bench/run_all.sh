@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Every benchmark, one after the other (about 6 minutes on a 2-core machine), then the summary.
+# Each script measures its baseline in the same run and prints medians, p95 and ratios.
+# Usage: bash bench/run_all.sh [--quick]   (--quick: a few samples each, for a smoke run)
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$here"
+quick=0; [ "${1:-}" = "--quick" ] && quick=1
+n() { if [ "$quick" = 1 ]; then echo "$2"; else echo "$1"; fi; }
+runtimes=(runc); docker info --format '{{json .Runtimes}}' | grep -q runsc && runtimes+=(runsc)
+step() { echo; echo "== $* =="; }
+step "cold start and execute round trip vs bare docker run"
+python cold_start.py --starts "$(n 10 1)" --executes "$(n 200 5)"
+step "execute round trip: session API, websocket, raw jupyter_client, Kernel Gateway"
+python execute_roundtrip.py --n "$(n 200 5)"
+for runtime in "${runtimes[@]}"; do
+    step "session acquire -> first result ($runtime): warm pool, cold start, bare docker"
+    python session_acquire.py --n "$(n 10 1)" --runtime "$runtime"
+done
+step "transcript recording overhead"
+python recording_overhead.py --n "$(n 300 5)"
+step "stateful session vs a fresh process per call (agent, CSV scenario)"
+python agent_roundtrips.py --runs "$(n 5 1)"
+step "summary"
+python summarize.py

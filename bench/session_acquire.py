@@ -1,0 +1,112 @@
+"""Session acquire → first result of ``1+1``, through the gateway's session API, three ways in
+one run: from the warm pool, from a cold start, and a bare ``docker run`` + ipykernel baseline
+(no gateway, no hardening; bench/cold_start.py's). Each warm sample waits for the pool to refill
+first, as a gateway whose demand stays below its refill rate would see.
+
+Prints medians, p95 and ratios; writes bench/results/session_acquire.json.
+Usage: python bench/session_acquire.py [--n 10] [--runtime runc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+from cold_start import baseline_run, summary
+from results_dir import results_path
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+from sandkernel.gateway.server import serve
+
+RESULTS = results_path("session_acquire.json")
+TOKEN = "bench-token-0123456789abcdef"
+
+
+async def call(port: int, method: str, path: str, body: dict | None = None) -> dict:
+    request = HTTPRequest(
+        f"http://127.0.0.1:{port}{path}",
+        method=method,
+        body=json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None),
+        headers={"Authorization": f"token {TOKEN}"},
+        request_timeout=300,
+    )
+    response = await AsyncHTTPClient().fetch(request)
+    return json.loads(response.body) if response.body else {}
+
+
+async def gateway_samples(n: int, runtime: str, pool_size: int, port: int) -> list[float]:
+    ready, stop = asyncio.Event(), asyncio.Event()
+    with tempfile.TemporaryDirectory() as notebooks:
+        task = asyncio.create_task(
+            serve(
+                "127.0.0.1",
+                port,
+                TOKEN,
+                ready=ready,
+                stop=stop,
+                pool_size=pool_size,
+                notebook_dir=Path(notebooks),
+                announce=False,
+                max_sessions=n + 2,
+                max_sessions_total=n + 4,
+            )
+        )
+        await ready.wait()
+        body: dict = {}  # the default profile (its runtime from SANDKERNEL_RUNTIME): what the pool serves
+        samples = []
+        try:
+            for _ in range(n):
+                if pool_size:
+                    while (await call(port, "GET", "/api/health"))["warm_pool"] < pool_size:
+                        await asyncio.sleep(0.05)
+                t0 = time.perf_counter()
+                session = await call(port, "POST", "/api/sessions", body)
+                result = await call(port, "POST", f"/api/sessions/{session['id']}/execute", {"code": "1+1"})
+                samples.append(time.perf_counter() - t0)
+                assert result["outputs"][0]["data"]["text/plain"] == "2"
+                await call(port, "DELETE", f"/api/sessions/{session['id']}")
+        finally:
+            stop.set()
+            await task
+    return samples
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n", type=int, default=10, help="acquisitions per contender")
+    parser.add_argument("--runtime", default="runc", choices=["runc", "runsc"])
+    args = parser.parse_args()
+    os.environ["SANDKERNEL_RUNTIME"] = args.runtime  # the default profile's runtime, pooled or not
+    warm = await gateway_samples(args.n, args.runtime, 1, free_port())
+    cold = await gateway_samples(args.n, args.runtime, 0, free_port())
+    bare, _ = await baseline_run(args.runtime, args.n, 0)
+    rows = {"warm pool": summary(warm), "cold start": summary(cold), "bare docker run + ipykernel": summary(bare)}
+    print(f"session acquire -> first result of 1+1, {args.runtime}, n={args.n}")
+    for name, row in rows.items():
+        print(f"  {name:30} p50 {row['median_ms']:8.1f} ms   p95 {row['p95_ms']:8.1f} ms")
+    warm_ms = rows["warm pool"]["median_ms"]
+    print(
+        f"  warm is {rows['cold start']['median_ms'] / warm_ms:.1f}x faster than a cold start and "
+        f"{rows['bare docker run + ipykernel']['median_ms'] / warm_ms:.1f}x faster than bare docker"
+    )
+    RESULTS.parent.mkdir(exist_ok=True)
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    data[args.runtime] = {"n": args.n, "machine": f"{platform.machine()}, {os.cpu_count()} cores", **rows}
+    RESULTS.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

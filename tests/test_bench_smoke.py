@@ -1,0 +1,26 @@
+"""The benchmark suite runs end to end (a few samples each): correctness only, no timing asserts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+def test_bench_suite_runs_and_summarises(tmp_path):
+    proc = subprocess.run(
+        ["bash", str(BENCH / "run_all.sh"), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**__import__("os").environ, "SANDKERNEL_BENCH_RESULTS": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    acquire = json.loads((tmp_path / "session_acquire.json").read_text())
+    assert {"warm pool", "cold start", "bare docker run + ipykernel"} <= set(acquire["runc"])
+    for name in ("cold_start.json", "execute_roundtrip.json", "recording_overhead.json", "agent_roundtrips.json"):
+        assert json.loads((tmp_path / name).read_text()), name
+    summary = (tmp_path / "SUMMARY.md").read_text()
+    assert "acquire -> 1+1, warm pool (runc)" in summary and "| measure | sandkernel | baseline |" in summary
