@@ -152,7 +152,7 @@ async def main() -> None:
     results: dict[str, dict] = {}
     port = free_port()
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), "--token", TOKEN],
+        [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), "--token", TOKEN, "--pool-size", "0"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

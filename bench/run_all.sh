@@ -17,6 +17,11 @@ for runtime in "${runtimes[@]}"; do
     step "session acquire -> first result ($runtime): warm pool, cold start, bare docker"
     python session_acquire.py --n "$(n 10 1)" --runtime "$runtime"
 done
+for runtime in "${runtimes[@]}"; do
+    sessions=50; [ "$runtime" = runsc ] && sessions=20  # 50 under runc is the density target
+    step "throughput, density and output ($runtime)"
+    python throughput_density.py --runtime "$runtime" --sessions "$(n "$sessions" 3)" --seconds "$(n 5 1)" --repeats "$(n 5 1)"
+done
 step "transcript recording overhead"
 python recording_overhead.py --n "$(n 300 5)"
 step "stateful session vs a fresh process per call (agent, CSV scenario)"

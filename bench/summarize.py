@@ -36,6 +36,34 @@ def main() -> None:
             rows.append(
                 (f"execute round trip, {name}", f"{p50:.1f} ms", f"{p50 / raw:.2f}x raw jupyter_client ({raw:.1f} ms)")
             )
+    for runtime, data in load("throughput_density.json").items():
+        n = data["sessions"]
+        rows.append(
+            (f"sequential executes/s, one session ({runtime})", f"{data['sequential_executes_per_s']:.0f}/s", "")
+        )
+        rows.append(
+            (
+                f"executes/s, 10 and {n} concurrent sessions ({runtime})",
+                f"{data['executes_per_s_10_sessions']:.0f}/s, {data[f'executes_per_s_{n}_sessions']:.0f}/s",
+                "",
+            )
+        )
+        rows.append((f"{n} sessions started at once ({runtime})", f"{data['start_all_seconds']:.1f} s", ""))
+        rows.append(
+            (
+                f"idle memory per session ({runtime})",
+                f"{data['idle_session_mib']:.1f} MiB",
+                f"bare ipykernel container {data['bare_idle_kernel_mib']:.1f} MiB "
+                f"({data['idle_session_mib'] / data['bare_idle_kernel_mib']:.2f}x)",
+            )
+        )
+        rows.append(
+            (
+                f"10 MB printed / 1 MB PNG returned ({runtime})",
+                f"{data['output_10mb_ms']:.0f} / {data['output_1mb_png_ms']:.0f} ms",
+                f"raw jupyter_client {data['raw_output_10mb_ms']:.0f} / {data['raw_output_1mb_png_ms']:.0f} ms",
+            )
+        )
     recording = load("recording_overhead.json")
     if recording:
         with_, without = recording["p50_ms"]["with recording"], recording["p50_ms"]["without recording"]

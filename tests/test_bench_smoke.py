@@ -20,7 +20,8 @@ def test_bench_suite_runs_and_summarises(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     acquire = json.loads((tmp_path / "session_acquire.json").read_text())
     assert {"warm pool", "cold start", "bare docker run + ipykernel"} <= set(acquire["runc"])
-    for name in ("cold_start.json", "execute_roundtrip.json", "recording_overhead.json", "agent_roundtrips.json"):
+    names = ("cold_start.json", "execute_roundtrip.json", "recording_overhead.json", "agent_roundtrips.json")
+    for name in (*names, "throughput_density.json"):
         assert json.loads((tmp_path / name).read_text()), name
     summary = (tmp_path / "SUMMARY.md").read_text()
     assert "acquire -> 1+1, warm pool (runc)" in summary and "| measure | sandkernel | baseline |" in summary
