@@ -186,7 +186,7 @@ async def main() -> None:
         results["start_all_seconds"] = time.perf_counter() - started
         sids = [first] + [s["id"] for s in created]
         await asyncio.gather(*(api.execute(sid, "1+1") for sid in sids))
-        await asyncio.sleep(3)
+        await asyncio.sleep(10)  # let every new kernel finish settling before measuring
         session_memory = [
             memory_mib(c.id)
             for c in default_engine().client.containers.list(filters={"label": "sandkernel.session"})
