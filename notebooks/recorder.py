@@ -17,6 +17,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,10 @@ import nbformat
 
 from sandkernel.kernels.outputs import ExecutionResult
 from sandkernel.notebooks.transcript import build_notebook, markdown_cell, result_to_cell
+
+# Write pacing for large transcripts (see _write_behind).
+PACE_ABOVE_SECONDS = 0.002
+MAX_PACE_SECONDS = 2.0
 
 # Uploaded files up to this size are embedded in the transcript (see record_input).
 EMBED_INPUT_BYTES = 2 * 1024 * 1024
@@ -134,11 +139,18 @@ class TranscriptRecorder:
         while True:
             await self._changed.wait()
             self._changed.clear()
+            started = time.monotonic()
             version, text = self._version, self._document()
             await asyncio.to_thread(_replace_file, self.path, text)
             async with self._written_cond:
                 self._written = version
                 self._written_cond.notify_all()
+            # Each write rewrites the whole document: for a large notebook under a stream of
+            # executes that would cost more and more. Pace writes so they take at most ~10% of
+            # the time; the file still holds whole cells only, just coalesced into fewer writes.
+            took = time.monotonic() - started
+            if took > PACE_ABOVE_SECONDS:
+                await asyncio.sleep(min(took * 9, MAX_PACE_SECONDS))
             try:  # fsync once the burst is over
                 await asyncio.wait_for(self._changed.wait(), self.SYNC_DELAY)
             except asyncio.TimeoutError:
