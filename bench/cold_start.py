@@ -59,49 +59,66 @@ async def sandkernel_run(runtime: str, starts: int, executes: int) -> tuple[list
     return cold, round_trips
 
 
+def start_bare_kernel(runtime: str, label: str) -> tuple[object, Path, dict]:
+    """A bare ``docker run`` of the kernel image with ipykernel on ipc sockets in a bind-mounted
+    dir: no hardening, no lock, no seccomp (what a hand-rolled setup does). Blocking."""
+    engine = default_engine()
+    rundir = Path(tempfile.mkdtemp(prefix="skb-", dir="/tmp"))
+    os.chmod(rundir, 0o777)
+    info = {
+        "transport": "ipc",
+        "ip": "/r/k",
+        "key": uuid.uuid4().hex,
+        "signature_scheme": "hmac-sha256",
+        "shell_port": 1,
+        "iopub_port": 2,
+        "stdin_port": 3,
+        "control_port": 4,
+        "hb_port": 5,
+    }
+    (rundir / "c.json").write_text(json.dumps(info))
+    container = engine.client.containers.run(
+        resolve_profile().image,
+        ["python", "-m", "ipykernel_launcher", "-f", "/r/c.json"],
+        entrypoint=[],
+        runtime=runtime,
+        network_mode="none",
+        detach=True,
+        user="10001:10001",
+        volumes={str(rundir): {"bind": "/r", "mode": "rw"}},
+        labels={"sandkernel.session": label},
+        environment={"HOME": "/tmp"},
+        # runsc's --oci-seccomp mis-evaluates clone() argument rules (Docker's default profile
+        # and ours alike) and refuses thread creation, so the bare baseline runs unconfined
+        # there; sandkernel's kernels install their filter themselves (start_kernel.py).
+        security_opt=["seccomp=unconfined"] if runtime == "runsc" else [],
+    )
+    return container, rundir, info
+
+
+def bare_sockets_ready(rundir: Path) -> bool:
+    return all((rundir / f"k-{p}").exists() for p in range(1, 6))
+
+
+def remove_bare_kernel(container: object, rundir: Path) -> None:
+    container.remove(force=True)  # type: ignore[attr-defined]
+    for entry in rundir.iterdir():
+        entry.unlink()
+    rundir.rmdir()
+
+
 async def baseline_run(runtime: str, starts: int, executes: int) -> tuple[list[float], list[float]]:
     """Bare docker run + ipykernel over ipc, raw jupyter_client: what a hand-rolled setup does."""
     engine = default_engine()
-    image = resolve_profile().image
     cold, round_trips = [], []
     for i in range(starts):
-        rundir = Path(tempfile.mkdtemp(prefix="skb-", dir="/tmp"))
-        os.chmod(rundir, 0o777)
-        info = {
-            "transport": "ipc",
-            "ip": "/r/k",
-            "key": uuid.uuid4().hex,
-            "signature_scheme": "hmac-sha256",
-            "shell_port": 1,
-            "iopub_port": 2,
-            "stdin_port": 3,
-            "control_port": 4,
-            "hb_port": 5,
-        }
-        (rundir / "c.json").write_text(json.dumps(info))
         t0 = time.perf_counter()
-        container = await engine.run(
-            engine.client.containers.run,
-            image,
-            ["python", "-m", "ipykernel_launcher", "-f", "/r/c.json"],
-            entrypoint=[],
-            runtime=runtime,
-            network_mode="none",
-            detach=True,
-            user="10001:10001",
-            volumes={str(rundir): {"bind": "/r", "mode": "rw"}},
-            labels={"sandkernel.session": "bench-baseline"},
-            environment={"HOME": "/tmp"},
-            # runsc's --oci-seccomp mis-evaluates clone() argument rules (Docker's default profile
-            # and ours alike) and refuses thread creation, so the bare baseline runs unconfined
-            # there; sandkernel's kernels install their filter themselves (start_kernel.py).
-            security_opt=["seccomp=unconfined"] if runtime == "runsc" else [],
-        )
+        container, rundir, info = await engine.run(start_bare_kernel, runtime, "bench-baseline")
         try:
             client = AsyncKernelClient()
             client.load_connection_info(dict(info, ip=str(rundir / "k")))
             deadline = time.monotonic() + 60
-            while not all((rundir / f"k-{p}").exists() for p in range(1, 6)):
+            while not bare_sockets_ready(rundir):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"baseline kernel did not start: {container.logs()[-500:]!r}")
                 await asyncio.sleep(0.005)
@@ -117,10 +134,7 @@ async def baseline_run(runtime: str, starts: int, executes: int) -> tuple[list[f
                     round_trips.append(time.perf_counter() - t1)
             client.stop_channels()
         finally:
-            await engine.run(container.remove, force=True)
-            for entry in rundir.iterdir():
-                entry.unlink()
-            rundir.rmdir()
+            await engine.run(remove_bare_kernel, container, rundir)
     return cold, round_trips
 
 

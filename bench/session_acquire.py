@@ -14,19 +14,14 @@ import asyncio
 import json
 import os
 import platform
-import socket
-import tempfile
 import time
-from pathlib import Path
 
 from cold_start import baseline_run, summary
+from inprocess_gateway import TOKEN, inprocess_gateway
 from results_dir import results_path
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
-from sandkernel.gateway.server import serve
-
 RESULTS = results_path("session_acquire.json")
-TOKEN = "bench-token-0123456789abcdef"
 
 
 async def call(port: int, method: str, path: str, body: dict | None = None) -> dict:
@@ -41,40 +36,20 @@ async def call(port: int, method: str, path: str, body: dict | None = None) -> d
     return json.loads(response.body) if response.body else {}
 
 
-async def gateway_samples(n: int, runtime: str, pool_size: int, port: int) -> list[float]:
-    ready, stop = asyncio.Event(), asyncio.Event()
-    with tempfile.TemporaryDirectory() as notebooks:
-        task = asyncio.create_task(
-            serve(
-                "127.0.0.1",
-                port,
-                TOKEN,
-                ready=ready,
-                stop=stop,
-                pool_size=pool_size,
-                notebook_dir=Path(notebooks),
-                announce=False,
-                max_sessions=n + 2,
-                max_sessions_total=n + 4,
-            )
-        )
-        await ready.wait()
-        body: dict = {}  # the default profile (its runtime from SANDKERNEL_RUNTIME): what the pool serves
-        samples = []
-        try:
-            for _ in range(n):
-                if pool_size:
-                    while (await call(port, "GET", "/api/health"))["warm_pool"] < pool_size:
-                        await asyncio.sleep(0.05)
-                t0 = time.perf_counter()
-                session = await call(port, "POST", "/api/sessions", body)
-                result = await call(port, "POST", f"/api/sessions/{session['id']}/execute", {"code": "1+1"})
-                samples.append(time.perf_counter() - t0)
-                assert result["outputs"][0]["data"]["text/plain"] == "2"
-                await call(port, "DELETE", f"/api/sessions/{session['id']}")
-        finally:
-            stop.set()
-            await task
+async def gateway_samples(n: int, pool_size: int) -> list[float]:
+    samples = []
+    async with inprocess_gateway(pool_size=pool_size, max_sessions=n + 2, max_sessions_total=n + 4) as port:
+        for _ in range(n):
+            if pool_size:
+                while (await call(port, "GET", "/api/health"))["warm_pool"] < pool_size:
+                    await asyncio.sleep(0.05)
+            t0 = time.perf_counter()
+            # The default profile (its runtime from SANDKERNEL_RUNTIME): what the pool serves.
+            session = await call(port, "POST", "/api/sessions", {})
+            result = await call(port, "POST", f"/api/sessions/{session['id']}/execute", {"code": "1+1"})
+            samples.append(time.perf_counter() - t0)
+            assert result["outputs"][0]["data"]["text/plain"] == "2"
+            await call(port, "DELETE", f"/api/sessions/{session['id']}")
     return samples
 
 
@@ -84,8 +59,8 @@ async def main() -> None:
     parser.add_argument("--runtime", default="runc", choices=["runc", "runsc"])
     args = parser.parse_args()
     os.environ["SANDKERNEL_RUNTIME"] = args.runtime  # the default profile's runtime, pooled or not
-    warm = await gateway_samples(args.n, args.runtime, 1, free_port())
-    cold = await gateway_samples(args.n, args.runtime, 0, free_port())
+    warm = await gateway_samples(args.n, 1)
+    cold = await gateway_samples(args.n, 0)
     bare, _ = await baseline_run(args.runtime, args.n, 0)
     rows = {"warm pool": summary(warm), "cold start": summary(cold), "bare docker run + ipykernel": summary(bare)}
     print(f"session acquire -> first result of 1+1, {args.runtime}, n={args.n}")
@@ -100,12 +75,6 @@ async def main() -> None:
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     data[args.runtime] = {"n": args.n, "machine": f"{platform.machine()}, {os.cpu_count()} cores", **rows}
     RESULTS.write_text(json.dumps(data, indent=2) + "\n")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -17,22 +17,17 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import tempfile
 import time
-import uuid
-from pathlib import Path
 
+from cold_start import bare_sockets_ready, remove_bare_kernel, start_bare_kernel
+from inprocess_gateway import TOKEN, inprocess_gateway
 from results_dir import results_path
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
-from sandkernel.gateway.server import serve
 from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.profiles import resolve_profile
 from sandkernel.kernels.session import KernelSession
 
-TOKEN = "bench-token-0123456789abcdef"
 TEN_MB = "print('x' * 10_000_000)"
 ONE_MB_PNG = (
     "import os\nfrom IPython.display import Image, display\n"
@@ -84,45 +79,15 @@ def memory_mib(container_id: str) -> float:
 
 def bare_kernel_memory(runtime: str) -> float:
     """An idle ipykernel in a bare container of the same image: the density baseline."""
-    engine = default_engine()
-    rundir = Path(tempfile.mkdtemp(prefix="skd-", dir="/tmp"))
-    os.chmod(rundir, 0o777)
-    info = {
-        "transport": "ipc",
-        "ip": "/r/k",
-        "key": uuid.uuid4().hex,
-        "signature_scheme": "hmac-sha256",
-        "shell_port": 1,
-        "iopub_port": 2,
-        "stdin_port": 3,
-        "control_port": 4,
-        "hb_port": 5,
-    }
-    (rundir / "c.json").write_text(json.dumps(info))
-    container = engine.client.containers.run(
-        resolve_profile().image,
-        ["python", "-m", "ipykernel_launcher", "-f", "/r/c.json"],
-        entrypoint=[],
-        runtime=runtime,
-        network_mode="none",
-        detach=True,
-        user="10001:10001",
-        environment={"HOME": "/tmp"},
-        volumes={str(rundir): {"bind": "/r", "mode": "rw"}},
-        labels={"sandkernel.session": "bench-density"},
-        security_opt=["seccomp=unconfined"] if runtime == "runsc" else [],
-    )
+    container, rundir, _ = start_bare_kernel(runtime, "bench-density")
     try:
         deadline = time.monotonic() + 60
-        while not all((rundir / f"k-{p}").exists() for p in range(1, 6)) and time.monotonic() < deadline:
+        while not bare_sockets_ready(rundir) and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(3)  # settle, as the sandkernel sessions have
         return memory_mib(container.id)
     finally:
-        container.remove(force=True)
-        for entry in rundir.iterdir():
-            entry.unlink()
-        rundir.rmdir()
+        remove_bare_kernel(container, rundir)
 
 
 async def raw_output_seconds(code: str, repeats: int) -> float:
@@ -139,6 +104,35 @@ async def raw_output_seconds(code: str, repeats: int) -> float:
         return statistics.median(samples)
 
 
+async def measure_gateway(api: Api, args: argparse.Namespace, results: dict) -> None:
+    first = (await api("POST", "/api/sessions"))["id"]
+    await api.execute(first, "1+1")
+    t0 = time.perf_counter()
+    for _ in range(200):
+        await api.execute(first, "1+1")
+    results["sequential_executes_per_s"] = 200 / (time.perf_counter() - t0)
+    results["output_10mb_ms"] = (
+        statistics.median([await timed(api.execute(first, TEN_MB)) for _ in range(args.repeats)]) * 1000
+    )
+    results["output_1mb_png_ms"] = (
+        statistics.median([await timed(api.execute(first, ONE_MB_PNG)) for _ in range(args.repeats)]) * 1000
+    )
+    started = time.perf_counter()
+    created = await asyncio.gather(*(api("POST", "/api/sessions") for _ in range(args.sessions - 1)))
+    results["start_all_seconds"] = time.perf_counter() - started
+    sids = [first] + [s["id"] for s in created]
+    await asyncio.gather(*(api.execute(sid, "1+1") for sid in sids))
+    await asyncio.sleep(10)  # let every new kernel finish settling before measuring
+    session_memory = [
+        memory_mib(c.id)
+        for c in default_engine().client.containers.list(filters={"label": "sandkernel.session"})
+        if c.labels["sandkernel.session"] in set(sids)
+    ]
+    results["idle_session_mib"] = statistics.median(session_memory)
+    results["executes_per_s_10_sessions"] = await executes_per_second(api, sids[:10], args.seconds)
+    results[f"executes_per_s_{args.sessions}_sessions"] = await executes_per_second(api, sids, args.seconds)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runtime", default="runc", choices=["runc", "runsc"])
@@ -147,57 +141,9 @@ async def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="samples of each output measurement")
     args = parser.parse_args()
     os.environ["SANDKERNEL_RUNTIME"] = args.runtime
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    ready, stop = asyncio.Event(), asyncio.Event()
-    notebooks = tempfile.mkdtemp()
-    task = asyncio.create_task(
-        serve(
-            "127.0.0.1",
-            port,
-            TOKEN,
-            ready=ready,
-            stop=stop,
-            announce=False,
-            notebook_dir=Path(notebooks),
-            max_sessions=args.sessions + 5,
-            max_sessions_total=args.sessions + 5,
-        )
-    )
-    await ready.wait()
-    api = Api(port)
     results: dict = {"runtime": args.runtime, "cpus": os.cpu_count(), "sessions": args.sessions}
-    try:
-        first = (await api("POST", "/api/sessions"))["id"]
-        await api.execute(first, "1+1")
-        t0 = time.perf_counter()
-        for _ in range(200):
-            await api.execute(first, "1+1")
-        results["sequential_executes_per_s"] = 200 / (time.perf_counter() - t0)
-        results["output_10mb_ms"] = (
-            statistics.median([await timed(api.execute(first, TEN_MB)) for _ in range(args.repeats)]) * 1000
-        )
-        results["output_1mb_png_ms"] = (
-            statistics.median([await timed(api.execute(first, ONE_MB_PNG)) for _ in range(args.repeats)]) * 1000
-        )
-        started = time.perf_counter()
-        created = await asyncio.gather(*(api("POST", "/api/sessions") for _ in range(args.sessions - 1)))
-        results["start_all_seconds"] = time.perf_counter() - started
-        sids = [first] + [s["id"] for s in created]
-        await asyncio.gather(*(api.execute(sid, "1+1") for sid in sids))
-        await asyncio.sleep(10)  # let every new kernel finish settling before measuring
-        session_memory = [
-            memory_mib(c.id)
-            for c in default_engine().client.containers.list(filters={"label": "sandkernel.session"})
-            if c.labels["sandkernel.session"] in set(sids)
-        ]
-        results["idle_session_mib"] = statistics.median(session_memory)
-        results["executes_per_s_10_sessions"] = await executes_per_second(api, sids[:10], args.seconds)
-        results[f"executes_per_s_{args.sessions}_sessions"] = await executes_per_second(api, sids, args.seconds)
-    finally:
-        stop.set()
-        await task
+    async with inprocess_gateway(max_sessions=args.sessions + 5, max_sessions_total=args.sessions + 5) as port:
+        await measure_gateway(Api(port), args, results)
     results["bare_idle_kernel_mib"] = await asyncio.to_thread(bare_kernel_memory, args.runtime)
     results["raw_output_10mb_ms"] = await raw_output_seconds(TEN_MB, args.repeats) * 1000
     results["raw_output_1mb_png_ms"] = await raw_output_seconds(ONE_MB_PNG, args.repeats) * 1000
