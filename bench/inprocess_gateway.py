@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from sandkernel.gateway.server import serve
 
@@ -42,3 +45,25 @@ async def inprocess_gateway(**options: Any) -> AsyncIterator[int]:
         finally:
             stop.set()
             await task
+
+
+class GatewayApi:
+    """JSON calls to a benchmark's gateway with its token (one HTTP client, many connections)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.http = AsyncHTTPClient(force_instance=True, max_clients=200)
+
+    async def __call__(self, method: str, path: str, body: dict | None = None) -> dict:
+        request = HTTPRequest(
+            f"http://127.0.0.1:{self.port}{path}",
+            method=method,
+            body=json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None),
+            headers={"Authorization": f"token {TOKEN}"},
+            request_timeout=600,
+        )
+        response = await self.http.fetch(request)
+        return json.loads(response.body) if response.body else {}
+
+    async def execute(self, sid: str, code: str) -> dict:
+        return await self("POST", f"/api/sessions/{sid}/execute", {"code": code, "timeout": 120})

@@ -17,39 +17,27 @@ import platform
 import time
 
 from cold_start import baseline_run, summary
-from inprocess_gateway import TOKEN, inprocess_gateway
+from inprocess_gateway import GatewayApi, inprocess_gateway
 from results_dir import results_path
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 RESULTS = results_path("session_acquire.json")
-
-
-async def call(port: int, method: str, path: str, body: dict | None = None) -> dict:
-    request = HTTPRequest(
-        f"http://127.0.0.1:{port}{path}",
-        method=method,
-        body=json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None),
-        headers={"Authorization": f"token {TOKEN}"},
-        request_timeout=300,
-    )
-    response = await AsyncHTTPClient().fetch(request)
-    return json.loads(response.body) if response.body else {}
 
 
 async def gateway_samples(n: int, pool_size: int) -> list[float]:
     samples = []
     async with inprocess_gateway(pool_size=pool_size, max_sessions=n + 2, max_sessions_total=n + 4) as port:
+        call = GatewayApi(port)
         for _ in range(n):
             if pool_size:
-                while (await call(port, "GET", "/api/health"))["warm_pool"] < pool_size:
+                while (await call("GET", "/api/health"))["warm_pool"] < pool_size:
                     await asyncio.sleep(0.05)
             t0 = time.perf_counter()
             # The default profile (its runtime from SANDKERNEL_RUNTIME): what the pool serves.
-            session = await call(port, "POST", "/api/sessions", {})
-            result = await call(port, "POST", f"/api/sessions/{session['id']}/execute", {"code": "1+1"})
+            session = await call("POST", "/api/sessions", {})
+            result = await call("POST", f"/api/sessions/{session['id']}/execute", {"code": "1+1"})
             samples.append(time.perf_counter() - t0)
             assert result["outputs"][0]["data"]["text/plain"] == "2"
-            await call(port, "DELETE", f"/api/sessions/{session['id']}")
+            await call("DELETE", f"/api/sessions/{session['id']}")
     return samples
 
 

@@ -21,9 +21,8 @@ import statistics
 import time
 
 from cold_start import bare_sockets_ready, remove_bare_kernel, start_bare_kernel
-from inprocess_gateway import TOKEN, inprocess_gateway
+from inprocess_gateway import GatewayApi, inprocess_gateway
 from results_dir import results_path
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.session import KernelSession
@@ -35,27 +34,7 @@ ONE_MB_PNG = (
 )
 
 
-class Api:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.http = AsyncHTTPClient(force_instance=True, max_clients=200)
-
-    async def __call__(self, method: str, path: str, body: dict | None = None) -> dict:
-        request = HTTPRequest(
-            f"http://127.0.0.1:{self.port}{path}",
-            method=method,
-            body=json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None),
-            headers={"Authorization": f"token {TOKEN}"},
-            request_timeout=600,
-        )
-        response = await self.http.fetch(request)
-        return json.loads(response.body) if response.body else {}
-
-    async def execute(self, sid: str, code: str) -> dict:
-        return await self(method="POST", path=f"/api/sessions/{sid}/execute", body={"code": code, "timeout": 120})
-
-
-async def executes_per_second(api: Api, sids: list[str], seconds: float) -> float:
+async def executes_per_second(api: GatewayApi, sids: list[str], seconds: float) -> float:
     done = 0
     deadline = time.monotonic() + seconds
 
@@ -104,7 +83,7 @@ async def raw_output_seconds(code: str, repeats: int) -> float:
         return statistics.median(samples)
 
 
-async def measure_gateway(api: Api, args: argparse.Namespace, results: dict) -> None:
+async def measure_gateway(api: GatewayApi, args: argparse.Namespace, results: dict) -> None:
     first = (await api("POST", "/api/sessions"))["id"]
     await api.execute(first, "1+1")
     t0 = time.perf_counter()
@@ -143,7 +122,7 @@ async def main() -> None:
     os.environ["SANDKERNEL_RUNTIME"] = args.runtime
     results: dict = {"runtime": args.runtime, "cpus": os.cpu_count(), "sessions": args.sessions}
     async with inprocess_gateway(max_sessions=args.sessions + 5, max_sessions_total=args.sessions + 5) as port:
-        await measure_gateway(Api(port), args, results)
+        await measure_gateway(GatewayApi(port), args, results)
     results["bare_idle_kernel_mib"] = await asyncio.to_thread(bare_kernel_memory, args.runtime)
     results["raw_output_10mb_ms"] = await raw_output_seconds(TEN_MB, args.repeats) * 1000
     results["raw_output_1mb_png_ms"] = await raw_output_seconds(ONE_MB_PNG, args.repeats) * 1000

@@ -73,3 +73,32 @@ async def start_gateway(tmp_path, budget: OutputBudget | None = None, **options:
 async def stop_gateway(gateway: Gateway) -> None:
     gateway.stop.set()
     await asyncio.wait_for(gateway.task, 120)
+
+
+def rss_mib() -> float:
+    """This process's resident memory (the in-process gateway's)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+class PeakRss:
+    """``async with PeakRss() as rss:`` samples this process's RSS every 50 ms; ``rss.growth`` is
+    the peak minus the RSS at entry, in MiB."""
+
+    async def __aenter__(self) -> PeakRss:
+        self.baseline = self.peak = rss_mib()
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def _watch(self) -> None:
+        while True:
+            self.peak = max(self.peak, rss_mib())
+            await asyncio.sleep(0.05)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._task.cancel()
+        self.peak = max(self.peak, rss_mib())
+
+    @property
+    def growth(self) -> float:
+        return self.peak - self.baseline

@@ -56,7 +56,9 @@ def test_bad_input_gets_a_one_line_error_not_a_traceback():
 
 def test_demo_runs_the_sales_agent_offline_and_leaves_a_valid_notebook(tmp_path):
     path = tmp_path / "demo.ipynb"
-    proc = sandkernel("demo", "--notebook", str(path), "--workdir", str(tmp_path / "work"), env={"ANTHROPIC_API_KEY": ""})
+    proc = sandkernel(
+        "demo", "--notebook", str(path), "--workdir", str(tmp_path / "work"), env={"ANTHROPIC_API_KEY": ""}
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.startswith("ANTHROPIC_API_KEY is not set: playing a scripted conversation")
     assert "→ run_python" in proc.stdout and "The best quarter was **2025Q4**" in proc.stdout
@@ -78,7 +80,13 @@ def test_agent_without_an_api_key_says_what_to_set():
 
 def test_agent_help_reads_well():
     out = sandkernel("agent", "--help").stdout
-    for phrase in ("Run TASK with Claude", "--file PATH", "--notebook PATH", "--model NAME", "example: sandkernel agent"):
+    for phrase in (
+        "Run TASK with Claude",
+        "--file PATH",
+        "--notebook PATH",
+        "--model NAME",
+        "example: sandkernel agent",
+    ):
         assert phrase in out
 
 
@@ -93,9 +101,20 @@ async def test_agent_cli_end_to_end_against_the_scripted_api(tmp_path):
     [folder] = scenario.make_files(tmp_path)
     async with ScriptedMessagesServer(scenario.turns()) as server:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sandkernel.cli", "agent", scenario.task, "--file", str(folder),
-            "--notebook", str(tmp_path / "logs.ipynb"), "--download", "error_summary.csv",
-            cwd=tmp_path, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            sys.executable,
+            "-m",
+            "sandkernel.cli",
+            "agent",
+            scenario.task,
+            "--file",
+            str(folder),
+            "--notebook",
+            str(tmp_path / "logs.ipynb"),
+            "--download",
+            "error_summary.csv",
+            cwd=tmp_path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
             env={**os.environ, "ANTHROPIC_API_KEY": "test-key", "ANTHROPIC_BASE_URL": server.url},
         )
         out, err = (part.decode() for part in await asyncio.wait_for(proc.communicate(), 300))

@@ -8,12 +8,7 @@ import asyncio
 import pytest
 
 from .conftest import container_ids_of
-from .gateway_fixtures import start_gateway, stop_gateway
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+from .gateway_fixtures import PeakRss, start_gateway, stop_gateway
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +53,13 @@ async def test_hostile_cells_do_not_disturb_another_session(gateway):
                 done += 1
             return done
 
-        peak = baseline = _rss_mib()
-
-        async def watch_memory():
-            nonlocal peak
-            while True:
-                peak = max(peak, _rss_mib())
-                await asyncio.sleep(0.05)
-
-        watcher = asyncio.create_task(watch_memory())
-        attack_task = asyncio.create_task(attack())
-        executed = await keep_working()
-        assert await attack_task
-        watcher.cancel()
+        async with PeakRss() as rss:
+            attack_task = asyncio.create_task(attack())
+            executed = await keep_working()
+            assert await attack_task
         assert executed >= 3
         # The gateway (this process) did not hold the gigabyte: growth stays near the bounded queues.
-        assert peak - baseline < 400, f"gateway memory grew {peak - baseline:.0f} MiB during a 1 GiB flood"
+        assert rss.growth < 400, f"gateway memory grew {rss.growth:.0f} MiB during a 1 GiB flood"
         code, health = await gateway.request("GET", "/api/health", token=None)
         assert code == 200 and health["sessions"] >= 2
     finally:

@@ -124,7 +124,15 @@ async def test_attach_to_an_agent_sessions_live_kernel(stack):
         assert result["status"] == "ok"
         # `sandkernel attach` prints the steps, naming this kernel.
         attach = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "sandkernel.cli", "attach", session["id"], "--url", gateway.url, "--token", ALICE,
+            sys.executable,
+            "-m",
+            "sandkernel.cli",
+            "attach",
+            session["id"],
+            "--url",
+            gateway.url,
+            "--token",
+            ALICE,
             stdout=asyncio.subprocess.PIPE,
         )
         printed = (await attach.communicate())[0].decode()

@@ -12,9 +12,8 @@ import pytest
 from tornado.httpclient import HTTPClientError, HTTPRequest
 from tornado.websocket import WebSocketClosedError, websocket_connect
 
-from ..gateway_fixtures import ALICE
+from ..gateway_fixtures import ALICE, rss_mib
 from ..test_gateway import execute_request, ws_execute
-from ..test_gateway_lifecycle import _rss_mib
 from ..test_transport import UnixListener
 
 pytestmark = pytest.mark.security
@@ -86,10 +85,10 @@ async def test_oversized_kernel_message_is_dropped_not_buffered(arena):
     what was lost; a websocket client is closed (1011) so it reconnects; later outputs flow."""
     big = "from IPython.display import display\ndisplay({'text/plain': 'x' * (80 * 2**20)}, raw=True)"
     conn = await ws(arena)
-    before = _rss_mib()
+    before = rss_mib()
     reply = await arena.attack(big, timeout=60)
     assert reply["status"] == "ok" and "over the 64 MiB transport limit" in reply["text"], reply
-    assert _rss_mib() - before < 300
+    assert rss_mib() - before < 300
     after = await arena.attack("print('still here')")
     assert after["status"] == "ok" and after["text"] == "still here\n"
     while await asyncio.wait_for(conn.read_message(), 60) is not None:
@@ -137,14 +136,14 @@ async def test_malformed_and_oversized_websocket_frames(arena):
 
 async def test_a_client_that_reads_nothing_cannot_grow_the_gateway(arena):
     conn = await ws(arena)
-    before = _rss_mib()
+    before = rss_mib()
     try:
         flood = "import sys\nchunk = 'y' * 2**20 + '\\n'\nfor _ in range(300):\n    sys.stdout.write(chunk); sys.stdout.flush()"
         await conn.write_message(json.dumps(execute_request(flood)))
         peak = before
         for _ in range(40):  # 8 s of flood while nobody reads
             await asyncio.sleep(0.2)
-            peak = max(peak, _rss_mib())
+            peak = max(peak, rss_mib())
         latency = await arena.canary_execute()
         assert peak - before < 300, f"gateway grew {peak - before:.0f} MiB for a client that reads nothing"
         assert latency < 30

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from ..test_gateway_lifecycle import _rss_mib
+from ..gateway_fixtures import PeakRss
 from .conftest import ATTACKER_LIMITS, record_slowdown
 
 pytestmark = [pytest.mark.security, pytest.mark.slow]
@@ -168,23 +168,11 @@ async def test_runaway_code_ends_at_its_timeout(arena, name, code, ended_by):
     ],
 )
 async def test_output_floods_are_budgeted(arena, name, code):
-    before = _rss_mib()
-    peak = before
-
-    async def watch():
-        nonlocal peak
-        while True:
-            peak = max(peak, _rss_mib())
-            await asyncio.sleep(0.05)
-
-    watcher = asyncio.create_task(watch())
-    try:
+    async with PeakRss() as rss:
         reply = await under_attack(arena, name, code, 300)
-    finally:
-        watcher.cancel()
     assert reply["status"] == "ok", reply["status"]
     assert reply["truncation"]["truncated"] and len(reply["text"].encode()) < 70 * 1024
-    assert peak - before < 400, f"gateway grew {peak - before:.0f} MiB"
+    assert rss.growth < 400, f"gateway grew {rss.growth:.0f} MiB"
 
 
 async def test_giant_image_is_summarised(arena):
