@@ -9,7 +9,7 @@ import pytest
 from tornado.httpclient import HTTPClientError, HTTPRequest
 from tornado.websocket import websocket_connect
 
-from ..gateway_fixtures import ALICE, BOB
+from ..gateway_fixtures import ALICE
 
 pytestmark = pytest.mark.security
 
@@ -167,4 +167,3 @@ async def test_websocket_origin_is_checked(arena):
     same.close()
     bare = await websocket_connect(HTTPRequest(url, headers=auth))  # SDKs send no Origin
     bare.close()
-    _ = BOB
