@@ -20,14 +20,30 @@ fi
 if ! command -v debootstrap >/dev/null 2>&1; then
   as_root "debootstrap is missing"; log "installing debootstrap"; apt_install debootstrap
 fi
-if ! command -v runsc >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
-  # gVisor is optional: without it runsc sessions are refused with a clear error.
-  log "installing runsc (gVisor)"; apt_install runsc || log "runsc is not available here; gVisor sessions will be refused"
+# gVisor is optional for a user (without it runsc sessions are refused with a clear error) but not
+# for CI: with SANDKERNEL_REQUIRE_RUNSC=1 (.ci/run sets it where gVisor can be had) any runsc
+# problem stops this script; otherwise it is a loud warning, never a quiet line.
+require_runsc="${SANDKERNEL_REQUIRE_RUNSC:-0}"
+runsc_problem() {  # runsc_problem MESSAGE
+  if [ "$require_runsc" = 1 ]; then
+    log "ERROR: $1 (SANDKERNEL_REQUIRE_RUNSC=1 requires gVisor)"; exit 1
+  fi
+  log "WARNING: $1"
+  log "WARNING: gVisor sessions will be refused and the runsc half of the tests skipped"
+}
+if ! command -v runsc >/dev/null 2>&1; then
+  if [ "$(id -u)" -ne 0 ]; then
+    runsc_problem "runsc (gVisor) is not installed and this script is not root to install it"
+  else
+    log "installing runsc (gVisor)"
+    apt_install runsc || runsc_problem "installing runsc failed (apt-get install runsc, output above)"
+  fi
 fi
 
 # Register runsc: ptrace platform (never KVM: it hangs here), no network of its own, and
 # --host-uds=all so the kernel's ZMQ ipc sockets appear in the bind-mounted runtime dir (create) and
 # an allowlist session can reach its egress proxy socket (open).
+runsc_registered() { docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; }
 daemon_changed=unchanged
 if command -v runsc >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
   daemon_changed=$(python3 "$here/scripts/docker_daemon_config.py" /etc/docker/daemon.json "$(command -v runsc)")
@@ -41,7 +57,14 @@ if ! docker info >/dev/null 2>&1; then
   docker info >/dev/null 2>&1 || { log "dockerd did not start:"; tail -20 /var/log/dockerd.log >&2; exit 1; }
 elif [ "$daemon_changed" = changed ]; then
   log "reloading dockerd to register runsc"; pkill -HUP -x dockerd || true
-  for _ in $(seq 1 20); do docker info 2>/dev/null | grep -q runsc && break; sleep 0.5; done
+  for _ in $(seq 1 20); do runsc_registered && break; sleep 0.5; done
+fi
+if command -v runsc >/dev/null 2>&1; then
+  if runsc_registered; then
+    log "runsc is registered with Docker"
+  else
+    runsc_problem "runsc is installed but 'docker info' does not list it as a runtime (see /etc/docker/daemon.json)"
+  fi
 fi
 
 # A virtualenv keeps us clear of the system Python (Debian marks it externally managed).

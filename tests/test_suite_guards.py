@@ -1,0 +1,73 @@
+"""The suite's own guards: with ``SANDKERNEL_REQUIRE_RUNSC=1`` no runsc test may pass by being
+skipped. The machine state that triggers the guard (gVisor missing) cannot be made for real on
+a machine that has it, so the decision is a pure function, tested here for every state; the
+real state of this machine is checked too."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from .conftest import (
+    REQUIRE_RUNSC_ENV,
+    RunscState,
+    Verdict,
+    require_runtime,
+    runsc_required,
+    runsc_state,
+    runsc_verdict,
+    skip_forbidden,
+)
+
+
+@pytest.mark.parametrize(
+    ("state", "required", "verdict"),
+    [
+        (RunscState.REGISTERED, False, Verdict.RUN),
+        (RunscState.REGISTERED, True, Verdict.RUN),
+        (RunscState.NOT_REGISTERED, False, Verdict.FAIL),
+        (RunscState.NOT_REGISTERED, True, Verdict.FAIL),
+        (RunscState.NOT_INSTALLED, False, Verdict.SKIP),
+        (RunscState.NOT_INSTALLED, True, Verdict.FAIL),
+    ],
+)
+def test_runsc_verdict(state, required, verdict):
+    found, reason = runsc_verdict(state, required)
+    assert found is verdict, reason
+    if found is Verdict.FAIL and state is RunscState.NOT_INSTALLED:
+        assert REQUIRE_RUNSC_ENV in reason and "host-setup.sh" in reason
+
+
+@pytest.mark.parametrize(("value", "required"), [(None, False), ("", False), ("0", False), ("1", True)])
+def test_require_runsc_is_read_at_call_time(monkeypatch, value, required):
+    if value is None:
+        monkeypatch.delenv(REQUIRE_RUNSC_ENV, raising=False)
+    else:
+        monkeypatch.setenv(REQUIRE_RUNSC_ENV, value)
+    assert runsc_required() is required
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "on"])
+def test_an_unclear_require_runsc_value_is_refused(monkeypatch, value):
+    monkeypatch.setenv(REQUIRE_RUNSC_ENV, value)
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        runsc_required()
+
+
+def test_only_runsc_skips_are_forbidden_and_only_when_required():
+    assert skip_forbidden("tests/security/test_escape.py::test_x[runsc-bpf]", True)
+    assert not skip_forbidden("tests/security/test_escape.py::test_x[runsc-bpf]", False)
+    assert not skip_forbidden("tests/test_egress.py::test_x[runc]", True)
+
+
+def test_this_machine_agrees_with_its_runsc_binary(monkeypatch):
+    """Where runsc is installed here, it is registered, and the guard lets its tests run even
+    when required; where it is not, requiring it fails the test instead of skipping it."""
+    monkeypatch.setenv(REQUIRE_RUNSC_ENV, "1")
+    if shutil.which("runsc"):
+        assert runsc_state() is RunscState.REGISTERED
+        require_runtime("runsc")  # neither skips nor fails
+    else:
+        with pytest.raises(pytest.fail.Exception, match=REQUIRE_RUNSC_ENV):
+            require_runtime("runsc")
