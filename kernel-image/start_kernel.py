@@ -137,6 +137,7 @@ def install(prog: list[tuple[int, int, int, int]]) -> None:
 
 def main() -> None:
     connection_file, seccomp_file = sys.argv[1], sys.argv[2]
+    sys.dont_write_bytecode = True  # PYTHONDONTWRITEBYTECODE, which -E (see launch-kernel) ignores
     if platform.machine() == "x86_64":
         with open(seccomp_file) as f:
             install(compile_profile(json.load(f)))
@@ -150,7 +151,43 @@ def main() -> None:
         "--IPKernelApp.exec_lines=import os as _sk_os; _sk_os.umask(0o022); del _sk_os",
     ]
     bound_iopub_queue()
+    join_workspace_when_started()
     runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+
+
+# The tenant's own programs and packages (`%pip install` writes here: PIP_PREFIX in the image).
+WORKSPACE_BIN = "/workspace/.local/bin"
+WORKSPACE_SITE = "/workspace/.local/lib/python3.11/site-packages"
+
+
+def join_workspace_when_started() -> None:
+    """Put the workspace's bin and site-packages on the kernel's paths once ipykernel is up.
+
+    The image keeps them off PATH and PYTHONPATH so no host-started process can run a planted
+    file. Here the filter is installed and ipykernel has imported its own stack and bound its
+    sockets (init_code runs after both), so a planted module can shadow neither the kernel's
+    start-up imports nor the standard library (the site goes after it, before the venv's
+    site-packages, so an upgrade the tenant installs still wins). Children (``%pip``, ``!cmd``)
+    get the same view through PATH and PYTHONPATH.
+    """
+    import pkgutil
+
+    from ipykernel.kernelapp import IPKernelApp
+
+    original = IPKernelApp.init_code
+
+    def init_code(self):  # type: ignore[no-untyped-def]
+        os.environ["PATH"] = f"{WORKSPACE_BIN}:{os.environ.get('PATH', '')}"
+        os.environ["PYTHONPATH"] = WORKSPACE_SITE
+        if WORKSPACE_SITE not in sys.path:
+            first_site = next((i for i, p in enumerate(sys.path) if p == "" or p.endswith("-packages")), len(sys.path))
+            sys.path.insert(first_site, WORKSPACE_SITE)
+            # Its finder now, while the dir exists (the launcher made it): one made later, after
+            # the tenant removed the dir, would be None for good and hide a reinstall.
+            pkgutil.get_importer(WORKSPACE_SITE)
+        original(self)
+
+    IPKernelApp.init_code = init_code
 
 
 # Messages the kernel queues for each iopub subscriber that reads slower than the code writes.

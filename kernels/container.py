@@ -50,6 +50,16 @@ UID_LABEL = "sandkernel.uid"
 WORKSPACE = "/workspace"
 WHEELHOUSE = "/wheels"
 LAUNCHER = "/opt/sandkernel/launch-kernel"
+# Every process the host starts in the sandbox names image-owned programs by absolute path: the
+# tenant writes /workspace, and a name looked up through PATH could resolve to a planted file.
+SANDBOX_PYTHON = "/opt/kernel/bin/python"
+KILL = "/bin/kill"
+# Signals the kernel named by its pid file. The file is the sandbox's to write, so its first line
+# is only data here and must be a plain pid above 1 (not 0, -1, a list, or a leading zero).
+SIGNAL_KERNEL_SCRIPT = (
+    'read -r pid < /tmp/kernel.pid || [ -n "$pid" ] || exit 3; case "$pid" in ""|0*|*[!0-9]*|????????*) exit 3;; esac; '
+    '[ "$pid" -gt 1 ] || exit 3; exec ' + KILL + ' "$1" "$pid"'
+)
 
 
 @dataclass(frozen=True)
@@ -244,13 +254,18 @@ class SandboxContainer:
         return await asyncio.wait_for(self.engine.run(run), timeout)
 
     async def signal_kernel(self, signum: int) -> None:
-        """Send a signal to the kernel process (its pid file is in the sandbox's /tmp)."""
-        await self.run_as_sandbox(["sh", "-c", f"kill -{int(signum)} $(cat /tmp/kernel.pid)"])
+        """Send a signal to the kernel process (its pid file is in the sandbox's /tmp).
+
+        A pid file that is not a single pid above 1 is refused (logged, nothing signalled): the
+        restart ladder, not a guess, deals with a kernel whose pid file was tampered with."""
+        code, _ = await self.run_as_sandbox(["/bin/sh", "-c", SIGNAL_KERNEL_SCRIPT, "sh", f"-{int(signum)}"])
+        if code == 3:
+            log.warning("kernel pid file is not a pid; signal %d not sent", signum, extra={"container": self.id[:12]})
 
     async def kill_sandbox_processes(self) -> bool:
         """SIGKILL every process of the sandbox user but PID 1. False if that could not run."""
         try:
-            code, _ = await self.run_as_sandbox(["kill", "-KILL", "-1"])
+            code, _ = await self.run_as_sandbox([KILL, "-KILL", "-1"])
         except (docker.errors.APIError, TimeoutError, asyncio.TimeoutError) as err:
             log.warning("kill -1 in sandbox failed: %s", err, extra={"container": self.id[:12]})
             return False
@@ -260,7 +275,10 @@ class SandboxContainer:
     async def kernel_log(self) -> str:
         """The kernel's own stdout/stderr (for start-failure messages)."""
         try:
-            _, text = await self.run_as_sandbox(["sh", "-c", "tail -c 4000 /tmp/kernel.log 2>/dev/null"])
+            # timeout: the sandbox could have made the log a FIFO that never ends.
+            _, text = await self.run_as_sandbox(
+                ["/bin/sh", "-c", "exec /usr/bin/timeout 5 /usr/bin/tail -c 4000 /tmp/kernel.log 2>/dev/null"]
+            )
         except (docker.errors.APIError, TimeoutError, asyncio.TimeoutError):
             return ""
         return text

@@ -1,9 +1,10 @@
 """Workspace files, read and written inside the sandbox (never by the host following a path).
 
-Each operation is a short ``python -I`` run by ``docker exec`` as the sandbox user: the path is
-resolved inside the container, so a symlink the code planted can at worst point at something
-the sandbox user could read anyway, and nothing on the host is ever touched. ``-I`` ignores
-PYTHONPATH (which the code can write to) so a planted module cannot stand in for the helper.
+Each operation is a short ``/opt/kernel/bin/python -I`` run by ``docker exec`` as the sandbox
+user: the path is resolved inside the container, so a symlink the code planted can at worst point
+at something the sandbox user could read anyway, and nothing on the host is ever touched. The
+interpreter is named by absolute path (a planted ``/workspace/.local/bin/python`` is never looked
+up) and ``-I`` ignores PYTHONPATH and user site, so a planted module cannot stand in for the helper.
 Only regular files are read or replaced (O_NOFOLLOW, O_NONBLOCK: no devices, FIFOs, symlinks);
 paths must stay under /workspace.
 """
@@ -17,7 +18,7 @@ import docker.errors
 from docker.utils.socket import frames_iter
 
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
-from sandkernel.kernels.container import WORKSPACE, SandboxContainer
+from sandkernel.kernels.container import SANDBOX_PYTHON, WORKSPACE, SandboxContainer
 
 MAX_FILE_BYTES = 32 * 1024 * 1024
 MAX_LISTING = 10000
@@ -108,7 +109,7 @@ class WorkspaceFiles:
         if not isinstance(path, str):
             raise ConfigError("path must be a string")
         engine = self.container.engine
-        argv = ["python", "-I", "-c", _HELPER, op, path, str(limit)]
+        argv = [SANDBOX_PYTHON, "-I", "-c", _HELPER, op, path, str(limit)]
 
         def run() -> tuple[int, bytes, bytes]:
             api = engine.client.api
