@@ -10,15 +10,53 @@ in the gateway process: they are never placed in a kernel's environment.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import json
 import os
 import secrets
+import stat
+import time
 from pathlib import Path
 
 from sandkernel.errors import ConfigError
 
 DEFAULT_TENANT = "default"
+# Failed authentications one client address may make per window before it is refused (429)
+# without its tokens being checked at all: token guessing becomes hopeless, and requests that
+# carry a valid token are never held back, so a tenant behind the same address is unaffected.
+MAX_AUTH_FAILURES = 30
+AUTH_FAILURE_WINDOW = 60.0  # seconds
+# Addresses remembered at once (the oldest is forgotten first): the limiter's memory is bounded.
+MAX_TRACKED_ADDRESSES = 10_000
+
+
+class FailedAuthLimiter:
+    """Counts failed authentications per client address over a sliding window."""
+
+    def __init__(self, max_failures: int = MAX_AUTH_FAILURES, window: float = AUTH_FAILURE_WINDOW) -> None:
+        self.max_failures = max_failures
+        self.window = window
+        self._failures: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
+
+    def retry_after(self, address: str) -> float | None:
+        """Seconds until ``address`` may try again, or None when it is not held back."""
+        seen = self._failures.get(address)
+        if seen is None:
+            return None
+        now = time.monotonic()
+        while seen and now - seen[0] > self.window:
+            seen.popleft()
+        if len(seen) < self.max_failures:
+            return None
+        return max(self.window - (now - seen[0]), 0.0)
+
+    def record_failure(self, address: str) -> None:
+        seen = self._failures.pop(address, None) or collections.deque(maxlen=self.max_failures)
+        seen.append(time.monotonic())
+        self._failures[address] = seen  # most recent last
+        while len(self._failures) > MAX_TRACKED_ADDRESSES:
+            self._failures.popitem(last=False)
 
 
 class TokenAuth:
@@ -29,6 +67,7 @@ class TokenAuth:
             raise ConfigError("at least one token is required (or pass --no-auth explicitly)")
         self._tokens = [(token.encode(), tenant) for token, tenant in tokens.items()]
         self.allow_query_token = allow_query_token
+        self.failures = FailedAuthLimiter()
 
     @classmethod
     def from_sources(cls, token: str | None = None, tokens_file: str | None = None) -> tuple[TokenAuth, str | None]:
@@ -36,6 +75,7 @@ class TokenAuth:
         ``SANDKERNEL_TOKEN`` environment variable, or a freshly generated token, in that order.
         Returns the auth and the single token to print (None when a tokens file was used)."""
         if tokens_file:
+            _refuse_shared_secret_file(tokens_file)
             try:
                 tenants = json.loads(Path(tokens_file).read_text())
             except (OSError, ValueError) as err:
@@ -65,3 +105,17 @@ class TokenAuth:
             if hmac.compare_digest(supplied_bytes, known):
                 found = tenant
         return found
+
+
+def _refuse_shared_secret_file(path: str) -> None:
+    """A tokens file readable by the group or by others is refused: any local user (or a
+    sandbox that could ever see the host's files) would hold every tenant's token."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError as err:
+        raise ConfigError(f"cannot read tokens file {path}: {err}") from err
+    if mode & 0o077:
+        raise ConfigError(
+            f"tokens file {path} is readable or writable by group or others (mode {mode:04o}); "
+            f"run: chmod 600 {path}"
+        )

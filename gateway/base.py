@@ -23,6 +23,7 @@ from sandkernel.errors import (
     RuntimeUnavailableError,
     SandkernelError,
     SessionClosedError,
+    SettingNotPermittedError,
 )
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.registry import SessionRegistry, TooManySessionsError
@@ -34,6 +35,7 @@ STATUS_FOR_ERROR: list[tuple[type[Exception], int]] = [
     (TooManySessionsError, 429),
     (KernelNotFoundError, 404),
     (SessionClosedError, 404),
+    (SettingNotPermittedError, 403),
     (ImageNotFoundError, 400),
     (RuntimeUnavailableError, 400),
     (ConfigError, 400),
@@ -61,23 +63,31 @@ def api_error_from(err: SandkernelError) -> ApiError:
 
 def authenticate_request(handler: web.RequestHandler, auth: TokenAuth | None) -> str:
     """The tenant of the request's token; 401 when it has none or a wrong one (or a URL token
-    where those are not allowed: the message says why and how to allow them)."""
+    where those are not allowed: the message says why and how to allow them); 429 once its
+    address has failed too often (see auth.FailedAuthLimiter)."""
     if auth is None:
         return "default"
     query_token = handler.get_query_argument("token", None)
-    if query_token and not auth.allow_query_token and not handler.request.headers.get("Authorization"):
+    header = handler.request.headers.get("Authorization")
+    tenant = auth.tenant_for(header, query_token if auth.allow_query_token else None)
+    if tenant is not None:
+        return tenant
+    address = handler.request.remote_ip or "unknown"
+    wait = auth.failures.retry_after(address)
+    if wait is not None:
+        handler.set_header("Retry-After", str(int(wait) + 1))
+        raise ApiError(
+            429, f"too many failed authentications from {address}; retry in {int(wait) + 1}s", "too_many_failures"
+        )
+    auth.failures.record_failure(address)
+    if query_token and not auth.allow_query_token and not header:
         raise ApiError(
             401,
             "tokens in the URL are refused (URLs end up in logs): send 'Authorization: token <TOKEN>', "
             "or start the gateway with --allow-token-in-url",
             "unauthorized",
         )
-    tenant = auth.tenant_for(
-        handler.request.headers.get("Authorization"), query_token if auth.allow_query_token else None
-    )
-    if tenant is None:
-        raise ApiError(401, "missing or wrong token: send 'Authorization: token <TOKEN>'", "unauthorized")
-    return tenant
+    raise ApiError(401, "missing or wrong token: send 'Authorization: token <TOKEN>'", "unauthorized")
 
 
 # Request bodies larger than this get a JSON 413 (checked on Content-Length, then while reading).

@@ -8,6 +8,7 @@ from typing import Any
 from sandkernel import __version__
 from sandkernel.gateway.base import ApiError, BaseHandler
 from sandkernel.kernels.kernelspec import KERNEL_NAMES, kernel_json
+from sandkernel.kernels.profiles import Runtime
 
 
 def kernelspec_model(name: str) -> dict[str, Any]:
@@ -21,17 +22,28 @@ class ApiRootHandler(BaseHandler):
         self.write_json({"version": "2.0.0", "sandkernel": __version__})
 
 
+def offered_kernel_names(handler: BaseHandler) -> list[str]:
+    """The kernelspecs a tenant may start: those whose runtime the default profile offers."""
+    offered = handler.registry.catalog.ceilings["default"].runtimes
+    return [name for name, runtime in KERNEL_NAMES.items() if Runtime(runtime) in offered]
+
+
+def default_kernel_name(handler: BaseHandler) -> str:
+    """The kernelspec of the default profile's runtime (gVisor where the operator chose it)."""
+    runtime = handler.registry.catalog.profile("default").runtime
+    return next(name for name, value in KERNEL_NAMES.items() if value == runtime.value)
+
+
 class KernelSpecsHandler(BaseHandler):
     def get(self) -> None:
-        self.write_json(
-            {"default": "sandkernel-python", "kernelspecs": {name: kernelspec_model(name) for name in KERNEL_NAMES}}
-        )
+        names = offered_kernel_names(self)
+        self.write_json({"default": default_kernel_name(self), "kernelspecs": {n: kernelspec_model(n) for n in names}})
 
 
 class KernelSpecHandler(BaseHandler):
     def get(self, name: str) -> None:
-        if name not in KERNEL_NAMES:
-            raise ApiError(404, f"no kernelspec {name!r}; available: {sorted(KERNEL_NAMES)}")
+        if name not in offered_kernel_names(self):
+            raise ApiError(404, f"no kernelspec {name[:64]!r}; available: {offered_kernel_names(self)}")
         self.write_json(kernelspec_model(name))
 
 
@@ -41,12 +53,13 @@ class KernelsHandler(BaseHandler):
 
     async def post(self) -> None:
         body = self.json_body()
-        name = body.get("name") or "sandkernel-python"
+        name = body.get("name") or default_kernel_name(self)
         if not isinstance(name, str) or name not in KERNEL_NAMES:
-            raise ApiError(400, f"unknown kernel name {name!r}; use one of {sorted(KERNEL_NAMES)}", "unknown_kernel")
-        overrides = {"runtime": KERNEL_NAMES[name]}
+            shown = name[:64] if isinstance(name, str) else name
+            raise ApiError(400, f"unknown kernel name {shown!r}; use one of {sorted(KERNEL_NAMES)}", "unknown_kernel")
+        limits = {"runtime": KERNEL_NAMES[name]}
         managed = await self.call(
-            self.registry.create(self.tenant, overrides=overrides, metadata={"name": "kernel"}, origin="kernel_api")
+            self.registry.create(self.tenant, limits=limits, metadata={"name": "kernel"}, origin="kernel_api")
         )
         self.set_header("Location", f"/api/kernels/{managed.session.kernel_id}")
         self.write_json(managed.kernel_model(), status=201)

@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from sandkernel.errors import ConfigError, KernelNotFoundError
+from sandkernel.kernels.catalog import ProfileCatalog
 from sandkernel.kernels.pool import WarmPool
+from sandkernel.kernels.profiles import Runtime
 from sandkernel.kernels.session import KernelSession
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
@@ -76,7 +78,7 @@ class ManagedSession:
             "type": "notebook",
             "kernel": self.kernel_model(),
             "created": self.created,
-            "profile": self.session.profile.to_dict(),
+            "profile": self.session.profile.to_dict(public=True),
             "metadata": self.metadata,
         }
 
@@ -92,8 +94,10 @@ class SessionRegistry:
         max_lifetime: float | None = 24 * 3600.0,
         notebook_dir: Path | None = None,
         pool: WarmPool | None = None,
+        catalog: ProfileCatalog | None = None,
     ) -> None:
         self.pool = pool
+        self.catalog = catalog or ProfileCatalog.load()
         self.max_sessions_per_tenant = max_sessions_per_tenant
         self.max_sessions_total = max_sessions_total
         self.idle_timeout = idle_timeout
@@ -107,10 +111,13 @@ class SessionRegistry:
         self,
         tenant: str,
         profile: str | None = None,
-        overrides: Mapping[str, Any] | None = None,
+        limits: Mapping[str, Any] | None = None,
         metadata: Mapping[str, Any] | None = None,
         origin: str = "session_api",
     ) -> ManagedSession:
+        """Start a session for ``tenant``: the named profile with the ``limits`` the tenant asked
+        for, checked against the operator's catalog (ConfigError / SettingNotPermittedError)."""
+        chosen = self.catalog.for_tenant(profile, limits)
         count = sum(1 for s in self._sessions.values() if s.tenant == tenant) + self._pending.get(tenant, 0)
         if count >= self.max_sessions_per_tenant:
             raise TooManySessionsError(
@@ -123,7 +130,7 @@ class SessionRegistry:
             )
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         try:
-            session = await self.pool.acquire() if self.pool and self.pool.matches(profile, overrides) else None
+            session = await self.pool.acquire() if self.pool and self.pool.matches(chosen) else None
             session_id = session.id if session else uuid.uuid4().hex
             recorder = TranscriptRecorder(
                 notebook_path_for(session_id, self.notebook_dir),
@@ -132,12 +139,10 @@ class SessionRegistry:
             if session is not None:
                 await session.attach_recorder(recorder)
             else:
-                session = await KernelSession.start(
-                    profile=profile, overrides=overrides, session_id=session_id, recorder=recorder
-                )
+                session = await KernelSession.start(profile=chosen, session_id=session_id, recorder=recorder)
         finally:
             self._pending[tenant] -= 1
-        kernel_name = "sandkernel-python-gvisor" if session.profile.runtime.value == "runsc" else "sandkernel-python"
+        kernel_name = "sandkernel-python-gvisor" if session.profile.runtime is Runtime.RUNSC else "sandkernel-python"
         managed = ManagedSession(session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})

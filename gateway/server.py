@@ -37,10 +37,12 @@ from sandkernel.gateway.sessions_api import (
     ExecuteHandler,
     MarkdownHandler,
     NotebookHandler,
+    ProfilesHandler,
     SessionActionHandler,
     SessionHandler,
     SessionsHandler,
 )
+from sandkernel.kernels.catalog import ProfileCatalog, choose_default_runtime
 from sandkernel.kernels.egress_policy import EgressPolicy
 from sandkernel.kernels.pool import WarmPool
 from sandkernel.kernels.reaper import reap
@@ -53,12 +55,17 @@ OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 
 class HealthHandler(BaseHandler):
     def authenticate(self) -> str:
-        return "anonymous"  # for load balancers and probes; says nothing tenant-specific
+        return "anonymous"  # for load balancers and probes
 
     def get(self) -> None:
-        pool = self.registry.pool
-        warm = len(pool) if pool else 0
-        self.write_json({"status": "ok", "version": __version__, "sessions": len(self.registry), "warm_pool": warm})
+        """Status and version for anyone; session and pool counts only with a valid token (how
+        busy a gateway is tells an outsider when to strike, and how many tenants it serves)."""
+        health: dict[str, Any] = {"status": "ok", "version": __version__}
+        header = self.request.headers.get("Authorization")
+        if self.auth is None or (header and self.auth.tenant_for(header) is not None):
+            pool = self.registry.pool
+            health.update(sessions=len(self.registry), warm_pool=len(pool) if pool else 0)
+        self.write_json(health)
 
 
 class MetricsHandler(BaseHandler):
@@ -100,6 +107,7 @@ def make_app(
         (rf"/api/kernels/{kid}/?", KernelHandler),
         (rf"/api/kernels/{kid}/(?P<action>interrupt|restart)/?", KernelActionHandler),
         (rf"/api/kernels/{kid}/channels", ChannelsHandler),
+        (r"/api/profiles/?", ProfilesHandler),
         (r"/api/sessions/?", SessionsHandler),
         (rf"/api/sessions/{sid}/?", SessionHandler),
         (rf"/api/sessions/{sid}/execute/?", ExecuteHandler),
@@ -116,7 +124,34 @@ def make_app(
         [(pattern, handler, deps) for pattern, handler in routes],
         websocket_max_message_size=16 * 1024 * 1024,
         websocket_ping_interval=30,
+        log_function=log_request,
     )
+
+
+access_log = logging.getLogger("tornado.access")
+
+
+def log_request(handler: web.RequestHandler) -> None:
+    """One access-log line per request, with the path but never the query string: a refused
+    ``?token=`` (or any secret a client put in a URL) must not end up in the log."""
+    status = handler.get_status()
+    level = logging.INFO if status < 400 else logging.WARNING if status < 500 else logging.ERROR
+    access_log.log(
+        level,
+        "%d %s %s (%s) %.2fms",
+        status,
+        handler.request.method,
+        handler.request.path,
+        handler.request.remote_ip,
+        1000.0 * handler.request.request_time(),
+    )
+
+
+# A client has this long to send a request's headers, and to stay idle between requests
+# (seconds): slow-header clients (slowloris) cannot hold connections open for an hour.
+HEADER_TIMEOUT = 20.0
+# ... and this long to send a body (up to MAX_BODY_BYTES).
+BODY_TIMEOUT = 300.0
 
 
 CULL_INTERVAL = 30.0
@@ -152,18 +187,28 @@ async def serve(
     max_connections_per_kernel: int = MAX_CONNECTIONS_PER_KERNEL,
     egress_policy: EgressPolicy | None = None,
     pool_size: int = 0,
+    profiles_file: str | None = None,
+    default_runtime: str | None = None,
+    header_timeout: float = HEADER_TIMEOUT,
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set).
 
+    ``profiles_file`` is the operator's profiles and ceilings (see kernels/catalog.py);
+    ``default_runtime`` ("auto": gVisor where registered; None: $SANDKERNEL_RUNTIME, else auto)
+    the runtime of profiles that name none.
     On stop: accept no new connections, interrupt running executions and give them
     ``shutdown_grace`` seconds to return their results, then remove every container."""
     auth, shown_token = TokenAuth.from_sources(token, tokens_file)
     auth.allow_query_token = allow_token_in_url
+    runtime = await choose_default_runtime(default_runtime)
+    catalog = ProfileCatalog.load(profiles_file, runtime, egress_policy)
     report = await reap()
     if report.removed:
         log.info("reaped orphaned containers", extra={"count": len(report.removed)})
-    pool = WarmPool(pool_size) if pool_size > 0 else None
-    registry = SessionRegistry(max_sessions, max_sessions_total, idle_timeout, max_lifetime, notebook_dir, pool)
+    pool = WarmPool(pool_size, catalog.profile("default")) if pool_size > 0 else None
+    registry = SessionRegistry(
+        max_sessions, max_sessions_total, idle_timeout, max_lifetime, notebook_dir, pool, catalog
+    )
     app = make_app(
         registry,
         auth,
@@ -171,10 +216,11 @@ async def serve(
             "budget": budget or OutputBudget(),
             "allow_origins": tuple(allow_origins),
             "max_connections_per_kernel": max_connections_per_kernel,
-            "egress_policy": egress_policy,
         },
     )
-    server = httpserver.HTTPServer(app, max_body_size=MAX_BODY_BYTES * 2, idle_connection_timeout=3600)
+    server = httpserver.HTTPServer(
+        app, max_body_size=MAX_BODY_BYTES * 2, idle_connection_timeout=header_timeout, body_timeout=BODY_TIMEOUT
+    )
     server.listen(port, address=ip)
     if stop is None:  # run as a program: stop on SIGINT/SIGTERM
         stop = asyncio.Event()
@@ -185,6 +231,7 @@ async def serve(
     if announce:
         print(f"sandkernel gateway at {url}", flush=True)
         print(f"notebooks: {notebook_dir or default_notebook_dir()}", flush=True)
+        print(f"default runtime: {runtime.value}; profiles: {', '.join(sorted(catalog.profiles))}", flush=True)
         if shown_token:
             print(f"token: {shown_token}", flush=True)
             print(f"JupyterLab: jupyter lab --gateway-url={url} --GatewayClient.auth_token={shown_token}", flush=True)

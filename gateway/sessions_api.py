@@ -10,11 +10,10 @@ from typing import Any
 
 from tornado.iostream import StreamClosedError
 
-from sandkernel.errors import ConfigError, SandkernelError
+from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler
 from sandkernel.gateway.budget import OutputBudget, apply_budget
 from sandkernel.gateway.registry import ManagedSession
-from sandkernel.kernels.egress_policy import EgressNotPermitted, EgressPolicy
 
 KEEPALIVE_SECONDS = 10.0
 MAX_CODE_BYTES = 1024 * 1024
@@ -27,16 +26,14 @@ class SessionsHandler(BaseHandler):
     async def post(self) -> None:
         body = self.json_body()
         profile = body.get("profile")
-        overrides = body.get("limits", body.get("overrides")) or {}
+        limits = body.get("limits", body.get("overrides")) or {}
         metadata = body.get("metadata") or {}
         if profile is not None and not isinstance(profile, str):
             raise ApiError(400, "profile must be a profile name such as 'default', 'small' or 'large'")
-        if not isinstance(overrides, dict) or not isinstance(metadata, dict):
+        if not isinstance(limits, dict) or not isinstance(metadata, dict):
             raise ApiError(400, "limits and metadata must be JSON objects")
-        if overrides.get("network") not in (None, "none"):
-            overrides = dict(overrides, network=self._network_for(overrides["network"]))
         try:
-            managed = await self.call(self.registry.create(self.tenant, profile, overrides, metadata))
+            managed = await self.call(self.registry.create(self.tenant, profile, limits, metadata))
         except ApiError as err:
             if err.status_code == 429:
                 self.settings_["metrics"].limit_hits.labels("sessions").inc()
@@ -44,21 +41,12 @@ class SessionsHandler(BaseHandler):
         self.set_header("Location", f"/api/sessions/{managed.id}")
         self.write_json(managed.session_model(), status=201)
 
-    def _network_for(self, request: Any) -> dict[str, Any]:
-        """The session's network policy: a narrowing of the operator's (``--egress-policy``)."""
-        operator: EgressPolicy | None = self.settings_.get("egress_policy")
-        if operator is None:
-            raise ApiError(
-                403,
-                "this gateway grants no network: the operator can enable an allowlist with --egress-policy FILE",
-                "egress_not_permitted",
-            )
-        try:
-            return operator.narrowed(request)
-        except EgressNotPermitted as err:
-            raise ApiError(403, str(err), "egress_not_permitted") from None
-        except ConfigError as err:
-            raise ApiError(400, str(err), "bad_network") from None
+
+class ProfilesHandler(BaseHandler):
+    """GET the profiles a tenant may pick, their defaults and ceilings (what ``limits`` may ask)."""
+
+    def get(self) -> None:
+        self.write_json(self.registry.catalog.describe())
 
 
 class SessionHandler(BaseHandler):

@@ -8,7 +8,10 @@ registered but broken (gVisor's KVM platform, say) is the failure users actually
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import re
 import shutil
+import subprocess
 
 import docker.errors
 
@@ -48,6 +51,96 @@ def _check_runtime(engine: DockerEngine, runtime: str, image: str, required: boo
     return Check(f"runtime {runtime}", True, "registered and runs a container")
 
 
+# Upstream releases that fixed container escapes (or, for Docker, the last supported line).
+# A distribution build (a version such as 1.1.5+ds1-1+deb12u1) may carry the fixes as backports:
+# the warning says so and points at the distribution's security tracker instead of guessing.
+RUNC_ESCAPES: tuple[tuple[tuple[int, ...], str], ...] = (
+    ((1, 1, 12), "CVE-2024-21626 (leaked fd: a container process reaches the host filesystem)"),
+    ((1, 2, 8), "CVE-2025-31133, CVE-2025-52565, CVE-2025-52881 (masked paths and /proc writes redirected)"),
+)
+DOCKER_SUPPORTED_FROM = (25, 0)  # older engines get no upstream security fixes
+RUNSC_MAX_AGE_DAYS = 365  # gVisor ships fixes in weekly releases; a year-old build misses many
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    match = re.search(r"(\d+(?:\.\d+)+)", text)
+    return tuple(int(part) for part in match.group(1).split(".")) if match else ()
+
+
+def version_advisories(
+    runc: str | None, runsc: str | None, docker: str | None, today: dt.date | None = None
+) -> list[Check]:
+    """Warnings (never failures) for runtimes and engines with known escapes or no support.
+
+    Inputs are the first line each tool prints for ``--version`` (``runc version 1.1.5+ds1``,
+    ``runsc version 0.0~20221219.0``) and Docker's ``Version``. Pure, so it is unit-tested."""
+    today = today or dt.date.today()
+    found: list[Check] = []
+    distro_note = "; a distribution build may carry backported fixes: check its security tracker"
+    if runc:
+        version = _version_tuple(runc)
+        missing = [cves for fixed, cves in RUNC_ESCAPES if version and version < fixed]
+        if missing:
+            distro = "+" in runc or "~" in runc
+            found.append(
+                Check(
+                    "runc version",
+                    False,
+                    f"{runc.strip()} predates fixes for {'; '.join(missing)}" + (distro_note if distro else ""),
+                    "upgrade runc (or use runsc, gVisor, for every session: sandkernel serve --default-runtime runsc)",
+                    required=False,
+                )
+            )
+    if runsc:
+        stamp = re.search(r"(\d{8})", runsc)
+        if stamp:
+            built = dt.datetime.strptime(stamp.group(1), "%Y%m%d").date()
+            age = (today - built).days
+            if age > RUNSC_MAX_AGE_DAYS:
+                found.append(
+                    Check(
+                        "runsc version",
+                        False,
+                        f"{runsc.strip()} is a gVisor release of {built.isoformat()}, {age} days old"
+                        + (distro_note if "~" in runsc else ""),
+                        "install a current gVisor release (https://gvisor.dev/docs/user_guide/install/)",
+                        required=False,
+                    )
+                )
+    if docker:
+        version = _version_tuple(docker)
+        if version and version[:2] < DOCKER_SUPPORTED_FROM:
+            found.append(
+                Check(
+                    "docker version",
+                    False,
+                    f"Docker Engine {docker} is past its end of life: no upstream security fixes" + distro_note,
+                    "upgrade to a supported Docker Engine",
+                    required=False,
+                )
+            )
+    return found
+
+
+def _runtime_versions(engine: DockerEngine) -> tuple[str | None, str | None]:
+    """The first line of ``runc --version`` and ``runsc --version`` as Docker runs them."""
+    lines: list[str | None] = []
+    registered = engine.client.info().get("Runtimes") or {}
+    for name in ("runc", "runsc"):
+        path = (registered.get(name) or {}).get("path") or shutil.which(name)
+        binary = shutil.which(path) if path else None
+        if binary is None:
+            lines.append(None)
+            continue
+        try:
+            done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            lines.append(None)
+            continue
+        lines.append((done.stdout.splitlines() or [None])[0])
+    return lines[0], lines[1]
+
+
 def run_checks(engine: DockerEngine | None = None) -> list[Check]:
     """All checks, in the order a person would fix them. Blocking."""
     engine = engine or default_engine()
@@ -57,6 +150,7 @@ def run_checks(engine: DockerEngine | None = None) -> list[Check]:
     except SandkernelError as err:
         return [Check("docker engine", False, str(err), "bash scripts/host-setup.sh")]
     checks.append(Check("docker engine", True, f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"))
+    checks.extend(version_advisories(*_runtime_versions(engine), version.get("Version")))
     image = resolve_profile().image
     try:
         image_id = engine.image_id_sync(image)

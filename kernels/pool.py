@@ -14,10 +14,9 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
 
 from sandkernel.errors import SandkernelError
+from sandkernel.kernels.profiles import Profile, resolve_profile
 from sandkernel.kernels.session import KernelSession
 
 log = logging.getLogger(__name__)
@@ -26,10 +25,9 @@ RETRY_SECONDS = 5.0
 
 
 class WarmPool:
-    def __init__(self, size: int, profile: str | None = None, overrides: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, size: int, profile: Profile | None = None) -> None:
         self.size = size
-        self.profile = profile or "default"
-        self.overrides = dict(overrides or {})
+        self.profile = profile or resolve_profile()
         self._ready: collections.deque[KernelSession] = collections.deque()
         self._filler: asyncio.Task | None = None
         self._closed = False
@@ -38,9 +36,9 @@ class WarmPool:
     def __len__(self) -> int:
         return len(self._ready)
 
-    def matches(self, profile: str | None, overrides: Mapping[str, Any] | None) -> bool:
-        """Whether a request for this profile and these overrides can take a pooled sandbox."""
-        return (profile or "default") == self.profile and dict(overrides or {}) == self.overrides
+    def matches(self, profile: Profile) -> bool:
+        """Whether a session of this (fully resolved) profile can take a pooled sandbox."""
+        return profile == self.profile
 
     def start(self) -> None:
         """Begin filling in the background."""
@@ -54,7 +52,7 @@ class WarmPool:
         while not self._closed and len(self._ready) < self.size:
             started = time.monotonic()
             try:
-                session = await KernelSession.start(profile=self.profile, overrides=self.overrides)
+                session = await KernelSession.start(profile=self.profile)
             except SandkernelError as err:
                 log.warning("warm pool: a sandbox failed to start (%s); retrying in %gs", err, RETRY_SECONDS)
                 await asyncio.sleep(RETRY_SECONDS)

@@ -52,17 +52,26 @@ class Profile:
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     network: EgressPolicy | None = None  # None: no network at all; else an allowlist via the proxy
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-friendly form, for notebook metadata and API replies."""
+    def to_dict(self, public: bool = False) -> dict[str, Any]:
+        """JSON-friendly form, for notebook metadata and API replies. ``public`` (what tenants
+        see) leaves out host paths and the operator's environment (:data:`HOST_DETAILS`)."""
         data = dataclasses.asdict(self)
         data["runtime"] = self.runtime.value
         data["env"] = dict(self.env)
         data["network"] = self.network.to_dict() if self.network else "none"
+        if public:
+            for key in HOST_DETAILS:
+                data.pop(key)
         return data
 
 
+# Settings whose values are the operator's (a host directory, environment that may hold
+# credentials): never shown to tenants in API replies.
+HOST_DETAILS = ("wheelhouse", "env")
+
+
 # field -> (minimum, maximum) for numeric settings; the error message quotes them.
-_RANGES: dict[str, tuple[float, float]] = {
+NUMERIC_RANGES: dict[str, tuple[float, float]] = {
     "memory_mb": (64, 65536),
     "cpus": (0.05, 64),
     "pids": (16, 32768),
@@ -82,7 +91,9 @@ PROFILES: dict[str, Profile] = {
 }
 
 
-def _check_field(name: str, value: Any) -> Any:
+def check_setting(name: str, value: Any) -> Any:
+    """One setting's value, validated and converted (a Runtime, an int, a policy...); a
+    :class:`ConfigError` names the setting and what it accepts. Every door checks through here."""
     field_types = {f.name: f.type for f in dataclasses.fields(Profile)}
     if name not in field_types:
         allowed = ", ".join(sorted(f for f in field_types if f != "name"))
@@ -92,8 +103,8 @@ def _check_field(name: str, value: Any) -> Any:
             return Runtime(value)
         except ValueError:
             raise ConfigError(f"runtime must be one of {[r.value for r in Runtime]}, not {value!r}") from None
-    if name in _RANGES:
-        low, high = _RANGES[name]
+    if name in NUMERIC_RANGES:
+        low, high = NUMERIC_RANGES[name]
         integral = name not in ("cpus", "start_timeout", "execute_timeout", "interrupt_grace")
         if (
             isinstance(value, bool)
@@ -126,22 +137,30 @@ def _check_field(name: str, value: Any) -> Any:
     raise ConfigError(f"profile setting {name!r} cannot be overridden")
 
 
-def resolve_profile(name: str | None = None, overrides: Mapping[str, Any] | None = None) -> Profile:
+def resolve_profile(
+    name: str | Profile | None = None, overrides: Mapping[str, Any] | None = None
+) -> Profile:
     """Return the named profile with validated per-session overrides applied.
 
-    ``SANDKERNEL_IMAGE`` and ``SANDKERNEL_RUNTIME`` (read now, not at import) override the
-    profile's image and runtime, so standard Jupyter tools can pick gVisor or a custom image.
+    ``name`` may also be a :class:`Profile` already resolved (the gateway's catalog hands those
+    out): it is used as it is, with ``overrides`` on top. For a name, ``SANDKERNEL_IMAGE`` and
+    ``SANDKERNEL_RUNTIME`` (read now, not at import) override the profile's image and runtime,
+    so standard Jupyter tools can pick gVisor or a custom image.
     Raises :class:`UnknownProfileError` or :class:`ConfigError` with the fix in the message.
     """
-    name = name or os.environ.get("SANDKERNEL_PROFILE") or "default"
-    if not isinstance(name, str) or name not in PROFILES:
-        raise UnknownProfileError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}")
     changes: dict[str, Any] = {}
-    for env_name, field in (("SANDKERNEL_IMAGE", "image"), ("SANDKERNEL_RUNTIME", "runtime")):
-        if os.environ.get(env_name):
-            changes[field] = _check_field(field, os.environ[env_name])
+    if isinstance(name, Profile):
+        base = name
+    else:
+        name = name or os.environ.get("SANDKERNEL_PROFILE") or "default"
+        if not isinstance(name, str) or name not in PROFILES:
+            raise UnknownProfileError(f"unknown profile {name!r}; choose one of {sorted(PROFILES)}")
+        base = PROFILES[name]
+        for env_name, field in (("SANDKERNEL_IMAGE", "image"), ("SANDKERNEL_RUNTIME", "runtime")):
+            if os.environ.get(env_name):
+                changes[field] = check_setting(field, os.environ[env_name])
     if overrides is not None and not isinstance(overrides, Mapping):
         raise ConfigError(f"profile overrides must be a mapping, not {type(overrides).__name__}")
     for key, value in (overrides or {}).items():
-        changes[key] = _check_field(key, value)
-    return dataclasses.replace(PROFILES[name], **changes)
+        changes[key] = check_setting(key, value)
+    return dataclasses.replace(base, **changes)

@@ -21,6 +21,9 @@ from pathlib import Path
 from sandkernel import __version__
 from sandkernel.errors import SandkernelError
 
+RUNTIME_CHOICES = ["auto", "runc", "runsc"]
+RUNTIME_HELP = "container runtime (default auto: gVisor where runsc is registered, else runc)"
+
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from sandkernel.demo import run_demo
@@ -64,6 +67,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             max_connections_per_kernel=args.max_connections_per_kernel,
             egress_policy=_load_egress_policy(args.egress_policy),
             pool_size=args.pool_size,
+            profiles_file=args.profiles,
+            default_runtime=args.default_runtime,
         )
     )
     return 0
@@ -143,7 +148,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     code = sys.stdin.read() if args.code == "-" else args.code
 
     async def run() -> int:
-        overrides = {"runtime": args.runtime} if args.runtime else {}
+        from sandkernel.kernels.catalog import choose_default_runtime
+
+        overrides = {"runtime": (await choose_default_runtime(args.runtime)).value}
         async with await KernelSession.start(profile=args.profile, overrides=overrides) as session:
             result = await session.execute(code, timeout=args.timeout)
         if args.json:
@@ -246,6 +253,20 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSON allowlist sessions may use or narrow ({"allow": ["pypi.org", ...], ...}); default: no network',
     )
     serve.add_argument(
+        "--profiles",
+        default=None,
+        metavar="FILE",
+        help="JSON profiles with their ceilings and operator-owned settings (image, wheelhouse, env); "
+        "see docs/security.md",
+    )
+    serve.add_argument(
+        "--default-runtime",
+        choices=RUNTIME_CHOICES,
+        default=None,
+        help="runtime of profiles that name none (default: $SANDKERNEL_RUNTIME, else auto: gVisor where "
+        "runsc is registered, else runc)",
+    )
+    serve.add_argument(
         "--max-connections-per-kernel", type=int, default=16, metavar="N", help="websockets per kernel (default 16)"
     )
     serve.set_defaults(func=_cmd_serve)
@@ -286,13 +307,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--notebook", default="sandkernel-demo.ipynb", help="where to write the notebook")
     demo.add_argument("--workdir", default="sandkernel-demo", help="where sales.csv and report.png go")
-    demo.add_argument("--runtime", choices=["runc", "runsc"], default="runc", help="container runtime")
+    demo.add_argument("--runtime", choices=RUNTIME_CHOICES, default="auto", help=RUNTIME_HELP)
     demo.set_defaults(func=_cmd_demo)
 
     run = sub.add_parser("run", help="execute code in a fresh sandbox and print the result")
     run.add_argument("code", help="Python source, or - to read it from standard input")
     run.add_argument("--profile", default=None, help="profile name: default, small or large")
-    run.add_argument("--runtime", choices=["runc", "runsc"], default=None, help="override the profile's runtime")
+    run.add_argument("--runtime", choices=RUNTIME_CHOICES, default=None, help=RUNTIME_HELP)
     run.add_argument("--timeout", type=float, default=None, help="wall-clock limit in seconds")
     run.add_argument("--json", action="store_true", help="print the full result as JSON")
     run.set_defaults(func=_cmd_run)

@@ -44,7 +44,7 @@ async def _run(notebook_path: Path, workdir: Path, runtime: str) -> int:
     scenario = SCENARIOS["sales"]
     await asyncio.to_thread(workdir.mkdir, parents=True, exist_ok=True)
     files = await asyncio.to_thread(scenario.make_files, workdir)
-    async with model_client(scenario.name) as (client, model), local_gateway() as sandkernel:
+    async with model_client(scenario.name) as (client, model), local_gateway(default_runtime=runtime) as sandkernel:
         progress = ProgressPrinter(model=model)
         print(f"task: {scenario.task}\n", flush=True)
         outcome = await run_task(
@@ -54,7 +54,6 @@ async def _run(notebook_path: Path, workdir: Path, runtime: str) -> int:
             files=files,
             config=AgentConfig(model=model if "offline" not in model else DEFAULT_MODEL),
             progress=progress,
-            limits={"runtime": runtime},
             notebook_path=notebook_path,
             download=["report.png"],
             download_to=workdir,
@@ -65,6 +64,6 @@ async def _run(notebook_path: Path, workdir: Path, runtime: str) -> int:
     return 0 if outcome.run.stop == "answer" else 1
 
 
-def run_demo(notebook_path: Path, runtime: str = "runc", workdir: Path | None = None) -> int:
+def run_demo(notebook_path: Path, runtime: str = "auto", workdir: Path | None = None) -> int:
     """Returns an exit code: 0 when the agent answered."""
     return asyncio.run(_run(notebook_path.resolve(), (workdir or Path("sandkernel-demo")).resolve(), runtime))

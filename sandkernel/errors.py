@@ -21,6 +21,11 @@ class UnknownProfileError(ConfigError, LookupError):
     """A profile name that is not defined."""
 
 
+class SettingNotPermittedError(ConfigError, PermissionError):
+    """A tenant asked for a setting only the operator may choose (an image, a host directory, a
+    runtime the profile does not offer, more network than granted)."""
+
+
 class DockerUnavailableError(SandkernelError):
     """The Docker engine cannot be reached."""
 

@@ -53,6 +53,7 @@ class Gateway:
 async def start_gateway(tmp_path, budget: OutputBudget | None = None, **options: Any) -> Gateway:
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"alice": ALICE, "bob": BOB}))
+    tokens.chmod(0o600)  # the gateway refuses a tokens file others can read
     port = free_port()
     ready, stop = asyncio.Event(), asyncio.Event()
     task = asyncio.create_task(
@@ -63,7 +64,7 @@ async def start_gateway(tmp_path, budget: OutputBudget | None = None, **options:
             budget=budget,
             ready=ready,
             stop=stop,
-            **{"max_sessions": 4, **options},
+            **{"max_sessions": 4, "default_runtime": "runc", **options},
         )
     )
     await asyncio.wait_for(ready.wait(), 60)
