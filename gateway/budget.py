@@ -4,7 +4,9 @@ Text (streams, text/plain, errors' tracebacks are left whole) is capped at ``max
 reply: outputs are kept in order until the budget runs out; the output that crosses it keeps
 its head and tail around a marker saying how much was cut; later text outputs are replaced by
 a marker. Images beyond ``max_images`` or ``max_image_bytes`` are replaced by a one-line
-summary. The reply says what was cut; the full output is still the session's (transcript).
+summary, and images the session layer already replaced by a marker (over the execution's byte
+budget, see kernels/outputs.py) count as omitted too. The reply says what was cut; the transcript
+keeps more (within its own cap).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 from typing import Any
+
+from sandkernel.kernels.outputs import cut_marker
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/svg+xml", "image/gif")
 
@@ -21,10 +25,6 @@ class OutputBudget:
     max_text_bytes: int = 64 * 1024
     max_images: int = 8
     max_image_bytes: int = 2 * 1024 * 1024
-
-
-def _marker(cut: int) -> str:
-    return f"\n…[sandkernel: {cut} bytes of output cut here; the full output is in the session notebook]…\n"
 
 
 def clip_text(text: str, keep: int) -> tuple[str, int, int]:
@@ -38,7 +38,16 @@ def clip_text(text: str, keep: int) -> tuple[str, int, int]:
     head = raw[: keep // 2].decode(errors="ignore")
     tail = raw[len(raw) - keep // 2 :].decode(errors="ignore") if keep // 2 else ""
     kept = len(head.encode()) + len(tail.encode())
-    return head + _marker(len(raw) - kept) + tail, kept, len(raw) - kept
+    return head + cut_marker(len(raw) - kept, "bytes") + tail, kept, len(raw) - kept
+
+
+def _replaced(output: dict[str, Any]) -> list[dict[str, Any]]:
+    """What the session layer replaced by markers in this output (``metadata.sandkernel.omitted``).
+    Metadata comes from the kernel too, so anything of another shape is ignored."""
+    metadata = output.get("metadata")
+    ours = metadata.get("sandkernel") if isinstance(metadata, dict) else None
+    omitted = ours.get("omitted") if isinstance(ours, dict) else None
+    return [entry for entry in omitted if isinstance(entry, dict)] if isinstance(omitted, list) else []
 
 
 def apply_budget(outputs: list[dict[str, Any]], budget: OutputBudget) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -47,6 +56,7 @@ def apply_budget(outputs: list[dict[str, Any]], budget: OutputBudget) -> tuple[l
     text_cut = 0
     images_seen = 0
     images_omitted = 0
+    replaced_bytes = 0  # replaced by markers in the session layer already
     result = []
 
     def clip(value: str) -> str:
@@ -62,6 +72,9 @@ def apply_budget(outputs: list[dict[str, Any]], budget: OutputBudget) -> tuple[l
             output["text"] = clip(output["text"])
         elif output["output_type"] in ("display_data", "execute_result"):
             data = output.get("data", {})
+            for entry in _replaced(output):
+                images_omitted += entry.get("mime") in IMAGE_TYPES
+                replaced_bytes += entry["bytes"] if isinstance(entry.get("bytes"), int) else 0
             for mime in IMAGE_TYPES:
                 if mime in data:
                     images_seen += 1
@@ -77,7 +90,7 @@ def apply_budget(outputs: list[dict[str, Any]], budget: OutputBudget) -> tuple[l
                     data[mime] = clip(value)
         result.append(output)
     truncation = {
-        "truncated": bool(text_cut or images_omitted),
+        "truncated": bool(text_cut or images_omitted or replaced_bytes),
         "text_bytes_cut": text_cut,
         "images_omitted": images_omitted,
         "max_text_bytes": budget.max_text_bytes,

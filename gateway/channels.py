@@ -5,6 +5,17 @@ kernel's ipc endpoints (no network involved). Client messages are re-signed with
 key; kernel messages are verified (HMAC) and re-framed before they reach the client, since
 kernel output is untrusted. Frames that are not Jupyter messages are answered with an error
 message on the websocket and dropped: one bad client never disturbs the kernel or others.
+
+Inbound traffic is bounded in bytes: a request counts as in flight from the moment it is sent to
+the kernel until the kernel answers it (its reply, or its ``idle`` status). A connection, and a
+tenant across all its connections, may have only so many bytes and requests in flight; past
+that the websocket is closed with 1008 (policy violation) and a reason saying what to do, so a
+client that sends faster than its kernel runs cannot queue gigabytes in the gateway. Other
+tenants have their own budgets.
+
+Executions are recorded in the session's transcript (an audit record): normal executes as cells,
+and silent executes, ``user_expressions`` and debugger requests that run or change code as
+notes, clipped to a bounded size.
 """
 
 from __future__ import annotations
@@ -12,9 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import logging
+import re
 import time
+import weakref
 from typing import Any
 from urllib.parse import urlparse
 
@@ -26,7 +40,8 @@ from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import ApiError, authenticate_request
 from sandkernel.gateway.registry import ManagedSession, SessionRegistry
 from sandkernel.gateway.wire import FrameError, from_frame, to_frame
-from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus, OutputCollector
+from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus, OutputCollector, cut_marker
+from sandkernel.kernels.session import connect_iopub
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +50,69 @@ CLIENT_CHANNELS = ("shell", "control", "stdin")
 MAX_CONNECTIONS_PER_KERNEL = 16
 NUDGE_TIMEOUT = 30.0
 IOPUB_RECOVERY_SECONDS = 10.0
+# Bytes of client requests one websocket may have sent to its kernel and not yet had answered.
+# A JupyterLab "run all" of a large notebook is a few MB; a client sending 16 MiB frames faster
+# than the kernel runs them is refused at this bound (1008) instead of queueing in the gateway.
+MAX_PENDING_BYTES_PER_CONNECTION = 32 * 1024 * 1024
+# The same bound across all of one tenant's websocket connections (bytes): a tenant cannot
+# multiply it by opening connections, and other tenants keep theirs.
+MAX_PENDING_BYTES_PER_TENANT = 128 * 1024 * 1024
+# Requests one websocket may have awaiting an answer: each pending execute keeps a small record
+# for the transcript, so even tiny requests are bounded (a "run all" of 1000 cells fits).
+MAX_PENDING_REQUESTS_PER_CONNECTION = 1024
+# Characters of code (or debugger arguments) an audit note keeps; the rest is cut with a marker.
+NOTE_CODE_CHARS = 4096
+# Debugger commands recorded in the transcript: those that run code or change program state.
+RECORDED_DEBUG_COMMANDS = frozenset(
+    {"evaluate", "setExpression", "setVariable", "dumpCell", "copyToGlobals", "richInspectVariables"}
+)
+# WebSocket close code for a client over its in-flight budget (RFC 6455: policy violation).
+CLOSE_POLICY_VIOLATION = 1008
+
+
+class _TenantLedger:
+    """Bytes in flight per tenant, across that tenant's websocket connections."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, int] = {}
+
+    def add(self, tenant: str, size: int) -> int:
+        self.pending[tenant] = self.pending.get(tenant, 0) + size
+        return self.pending[tenant]
+
+    def release(self, tenant: str, size: int) -> None:
+        left = self.pending.get(tenant, 0) - size
+        if left > 0:
+            self.pending[tenant] = left
+        else:
+            self.pending.pop(tenant, None)
+
+
+# One ledger per gateway (its registry); the lead may move it into the server's settings.
+_LEDGERS: weakref.WeakKeyDictionary[SessionRegistry, _TenantLedger] = weakref.WeakKeyDictionary()
+
+
+def _ledger(registry: SessionRegistry) -> _TenantLedger:
+    ledger = _LEDGERS.get(registry)
+    if ledger is None:
+        ledger = _LEDGERS[registry] = _TenantLedger()
+    return ledger
+
+
+def _clip_for_note(text: str) -> str:
+    """At most NOTE_CODE_CHARS of ``text`` (head and tail), with the one cut marker and SHA-256."""
+    if len(text) <= NOTE_CODE_CHARS:
+        return text
+    half = NOTE_CODE_CHARS // 2
+    digest = hashlib.sha256(text.encode(errors="replace")).hexdigest()
+    return text[:half] + cut_marker(len(text) - 2 * half, "characters", "code", digest) + text[-half:]
+
+
+def _fenced(text: str, language: str = "") -> str:
+    """A markdown code block that ``text`` cannot close early (fence longer than any backtick run)."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{language}\n{text}\n{fence}"
 
 
 class _Recording:
@@ -58,6 +136,7 @@ class _Recording:
             error=self.collector.error,
             chars_cut=self.collector.chars_cut,
             outputs_dropped=self.collector.outputs_dropped,
+            bytes_omitted=self.collector.bytes_omitted,
         )
 
 
@@ -70,7 +149,12 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.tasks: list[asyncio.Task] = []
         self.managed: ManagedSession | None = None
         self.session: Session | None = None
+        self.tenant: str | None = None
         self.counted = False  # this handler holds one of the kernel's connection slots
+        self.pending: dict[str, int] = {}  # msg_id -> bytes of client requests awaiting an answer
+        self.pending_bytes = 0
+        self.inputs_requested = 0  # input_requests relayed to this client and not yet answered
+        self.recording: dict[str, _Recording] = {}
 
     def check_origin(self, origin: str) -> bool:
         """Browsers send Origin; a page of another site may open a websocket to us. Allowed:
@@ -92,6 +176,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         except ApiError as err:
             self._refuse(err.status_code, err.code, err.message)
             return
+        self.tenant = tenant
         try:
             self.managed = self.registry.by_kernel(tenant, kernel_id)
         except LookupError:
@@ -135,9 +220,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
             "shell": km.connect_shell(identity=identity),
             "control": km.connect_control(identity=identity),
             "stdin": km.connect_stdin(identity=identity),
-            "iopub": km.connect_iopub(),
+            "iopub": connect_iopub(km),
         }
-        self.recording: dict[str, _Recording] = {}
         self.iopub_ready = asyncio.Event()
         self.nudge_ids: set[str] = set()
         self.tasks = [asyncio.create_task(self._relay(name, sock)) for name, sock in self.sockets.items()]
@@ -199,7 +283,16 @@ class ChannelsHandler(websocket.WebSocketHandler):
                 continue
             msg["channel"] = channel
             if channel == "iopub" and msg["header"]["msg_type"] == "status":
-                self.managed.touch(msg["content"].get("execution_state"))
+                state = msg["content"].get("execution_state")
+                self.managed.touch(state)
+                if state == "idle":
+                    self._answered(parent_id)
+                elif state in ("starting", "restarting", "dead"):  # no request survives a restart
+                    self._forget_pending()
+            elif channel in ("shell", "control") and parent_id in self.pending:
+                self._answered(parent_id)
+            elif channel == "stdin" and msg["header"]["msg_type"] == "input_request":
+                self.inputs_requested += 1
             try:
                 await self.write_message(to_frame(msg), binary=bool(msg.get("buffers")))
             except websocket.WebSocketClosedError:
@@ -219,11 +312,89 @@ class ChannelsHandler(websocket.WebSocketHandler):
         if channel not in CLIENT_CHANNELS:
             await self._complain(f"cannot send on channel {channel!r}; use shell, control or stdin")
             return
+        msg_id = str(msg["header"].get("msg_id", ""))
+        if channel == "stdin":  # stdin has no reply to wait for: only answers to input_requests pass
+            if self.inputs_requested <= 0:
+                await self._complain("no input was requested; stdin takes only an input_reply to an input_request")
+                return
+            self.inputs_requested -= 1
+        elif not self._admit(msg_id, len(frame)):
+            return
         buffers = msg.pop("buffers", [])
-        content = msg.get("content") or {}
-        if channel == "shell" and msg["header"]["msg_type"] == "execute_request" and not content.get("silent"):
-            self.recording[msg["header"].get("msg_id", "")] = _Recording(str(content.get("code", "")))
+        content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
+        msg_type = msg["header"]["msg_type"]
+        if channel == "shell" and msg_type == "execute_request":
+            if not content.get("silent"):
+                self.recording[msg_id] = _Recording(str(content.get("code", "")))
+            await self._note_hidden_execute(content)
+        elif channel == "control" and msg_type == "debug_request":
+            await self._note_debug_request(content)
         self.session.send(self.sockets[channel], msg, buffers=buffers or None)
+
+    def _admit(self, msg_id: str, size: int) -> bool:
+        """Count a request as in flight, or close the websocket (1008) when it is over a budget."""
+        assert self.tenant is not None
+        ledger = _ledger(self.registry)
+        reason = None
+        if len(self.pending) >= MAX_PENDING_REQUESTS_PER_CONNECTION:
+            reason = f"over {MAX_PENDING_REQUESTS_PER_CONNECTION} requests await the kernel; wait for replies"
+        elif self.pending_bytes + size > MAX_PENDING_BYTES_PER_CONNECTION:
+            reason = f"over {MAX_PENDING_BYTES_PER_CONNECTION >> 20} MiB of requests await the kernel; wait for replies"
+        elif ledger.pending.get(self.tenant, 0) + size > MAX_PENDING_BYTES_PER_TENANT:
+            reason = f"tenant has over {MAX_PENDING_BYTES_PER_TENANT >> 20} MiB of requests in flight; wait for replies"
+        if reason is not None:
+            log.warning("websocket closed: %s", reason, extra={"tenant": self.tenant})
+            self.close(CLOSE_POLICY_VIOLATION, reason)
+            return False
+        size += self.pending.pop(msg_id, 0)  # a reused msg_id adds to the same entry
+        self.pending[msg_id] = size
+        self.pending_bytes += size
+        ledger.add(self.tenant, size)
+        return True
+
+    def _answered(self, msg_id: str | None) -> None:
+        size = self.pending.pop(msg_id, None) if msg_id else None
+        if size is not None and self.tenant is not None:
+            self.pending_bytes -= size
+            _ledger(self.registry).release(self.tenant, size)
+
+    def _forget_pending(self) -> None:
+        """The kernel restarted: nothing in flight will be answered, and no recording will end."""
+        for msg_id in list(self.pending):
+            self._answered(msg_id)
+        self.recording.clear()
+        self.inputs_requested = 0
+
+    async def _note(self, text: str) -> None:
+        recorder = self.managed.session.recorder if self.managed else None
+        if recorder is not None:
+            await recorder.note(text)
+
+    async def _note_hidden_execute(self, content: dict[str, Any]) -> None:
+        """Silent executes and ``user_expressions`` leave no cell of their own: note them."""
+        code = str(content.get("code", ""))
+        expressions = content.get("user_expressions")
+        if content.get("silent") and code.strip():
+            await self._note(
+                "a websocket client ran a silent execute (no outputs recorded):\n\n"
+                + _fenced(_clip_for_note(code), "python")
+            )
+        if isinstance(expressions, dict) and expressions:
+            listing = "\n".join(f"{name} = {value}" for name, value in expressions.items())
+            await self._note(
+                "a websocket client evaluated `user_expressions` with an execute:\n\n"
+                + _fenced(_clip_for_note(listing), "python")
+            )
+
+    async def _note_debug_request(self, content: dict[str, Any]) -> None:
+        """Debugger requests that run code or change state (evaluate, setVariable, ...)."""
+        command = content.get("command")
+        if command not in RECORDED_DEBUG_COMMANDS:
+            return
+        arguments = json.dumps(content.get("arguments", {}), ensure_ascii=False, default=str)
+        await self._note(
+            f"a websocket client sent the debugger `{command}`:\n\n" + _fenced(_clip_for_note(arguments), "json")
+        )
 
     async def _record(self, msg_id: str, channel: str, msg: dict[str, Any]) -> None:
         """Build the transcript cell of a websocket execution from the traffic we relay."""
@@ -246,6 +417,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
             await self.write_message(json.dumps({"channel": "gateway", "error": "bad_message", "message": message}))
 
     def on_close(self) -> None:
+        self._forget_pending()
         for task in self.tasks:
             task.cancel()
         for sock in self.sockets.values():

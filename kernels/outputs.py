@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -62,6 +64,7 @@ class ExecutionResult:
     state_lost: str | None = None
     chars_cut: int = 0  # stream text cut to bound memory (see OutputCollector)
     outputs_dropped: int = 0
+    bytes_omitted: int = 0  # rich output replaced by markers over the execution's byte budget
 
     @property
     def text(self) -> str:
@@ -90,10 +93,95 @@ class ExecutionResult:
 # not grow the host process. Streams keep their head and tail around a marker.
 MAX_STREAM_CHARS = 2 * 1024 * 1024
 MAX_OUTPUTS = 2000
+# Bytes of output (rich MIME data, tracebacks and stream text) one execution may hold in the host.
+# Outputs past it are replaced by a marker naming their size and SHA-256. 48 MiB keeps a 30 MiB
+# image whole (40 MiB as base64, which the reply budget then summarises) while a kernel that
+# displays 60 MB blobs in a loop holds at most this much per execution in the gateway.
+MAX_OUTPUT_BYTES = 48 * 1024 * 1024
+# A MIME value, stream or traceback at most this long is never replaced by a marker (bytes): a
+# marker would not be shorter, and the short text/plain of a figure stays readable.
+MARKER_ABOVE_BYTES = 1024
 
 
-def cut_marker(cut: int) -> str:
-    return f"\n…[sandkernel: {cut} characters of output cut here]…\n"
+def cut_marker(cut: int, unit: str = "characters", what: str = "output", sha256: str | None = None) -> str:
+    """The one wording for output sandkernel cut, wherever it was cut (collector, reply budget,
+    transcript). ``sha256`` (hex) lets a reader check a copy of what was cut."""
+    digest = f"; sha256 {sha256}" if sha256 else ""
+    return f"\n…[sandkernel: {cut} {unit} of {what} cut here{digest}]…\n"
+
+
+def value_size(value: Any) -> int:
+    """Bytes of one output value as nbformat stores it (UTF-8 text, or JSON for JSON MIME types)."""
+    if isinstance(value, str):
+        return len(value) if value.isascii() else len(value.encode())
+    if isinstance(value, list):  # multiline strings, tracebacks
+        return sum(value_size(v) for v in value)
+    return len(json.dumps(value, default=str))
+
+
+def _digest(value: Any) -> str:
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = "".join(value)
+    raw = value.encode() if isinstance(value, str) else json.dumps(value, default=str).encode()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def output_size(output: dict[str, Any]) -> int:
+    """Bytes of the content of one nbformat output (what a marker would replace)."""
+    kind = output.get("output_type")
+    if kind == "stream":
+        return value_size(output.get("text", ""))
+    if kind == "error":
+        return value_size(output.get("traceback", [])) + value_size(output.get("evalue", ""))
+    return sum(value_size(v) for v in (output.get("data") or {}).values())
+
+
+def replace_with_markers(output: dict[str, Any], why: str) -> int:
+    """Replace the large parts of one nbformat output, in place, by markers (size, SHA-256).
+
+    Rich outputs keep their small MIME values and get a text/plain marker per replaced value;
+    ``metadata.sandkernel.omitted`` lists what was replaced (MIME type, bytes, sha256), so the
+    reply budget and readers can tell. Streams and tracebacks become their marker. The output
+    stays valid nbformat. Returns the bytes replaced.
+    """
+    kind = output.get("output_type")
+    omitted: list[dict[str, Any]] = []
+    if kind == "stream":
+        text = output.get("text", "")
+        size = value_size(text)
+        if size <= MARKER_ABOVE_BYTES:
+            return 0
+        output["text"] = cut_marker(size, "bytes", f"{output.get('name', 'stream')} ({why})", _digest(text))
+        return size
+    if kind == "error":
+        cut = 0
+        size = value_size(output.get("traceback", []))
+        if size > MARKER_ABOVE_BYTES:
+            output["traceback"] = [cut_marker(size, "bytes", f"traceback ({why})", _digest(output["traceback"]))]
+            cut += size
+        size = value_size(output.get("evalue", ""))
+        if size > MARKER_ABOVE_BYTES:
+            output["evalue"] = cut_marker(size, "bytes", f"error value ({why})", _digest(output["evalue"]))
+            cut += size
+        return cut
+    data = output.get("data") or {}
+    notes = []
+    for mime, value in list(data.items()):
+        size = value_size(value)
+        if size > MARKER_ABOVE_BYTES:
+            digest = _digest(value)
+            del data[mime]
+            omitted.append({"mime": mime, "bytes": size, "sha256": digest})
+            notes.append(cut_marker(size, "bytes", f"{mime} ({why})", digest))
+    if not omitted:
+        return 0
+    plain = data.get("text/plain")
+    plain = "".join(plain) if isinstance(plain, list) else plain
+    data["text/plain"] = (plain or "") + "".join(notes)
+    output["data"] = data
+    metadata = output.setdefault("metadata", {})
+    metadata.setdefault("sandkernel", {}).setdefault("omitted", []).extend(omitted)
+    return sum(o["bytes"] for o in omitted)
 
 
 class OutputCollector:
@@ -101,9 +189,11 @@ class OutputCollector:
 
     Consecutive stream chunks of the same name are merged (as JupyterLab shows them);
     ``clear_output`` (with or without ``wait``) and ``update_display_data`` are honoured.
-    Memory is bounded: each merged stream keeps at most ``max_stream_chars`` (head and tail
-    halves), and at most ``max_outputs`` outputs are kept; the rest is counted in
-    ``chars_cut`` / ``outputs_dropped``.
+    Memory is bounded in bytes: each merged stream keeps at most ``max_stream_chars`` (head and
+    tail halves); at most ``max_outputs`` outputs are kept; and all outputs together hold at
+    most ``max_bytes`` (plus one stream's bound): past it, a rich output or traceback keeps a
+    marker with its size and SHA-256 and a new stream is dropped. What was cut is counted in
+    ``chars_cut`` / ``outputs_dropped`` / ``bytes_omitted``.
     """
 
     def __init__(
@@ -111,6 +201,7 @@ class OutputCollector:
         on_output: OutputCallback | None = None,
         max_stream_chars: int = MAX_STREAM_CHARS,
         max_outputs: int = MAX_OUTPUTS,
+        max_bytes: int = MAX_OUTPUT_BYTES,
     ) -> None:
         self.on_output = on_output
         self.outputs: list[dict[str, Any]] = []
@@ -118,8 +209,11 @@ class OutputCollector:
         self.error: ErrorInfo | None = None
         self.max_stream_chars = max_stream_chars
         self.max_outputs = max_outputs
+        self.max_bytes = max_bytes
+        self.bytes_held = 0  # bytes of the outputs kept (see output_size)
         self.chars_cut = 0
         self.outputs_dropped = 0
+        self.bytes_omitted = 0
         self._clear_before_next = False
 
     async def add(self, msg: dict[str, Any]) -> None:
@@ -127,6 +221,18 @@ class OutputCollector:
         output = self._record(msg)
         if output is not None and self.on_output is not None:
             await self.on_output({k: v for k, v in output.items() if not k.startswith("_")})
+
+    def _clear(self) -> None:
+        self.outputs.clear()
+        self.bytes_held = 0
+
+    def _fit(self, output: dict[str, Any], size: int) -> int:
+        """Keep ``output`` within the byte budget (markers past it); returns the bytes it holds."""
+        if self.bytes_held + size <= self.max_bytes:
+            return size
+        cut = replace_with_markers(output, "over the execution's output budget")
+        self.bytes_omitted += cut
+        return output_size(output) if cut else size
 
     def _record(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         msg_type = msg["header"]["msg_type"]
@@ -138,27 +244,26 @@ class OutputCollector:
             if content.get("wait"):
                 self._clear_before_next = True
             else:
-                self.outputs.clear()
+                self._clear()
             return None
         if msg_type == "update_display_data":
             display_id = content.get("transient", {}).get("display_id")
             for output in self.outputs:
                 if display_id and output.get("_display_id") == display_id:
-                    output["data"] = content.get("data", {})
-                    output["metadata"] = content.get("metadata", {})
+                    self.bytes_held -= output.get("_bytes", 0)
+                    output["data"] = dict(content.get("data", {}))
+                    output["metadata"] = dict(content.get("metadata", {}))
+                    output["_bytes"] = self._fit(output, output_size(output))
+                    self.bytes_held += output["_bytes"]
             return None
         if msg_type not in ("stream", "display_data", "execute_result", "error"):
             return None
         if self._clear_before_next:
-            self.outputs.clear()
+            self._clear()
             self._clear_before_next = False
         output = dict(output_from_msg(msg))
         if msg_type == "execute_result":
             self.execution_count = content.get("execution_count", self.execution_count)
-        if msg_type == "error":
-            self.error = ErrorInfo(
-                content.get("ename", ""), content.get("evalue", ""), tuple(content.get("traceback", []))
-            )
         display_id = content.get("transient", {}).get("display_id")
         if display_id:
             output["_display_id"] = display_id
@@ -167,15 +272,31 @@ class OutputCollector:
             self._append_stream(last, output["text"])
         elif len(self.outputs) >= self.max_outputs:
             self.outputs_dropped += 1
-        else:
-            if msg_type == "stream":
-                text, output["text"] = output["text"], ""
-                self._append_stream(output, text)
+            if msg_type == "error":  # kept only as the execution's error: bounded all the same
+                self.bytes_omitted += replace_with_markers(output, "over the execution's output budget")
+        elif msg_type == "stream":
+            if self.bytes_held >= self.max_bytes:
+                self.outputs_dropped += 1
+                self.chars_cut += len(output["text"])
+                return output
+            text, output["text"] = output["text"], ""
+            self._append_stream(output, text)
             self.outputs.append(output)
+        else:
+            output["_bytes"] = self._fit(output, output_size(output))
+            self.bytes_held += output["_bytes"]
+            self.outputs.append(output)
+        if msg_type == "error":
+            self.error = ErrorInfo(output["ename"], output["evalue"], tuple(output["traceback"]))
         return output
 
     def _append_stream(self, stream: dict[str, Any], text: str) -> None:
         """Append to a stream output, keeping a fixed head and a bounded tail."""
+        before = len(stream["text"])
+        self._merge_stream(stream, text)
+        self.bytes_held += len(stream["text"]) - before
+
+    def _merge_stream(self, stream: dict[str, Any], text: str) -> None:
         half = self.max_stream_chars // 2
         head_len = stream.get("_head_len")
         if head_len is None:

@@ -18,10 +18,11 @@ import logging
 import queue
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import zmq
+import zmq.asyncio
 from jupyter_client import AsyncKernelManager
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
@@ -55,12 +56,42 @@ VARIABLES_EXPRESSION = (
 )
 # The largest single ZMQ message accepted from a kernel (bytes); larger ones drop the connection.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-# How many kernel messages may wait in our receive queue per socket.
+# How many kernel messages may wait in our receive queue per shell/control/stdin socket. The
+# kernel sends these only in reply to the host's requests, and they are read or drained promptly.
 RECEIVE_QUEUE_MESSAGES = 64
+# How many kernel messages may wait in the receive queue of each iopub subscriber (ours and each
+# websocket's). Kernel output is what untrusted code controls, so this is the bound that counts:
+# a subscriber holds at most (IOPUB_RECEIVE_QUEUE + 1) x MAX_MESSAGE_BYTES (the +1 is the message
+# ZMQ is decoding), 192 MiB, even when nobody reads; past it, the kernel's own (memory-limited)
+# send queue fills and then drops. Ours is drained between executes, so in practice it holds one.
+IOPUB_RECEIVE_QUEUE = 2
+# How long the between-executes drain waits for kernel messages before re-checking (seconds).
+DRAIN_POLL_SECONDS = 1.0
+# iopub message types that carry output (counted in the "output after the cell returned" note).
+OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "update_display_data", "execute_result", "error"})
 # How often a silent execution checks that its kernel is still alive (seconds).
 WATCHDOG_INTERVAL = 0.5
 # How long to wait for the execute_reply once the kernel went idle (seconds).
 REPLY_TIMEOUT = 5.0
+
+
+@contextlib.contextmanager
+def _iopub_receive_queue(context: zmq.Context) -> Iterator[None]:
+    """Sockets made inside get the iopub receive queue (IOPUB_RECEIVE_QUEUE messages); the
+    context's default is restored after. Our event loop is single-threaded, so nothing else
+    makes a socket on this context meanwhile."""
+    context.setsockopt(zmq.RCVHWM, IOPUB_RECEIVE_QUEUE)
+    try:
+        yield
+    finally:
+        context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
+
+
+def connect_iopub(km: AsyncKernelManager) -> zmq.asyncio.Socket:
+    """A new iopub subscriber on ``km``'s kernel with the bounded receive queue (the gateway's
+    websocket relay makes one per connection)."""
+    with _iopub_receive_queue(km.context):
+        return km.connect_iopub()
 
 
 def _utcnow() -> str:
@@ -110,6 +141,14 @@ class KernelSession:
         self._notes: list[str] = []  # state-loss notes for the transcript, written after the cell
         self.recorder = recorder
         self._closed = False
+        # The host reads the kernel's channels only while it waits for something (an execute, a
+        # restart); between those, _drain discards what arrives so nothing piles up in our
+        # receive queues, and counts the output it threw away for a transcript note.
+        self._readers = 0
+        self._channels_free = asyncio.Event()
+        self._channels_free.set()
+        self._drainer: asyncio.Task | None = None
+        self._discarded = [0, 0]  # output messages, bytes thrown away since the last note
 
     @staticmethod
     def _new_kernel_manager(kernel_name: str) -> AsyncKernelManager:
@@ -204,12 +243,78 @@ class KernelSession:
                 sandkernel_session_id=self.id,
             )
             self._client = self._km.client(context=self._km.context)
+            with _iopub_receive_queue(self._km.context):
+                self._client.iopub_channel.start()
             self._client.start_channels()
-            await self._wait_ready()
+            with self._reading():
+                await self._wait_ready()
         except BaseException:
             await self._teardown()
             raise
+        if self._drainer is None:
+            self._drainer = asyncio.create_task(self._drain(), name=f"sandkernel-drain-{self.id}")
         log.info("session started", extra={"session": self.id, "kernel": self.kernel_id})
+
+    @contextlib.contextmanager
+    def _reading(self) -> Iterator[None]:
+        """Held while something of ours reads the kernel's channels: the drain keeps off them."""
+        self._readers += 1
+        self._channels_free.clear()
+        try:
+            yield
+        finally:
+            self._readers -= 1
+            if not self._readers:
+                self._channels_free.set()
+
+    async def _drain(self) -> None:
+        """Between executes, read and discard whatever the kernel sends (a background thread's
+        output, stale replies), so no receive queue of ours holds kernel output while nobody
+        waits for it. Output messages of our own requests are counted for a transcript note;
+        those answering a websocket client's request are its relay's to show. Owned by the
+        session: started with the kernel, cancelled by :meth:`shutdown`."""
+        while True:
+            await self._channels_free.wait()
+            client = self._client
+            if client is None or client.iopub_channel.socket is None or client.shell_channel.socket is None:
+                await asyncio.sleep(DRAIN_POLL_SECONDS)
+                continue
+            poller = zmq.asyncio.Poller()
+            channels = {client.iopub_channel.socket: "iopub", client.shell_channel.socket: "shell"}
+            for sock in channels:
+                poller.register(sock, zmq.POLLIN)
+            try:
+                ready = await poller.poll(DRAIN_POLL_SECONDS * 1000)
+            except zmq.ZMQError:  # the channels were closed under us (restart, replacement)
+                await asyncio.sleep(DRAIN_POLL_SECONDS)
+                continue
+            # No await from here on: an execute cannot start reading while we discard.
+            if self._readers or self._client is not client:
+                continue
+            for sock, _ in ready:
+                self._discard_ready(sock, channels[sock])
+
+    def _discard_ready(self, sock: zmq.asyncio.Socket, channel: str) -> None:
+        """Discard the messages ``sock`` holds now (without waiting), counting our output.
+
+        EVENTS is checked before each receive so no ``zmq.Again`` is raised: pyzmq keeps a raised
+        exception in a future whose reference cycle would hold our frame, and with it the last
+        60 MB message, until the garbage collector ran."""
+        for _ in range(IOPUB_RECEIVE_QUEUE + RECEIVE_QUEUE_MESSAGES):
+            try:
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    return
+                counted = self._discard_one(sock.recv_multipart(flags=zmq.DONTWAIT, copy=False).result())
+            except zmq.ZMQError:
+                return
+            if channel == "iopub" and counted:
+                self._discarded[0] += 1
+                self._discarded[1] += counted
+
+    def _discard_one(self, frames: list[zmq.Frame]) -> int:
+        """Bytes of ``frames`` when it is output answering one of our requests, else 0."""
+        assert self._client is not None
+        return sum(len(frame) for frame in frames) if _is_our_output(frames, self._client.session.session) else 0
 
     async def _wait_ready(self) -> None:
         """Wait until the kernel answers on shell AND its iopub reaches us.
@@ -258,7 +363,8 @@ class KernelSession:
         with contextlib.suppress(Exception):
             self._client.iopub_channel.stop()
         self._client._iopub_channel = None
-        self._client.iopub_channel.start()
+        with _iopub_receive_queue(self._km.context):
+            self._client.iopub_channel.start()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and not await self._iopub_answers(0.25):
             pass
@@ -277,7 +383,13 @@ class KernelSession:
         if self._closed:
             return
         self._closed = True
+        if self._drainer is not None:
+            self._drainer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drainer
+            self._drainer = None
         await self._teardown()
+        await self._note_discarded()
         if self.recorder is not None:
             await self.recorder.close()
         log.info("session shut down", extra={"session": self.id})
@@ -285,27 +397,36 @@ class KernelSession:
     async def variables(self, timeout: float = 10.0) -> list[dict[str, Any]]:
         """A cheap listing of the user's namespace: name, type, size (len or bytes), shape.
 
-        Evaluated as a silent ``user_expressions`` request: no output, no execution count,
-        nothing in the transcript. Queued behind running executions like any request.
+        Evaluated as a silent ``user_expressions`` request: no output, no execution count. The
+        transcript gets a note that it ran (it is an audit record). Queued behind running
+        executions like any request.
         """
         self._check_open()
         async with self._lock:
             assert self._client is not None
-            msg_id = self._client.execute(
-                "", silent=True, store_history=False, user_expressions={"vars": VARIABLES_EXPRESSION}
-            )
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                try:
-                    msg = await self._next_message("shell", max(deadline - time.monotonic(), 0.01))
-                except queue.Empty:
-                    break
-                if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                    continue
-                found = msg["content"].get("user_expressions", {}).get("vars", {})
-                if found.get("status") != "ok":
-                    raise SandkernelError(f"listing variables failed: {found.get('evalue', 'no reply')}")
-                return json.loads(ast.literal_eval(found["data"]["text/plain"]))
+            await self._note_discarded()
+            if self.recorder is not None:
+                await self.recorder.note("the session's variables were listed (a silent `user_expressions` request)")
+            with self._reading():
+                return await self._list_variables(timeout)
+
+    async def _list_variables(self, timeout: float) -> list[dict[str, Any]]:
+        assert self._client is not None
+        msg_id = self._client.execute(
+            "", silent=True, store_history=False, user_expressions={"vars": VARIABLES_EXPRESSION}
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                msg = await self._next_message("shell", max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                break
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            found = msg["content"].get("user_expressions", {}).get("vars", {})
+            if found.get("status") != "ok":
+                raise SandkernelError(f"listing variables failed: {found.get('evalue', 'no reply')}")
+            return json.loads(ast.literal_eval(found["data"]["text/plain"]))
         raise SandkernelError(f"the kernel did not list its variables within {timeout:g}s; is it busy?")
 
     async def wait_idle(self) -> None:
@@ -327,6 +448,15 @@ class KernelSession:
         await self._restart_kernel("the kernel was restarted on request")
         await self._flush_notes()
 
+    async def _note_discarded(self) -> None:
+        """Tell the transcript how much output arrived while no execution was running."""
+        (messages, size), self._discarded = self._discarded, [0, 0]
+        if messages and self.recorder is not None:
+            await self.recorder.note(
+                f"output after the cell returned: {messages} messages, {size} bytes discarded "
+                "(code kept writing while no execution was running)"
+            )
+
     async def _flush_notes(self) -> None:
         notes, self._notes = self._notes, []
         if self.recorder is not None:
@@ -338,8 +468,9 @@ class KernelSession:
         self._epoch += 1
         provisioner = self.provisioner
         provisioner.workspace_lost = False
-        await self._km.restart_kernel(now=True)
-        await self._wait_ready()
+        with self._reading():
+            await self._km.restart_kernel(now=True)
+            await self._wait_ready()
         replaced = provisioner.workspace_lost
         if replaced:
             self._oom_baseline = None
@@ -382,7 +513,9 @@ class KernelSession:
         self._check_open()
         async with self._lock:
             self._check_open()
-            result = await self._execute_locked(code, float(timeout), on_output)
+            await self._note_discarded()
+            with self._reading():
+                result = await self._execute_locked(code, float(timeout), on_output)
             if self.recorder is not None:
                 await self.recorder.record(code, result, tag=tag, source=source)
             await self._flush_notes()
@@ -425,6 +558,7 @@ class KernelSession:
             state_lost=state_lost,
             chars_cut=collector.chars_cut,
             outputs_dropped=collector.outputs_dropped,
+            bytes_omitted=collector.bytes_omitted,
         )
 
     async def _next_message(self, channel: str, timeout: float) -> dict[str, Any]:
@@ -565,3 +699,17 @@ class KernelSession:
         if status is ExecutionStatus.OOM:
             return f"the kernel ran out of memory (limit {self.profile.memory_mb} MiB) {when} and was restarted"
         return f"the kernel died {when} and was restarted"
+
+
+def _is_our_output(frames: list[zmq.Frame], our_session: str) -> bool:
+    """Whether a raw iopub message is output answering one of our own requests. Only the small
+    header frames are parsed (never the content); a message that does not parse is not ours."""
+    try:
+        delim = next(i for i, frame in enumerate(frames) if len(frame) == 9 and frame.bytes == b"<IDS|MSG>")
+        header, parent = frames[delim + 2], frames[delim + 3]
+        if len(header) > 65536 or len(parent) > 65536:
+            return False
+        msg_type = json.loads(header.bytes).get("msg_type")
+        return msg_type in OUTPUT_MSG_TYPES and json.loads(parent.bytes).get("session") == our_session
+    except (StopIteration, IndexError, ValueError, AttributeError):
+        return False

@@ -23,7 +23,7 @@ from typing import Any
 
 import nbformat
 
-from sandkernel.kernels.outputs import ExecutionResult
+from sandkernel.kernels.outputs import ExecutionResult, cut_marker, output_size, replace_with_markers
 from sandkernel.notebooks.transcript import build_notebook, markdown_cell, result_to_cell
 
 # Write pacing for large transcripts (see _write_behind).
@@ -32,6 +32,20 @@ MAX_PACE_SECONDS = 2.0
 
 # Uploaded files up to this size are embedded in the transcript (see record_input).
 EMBED_INPUT_BYTES = 2 * 1024 * 1024
+
+# The most one session's transcript may take, on disk and (about twice) in the gateway's memory,
+# in bytes: kernel output is untrusted, and a loop that displays 60 MB blobs must not fill the
+# host's disk. Large outputs are replaced by a marker with their size and SHA-256 rather than
+# stored beside the notebook under a disk quota: the transcript stays one self-contained, valid
+# notebook (nothing else to copy, reap or keep in step), and the hash still lets a reviewer check
+# a copy the code saved in its workspace.
+MAX_TRANSCRIPT_BYTES = 32 * 1024 * 1024
+# Past this share of the cap, new cells keep only small outputs (markers for the rest) and their
+# source is clipped to SOURCE_KEEP_CHARS, so the rest of the session is still on record.
+FULL_CELLS_SHARE = 0.75
+SOURCE_KEEP_CHARS = 16 * 1024
+# Kept free below the cap for the notebook's metadata (session facts, egress summary, inputs).
+METADATA_RESERVE_BYTES = 2 * 1024 * 1024
 
 
 def default_notebook_dir() -> Path:
@@ -61,10 +75,15 @@ class TranscriptRecorder:
 
     SYNC_DELAY = 0.2  # seconds
 
-    def __init__(self, path: Path, metadata: dict[str, Any]) -> None:
+    def __init__(self, path: Path, metadata: dict[str, Any], max_bytes: int = MAX_TRANSCRIPT_BYTES) -> None:
         self.path = path
         self.notebook = build_notebook([], {"created": dt.datetime.now(dt.timezone.utc).isoformat(), **metadata})
+        self.max_bytes = max_bytes
+        self.full_cells_bytes = int(max_bytes * FULL_CELLS_SHARE)
         self._cells_json: list[str] = []
+        self._cells_bytes = 0  # bytes of _cells_json
+        self._inputs_bytes = 0  # bytes of uploaded files embedded in the metadata
+        self._cells_not_recorded = 0
         self._version = 0  # bumped on every change
         self._written = 0  # version the file holds
         self._changed = asyncio.Event()
@@ -103,8 +122,11 @@ class TranscriptRecorder:
             "sha256": hashlib.sha256(data).hexdigest(),
             "before_cell": sum(1 for cell in self.notebook.cells if cell.cell_type == "code"),
         }
-        if len(data) <= EMBED_INPUT_BYTES:
+        encoded = (len(data) + 2) // 3 * 4
+        room = self.full_cells_bytes - self._cells_bytes - self._inputs_bytes
+        if len(data) <= EMBED_INPUT_BYTES and encoded <= room:
             entry["base64"] = base64.b64encode(data).decode()
+            self._inputs_bytes += encoded
         inputs = [i for i in self.notebook.metadata["sandkernel"].get("inputs", []) if i["path"] != path]
         self.update_metadata(inputs=[*inputs, entry])
 
@@ -119,8 +141,22 @@ class TranscriptRecorder:
             await self._written_cond.wait_for(lambda: self._written >= target)
 
     def _append(self, cell: nbformat.NotebookNode) -> None:
+        """Append ``cell`` within the transcript's byte cap (see MAX_TRANSCRIPT_BYTES): whole while
+        the cells take less than ``full_cells_bytes``, then with markers for its large outputs and
+        a clipped source, and not at all once the cap is reached (the metadata counts those)."""
+        used = self._cells_bytes + self._inputs_bytes
+        if used + _estimate(cell) > self.full_cells_bytes:
+            _shrink(cell)
+        text = json.dumps(cell, sort_keys=True, indent=1, ensure_ascii=False)
+        if used + len(text) > self.max_bytes - METADATA_RESERVE_BYTES:
+            self._cells_not_recorded += 1
+            self.update_metadata(
+                transcript_cap={"max_bytes": self.max_bytes, "cells_not_recorded": self._cells_not_recorded}
+            )
+            return
         self.notebook.cells.append(cell)
-        self._cells_json.append(json.dumps(cell, sort_keys=True, indent=1, ensure_ascii=False))
+        self._cells_json.append(text)
+        self._cells_bytes += len(text) + 2
         self._mark_changed()
 
     def _mark_changed(self) -> None:
@@ -166,6 +202,25 @@ class TranscriptRecorder:
 
     def delete(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _estimate(cell: nbformat.NotebookNode) -> int:
+    """About the bytes ``cell`` takes as JSON, without serialising it (it may hold 60 MB)."""
+    source = cell.get("source", "")
+    return len(source) + sum(output_size(o) for o in cell.get("outputs", [])) + 1024
+
+
+def _shrink(cell: nbformat.NotebookNode) -> None:
+    """A cell recorded past ``full_cells_bytes``: markers (size, SHA-256) for its large outputs,
+    head and tail of its source. Stays valid nbformat."""
+    for output in cell.get("outputs", []):
+        replace_with_markers(output, "over the session transcript's cap")
+    source = cell.get("source", "")
+    if isinstance(source, str) and len(source) > SOURCE_KEEP_CHARS:
+        half = SOURCE_KEEP_CHARS // 2
+        digest = hashlib.sha256(source.encode()).hexdigest()
+        marker = cut_marker(len(source) - 2 * half, "characters", "source (over the session transcript's cap)", digest)
+        cell["source"] = source[:half] + marker + source[-half:]
 
 
 def _replace_file(path: Path, text: str) -> None:

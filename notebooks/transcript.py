@@ -37,8 +37,12 @@ def result_to_cell(
         "ended_by": result.ended_by.value if result.ended_by else None,
         "state_lost": result.state_lost,
     }
-    if result.chars_cut or result.outputs_dropped:
-        info["truncated"] = {"chars_cut": result.chars_cut, "outputs_dropped": result.outputs_dropped}
+    if result.chars_cut or result.outputs_dropped or result.bytes_omitted:
+        info["truncated"] = {
+            "chars_cut": result.chars_cut,
+            "outputs_dropped": result.outputs_dropped,
+            "bytes_omitted": result.bytes_omitted,
+        }
     if tag:
         info["tag"] = tag
     if source:
