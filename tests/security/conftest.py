@@ -179,8 +179,11 @@ class Arena:
         assert self.sentinel.read_text() == self.sentinel_text, "the host sentinel file changed"
         assert not Path("/tmp/sandkernel-pwned").exists()
         known = {self.attacker["id"], self.canary["id"], *self.extra_sessions}
-        ours = default_engine().client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={owner_label()}"})
-        strays = [c.name for c in ours if c.labels.get("sandkernel.session") not in known]
+        # sparse: the list's own data, no inspect per container (one could vanish in between)
+        ours = default_engine().client.containers.list(
+            all=True, sparse=True, filters={"label": f"{OWNER_LABEL}={owner_label()}"}
+        )
+        strays = [c.attrs["Names"] for c in ours if c.attrs["Labels"].get("sandkernel.session") not in known]
         assert not strays, f"containers beyond the arena's: {strays}"
         status, _ = await self.gateway.request("GET", f"/api/sessions/{self.attacker['id']}")
         assert status == 200, "the attacker's own session should survive its attack"
@@ -221,7 +224,9 @@ class Arena:
         found = []
         engine = default_engine()
         for session in (self.attacker, self.canary):
-            for c in engine.client.containers.list(filters={"label": f"sandkernel.session={session['id']}"}):
+            for c in engine.client.containers.list(
+                sparse=True, filters={"label": f"sandkernel.session={session['id']}"}
+            ):
                 found += [Path(m["Source"]) for m in c.attrs["Mounts"] if m["Destination"] == CONTAINER_DIR]
         return found
 
