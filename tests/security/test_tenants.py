@@ -1,5 +1,7 @@
 """Every API client is possibly another tenant: tokens, ids of other tenants, the file API's
-paths, absurd JSON, and browser origins on the websocket. Each refusal is a clear 4xx in JSON."""
+paths, absurd JSON, and browser origins on the websocket. Each refusal is a clear 4xx in JSON, and
+each case names its exact status, error code and the words of the message that name the problem:
+a 4xx for some other reason (a missing image, a list where a string goes) proves nothing."""
 
 from __future__ import annotations
 
@@ -75,15 +77,21 @@ async def test_another_tenants_ids_look_like_ids_that_do_not_exist(arena):
     assert err.value.code == 404
 
 
+# name: (path, the error code for GET, for PUT). Every refusal is a 400 whose message quotes the path.
 FILE_ATTACKS = {
-    "dotdot": "../../etc/passwd",
-    "dotdot_encoded": "..%2F..%2Fetc%2Fpasswd",
-    "symlink_to_shadow": "link_shadow",
-    "symlink_to_runtime_dir": "link_rundir/connection.json",
-    "symlink_dir_escape": "link_root/etc/hostname",
-    "fifo": "pipe",
-    "device": "link_zero",
-    "proc_self": "link_proc/environ",
+    "dotdot": ("../../etc/passwd", "bad_path", "bad_path"),
+    "dotdot_encoded": ("..%2F..%2Fetc%2Fpasswd", "bad_path", "bad_path"),
+    "symlink_to_shadow": ("link_shadow", "not_regular", "not_regular"),
+    "symlink_to_runtime_dir": ("link_rundir/connection.json", "bad_path", "bad_path"),
+    "symlink_dir_escape": ("link_root/etc/hostname", "bad_path", "bad_path"),
+    "fifo": ("pipe", "not_regular", "not_regular"),
+    "device": ("link_zero", "not_regular", "not_regular"),
+    "proc_self": ("link_proc/environ", "bad_path", "bad_path"),
+}
+# What each error code's message says about the path.
+FILE_ERROR_WORDS = {
+    "bad_path": ("outside the workspace", "symlink out of the workspace"),
+    "not_regular": ("regular file",),
 }
 
 
@@ -100,12 +108,15 @@ print('planted')"""
     )
     assert plant["text"] == "planted\n"
     sid = arena.attacker["id"]
-    for name, path in FILE_ATTACKS.items():
-        status, body = await arena.gateway.request("GET", f"/api/sessions/{sid}/files/{path}")
-        assert 400 <= status < 500 and isinstance(body, dict), (name, status, body)
-        assert "root:" not in json.dumps(body)
-        status, body = await arena.gateway.request("PUT", f"/api/sessions/{sid}/files/{path}", raw=b"pwned")
-        assert 400 <= status < 500 and isinstance(body, dict), (name, status, body)
+    for name, (path, get_error, put_error) in FILE_ATTACKS.items():
+        shown = path.replace("%2F", "/")
+        for method, error in (("GET", get_error), ("PUT", put_error)):
+            raw = b"pwned" if method == "PUT" else None
+            status, body = await arena.gateway.request(method, f"/api/sessions/{sid}/files/{path}", raw=raw)
+            assert_clear_error(status, body, 400)
+            assert body["error"] == error and f"'{shown}'" in body["message"], (name, method, body)
+            assert any(words in body["message"] for words in FILE_ERROR_WORDS[error]), (name, method, body)
+            assert "root:" not in json.dumps(body)
     check = await arena.attack("print(open('/etc/hostname').read().strip(), os.path.islink('link_shadow'))")
     assert check["status"] == "ok" and "pwned" not in check["text"]
     # A leading slash means the workspace's root (as in Jupyter's contents API), never the system's.
@@ -115,37 +126,49 @@ print('planted')"""
     assert status == 200 and body == "mine"
 
 
+# (method, route, body, status, error code, words of the message that name the problem)
 ABSURD_BODIES = [
-    ("POST", "/api/sessions", {"profile": 7}),
-    ("POST", "/api/sessions", {"profile": "x" * 100_000}),
-    ("POST", "/api/sessions", {"limits": {"memory_mb": 10**30}}),
-    ("POST", "/api/sessions", {"limits": {"memory_mb": -1}}),
-    ("POST", "/api/sessions", {"limits": {"cpus": "lots"}}),
-    ("POST", "/api/sessions", {"limits": {"runtime": "kvm"}}),
-    ("POST", "/api/sessions", {"limits": {"image": "../../etc"}}),
-    ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": ["x"]}}}),
-    ("POST", "/api/sessions", {"limits": [1, 2]}),
-    ("POST", "/api/sessions", {"metadata": "nope"}),
-    ("POST", "/api/sessions/{sid}/execute", {"code": None}),
-    ("POST", "/api/sessions/{sid}/execute", {"code": ["print(1)"]}),
-    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": "soon"}),
-    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": -5}),
-    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": 10**100}),
-    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "tag": {"a": 1}}),
-    ("POST", "/api/sessions/{sid}/execute", {"code": "x" * (2 * 1024 * 1024)}),
-    ("POST", "/api/sessions/{sid}/markdown", {"text": 5}),
-    ("POST", "/api/sessions/{sid}/markdown", {}),
-    ("POST", "/api/kernels", {"name": {"$ne": 1}}),
-    ("POST", "/api/kernels", {"name": "python3"}),
+    ("POST", "/api/sessions", {"profile": 7}, 400, "bad_request", "profile must be a profile name"),
+    ("POST", "/api/sessions", {"profile": "x" * 100_000}, 400, "unknownprofile", "unknown profile"),
+    ("POST", "/api/sessions", {"limits": {"memory_mb": 10**30}}, 400, "config", "memory_mb="),
+    ("POST", "/api/sessions", {"limits": {"memory_mb": -1}}, 400, "config", "memory_mb=-1 is out of range"),
+    ("POST", "/api/sessions", {"limits": {"cpus": "lots"}}, 400, "config", "cpus must be a number"),
+    ("POST", "/api/sessions", {"limits": {"runtime": "kvm"}}, 400, "config", "runtime must be one of"),
+    # operator-owned settings: refused as such, whatever the value (not because "../../etc" is no image)
+    ("POST", "/api/sessions", {"limits": {"image": "../../etc"}}, 403, "settingnotpermitted", "image can only be set"),
+    ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": ["x"]}}}, 403, "settingnotpermitted", "env can only"),
+    ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": "/x.so"}}}, 403, "settingnotpermitted", "env can only"),
+    ("POST", "/api/sessions", {"limits": [1, 2]}, 400, "bad_request", "limits and metadata must be JSON objects"),
+    ("POST", "/api/sessions", {"metadata": "nope"}, 400, "bad_request", "limits and metadata must be JSON objects"),
+    ("POST", "/api/sessions/{sid}/execute", {"code": None}, 400, "bad_code", "'code' must be a string"),
+    ("POST", "/api/sessions/{sid}/execute", {"code": ["print(1)"]}, 400, "bad_code", "'code' must be a string"),
+    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": "soon"}, 400, "config", "timeout must be"),
+    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": -5}, 400, "config", "timeout must be"),
+    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": 10**100}, 400, "config", "timeout must be"),
+    ("POST", "/api/sessions/{sid}/execute", {"code": "1", "tag": {"a": 1}}, 400, "bad_request", "'tag' must be"),
+    (
+        "POST",
+        "/api/sessions/{sid}/execute",
+        {"code": "x" * (2 * 1024 * 1024)},
+        413,
+        "request_entity_too_large",
+        "code is larger than",
+    ),
+    ("POST", "/api/sessions/{sid}/markdown", {"text": 5}, 400, "bad_request", "'text' must be a non-empty string"),
+    ("POST", "/api/sessions/{sid}/markdown", {}, 400, "bad_request", "'text' must be a non-empty string"),
+    ("POST", "/api/kernels", {"name": {"$ne": 1}}, 400, "unknown_kernel", "unknown kernel name"),
+    ("POST", "/api/kernels", {"name": "python3"}, 400, "unknown_kernel", "unknown kernel name 'python3'"),
 ]
 
 
 @pytest.mark.parametrize("case", range(len(ABSURD_BODIES)))
 async def test_absurd_json_gets_a_clear_4xx(arena, case):
-    method, route, body = ABSURD_BODIES[case]
-    status, reply = await arena.gateway.request(method, route.format(sid=arena.attacker["id"]), body)
-    assert 400 <= status < 500, (route, body if len(json.dumps(body)) < 200 else "(large)", status, reply)
-    assert_clear_error(status, reply, status)
+    method, route, body, status, error, words = ABSURD_BODIES[case]
+    found, reply = await arena.gateway.request(method, route.format(sid=arena.attacker["id"]), body)
+    shown = body if len(json.dumps(body)) < 200 else "(large)"
+    assert (found, isinstance(reply, dict) and reply.get("error")) == (status, error), (route, shown, found, reply)
+    assert_clear_error(found, reply, status)
+    assert words in reply["message"] and len(reply["message"]) < 500, (route, shown, reply)
 
 
 async def test_malformed_bodies_get_a_clear_4xx(arena):
