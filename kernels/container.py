@@ -12,7 +12,6 @@ with it.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import signal
@@ -37,16 +36,12 @@ from sandkernel.kernels.reaper import (
     process_start_time,
 )
 from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
+from sandkernel.kernels.sandbox_uids import SANDBOX_UID_RANGE, UID_LABEL
 from sandkernel.kernels.seccomp import seccomp_security_opt
 
 log = logging.getLogger(__name__)
 
 SANDBOX_GID = 10001
-# Each sandbox runs as its own host uid, drawn from this range: per-user kernel accounting
-# (inotify instances and watches, pipe buffers, RLIMIT_NPROC/MSGQUEUE, signal permission) is
-# per uid on the host under runc, so a shared uid would let one sandbox exhaust another's.
-SANDBOX_UID_RANGE = (100_000, 2_000_000)
-UID_LABEL = "sandkernel.uid"
 WORKSPACE = "/workspace"
 WHEELHOUSE = "/wheels"
 LAUNCHER = "/opt/sandkernel/launch-kernel"
@@ -70,10 +65,8 @@ class ContainerSpec:
     session_id: str
     kernel_id: str
     runtime_dir: RuntimeDir
+    uid: int  # the sandbox's own host uid (sandbox_uids.UidAllocator: unique on this host)
     egress_dir: Path | None = None  # the session's egress proxy socket lives here (allowlist policies)
-    uid: int = dataclasses.field(
-        default_factory=lambda: SANDBOX_UID_RANGE[0] + secrets.randbelow(SANDBOX_UID_RANGE[1] - SANDBOX_UID_RANGE[0])
-    )
 
     @property
     def user(self) -> str:
@@ -356,4 +349,4 @@ async def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
         await asyncio.sleep(interval)
 
 
-__all__ = ["ContainerSpec", "KernelStartError", "SandboxContainer", "wait_until"]
+__all__ = ["SANDBOX_UID_RANGE", "ContainerSpec", "KernelStartError", "SandboxContainer", "wait_until"]

@@ -15,6 +15,8 @@ The host environment is never forwarded into the container: only ``Profile.env``
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
 import signal
 import time
 from typing import Any
@@ -24,13 +26,15 @@ from jupyter_client.provisioning import KernelProvisionerBase
 from traitlets import Unicode
 
 from sandkernel.errors import KernelStartError
-from sandkernel.kernels.container import LAUNCHER, ContainerSpec, SandboxContainer
+from sandkernel.kernels.container import LAUNCHER, SANDBOX_GID, ContainerSpec, SandboxContainer
 from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.egress_proxy import EgressProxy
 from sandkernel.kernels.profiles import Profile, resolve_profile
 from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
+from sandkernel.kernels.sandbox_uids import UidAllocator
 
 EXEC_POLL_INTERVAL = 0.25
+log = logging.getLogger(__name__)
 
 
 class DockerProvisioner(KernelProvisionerBase):
@@ -45,6 +49,7 @@ class DockerProvisioner(KernelProvisionerBase):
     profile: Profile | None = None
     session_id: str = ""
     image_id: str = ""
+    uid: int | None = None  # the sandbox's host uid, reserved until _release
     # Set when the ladder had to replace the whole container: /workspace was lost with it.
     workspace_lost: bool = False
 
@@ -95,12 +100,22 @@ class DockerProvisioner(KernelProvisionerBase):
                 self.container = None
                 self.workspace_lost = True
             if self.container is None:
-                egress_dir = self.egress.directory if self.egress else None
-                spec = ContainerSpec(self.profile, self.session_id, str(self.kernel_id), self.runtime_dir, egress_dir)
-                self.container = await SandboxContainer.start(default_engine(), spec)
+                await self._start_container()
             key = self.connection_info["key"]
             info = dict(self.connection_info, key=key.decode() if isinstance(key, bytes) else key)
-            await asyncio.to_thread(self.runtime_dir.prepare, info)
+            try:
+                await asyncio.to_thread(self.runtime_dir.prepare, info, SANDBOX_GID)
+            except OSError as err:
+                if err.errno not in (errno.ENOSPC, errno.EDQUOT) or first_launch:
+                    raise
+                # The runtime dir's tmpfs is full: under gVisor, files a killed kernel filled stay
+                # held by its sandbox's cached host handles until the container goes. Replace it.
+                log.warning("runtime dir full; replacing the container", extra={"session": self.session_id})
+                await self.container.remove()
+                self.container = None
+                self.workspace_lost = True
+                await self._start_container()
+                await asyncio.to_thread(self.runtime_dir.prepare, info, SANDBOX_GID)
             await self.container.exec_kernel()
             await self._wait_for_sockets()
             await asyncio.to_thread(self.runtime_dir.lock)
@@ -109,6 +124,15 @@ class DockerProvisioner(KernelProvisionerBase):
                 await self._release()
             raise
         return self.connection_info
+
+    async def _start_container(self) -> None:
+        """Create and start the session's container (its uid is kept if it is a replacement)."""
+        assert self.profile is not None and self.runtime_dir is not None
+        egress_dir = self.egress.directory if self.egress else None
+        if self.uid is None:  # kept when the container is replaced: one uid per session
+            self.uid = await asyncio.to_thread(UidAllocator(default_engine()).allocate)
+        spec = ContainerSpec(self.profile, self.session_id, str(self.kernel_id), self.runtime_dir, self.uid, egress_dir)
+        self.container = await SandboxContainer.start(default_engine(), spec)
 
     async def _wait_for_sockets(self) -> None:
         assert self.container is not None and self.runtime_dir is not None and self.profile is not None
@@ -181,6 +205,9 @@ class DockerProvisioner(KernelProvisionerBase):
             self.egress = None
         if self.runtime_dir is not None:
             await asyncio.to_thread(self.runtime_dir.remove)
+        if self.uid is not None:
+            await asyncio.to_thread(UidAllocator(default_engine()).release, self.uid)
+            self.uid = None
 
     def get_shutdown_wait_time(self, recommended: float = 5.0) -> float:
         return min(recommended, 3.0)

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
+import re
 import socket
+import stat
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
 import docker.errors
 
 from sandkernel.kernels.docker_engine import DockerEngine, default_engine
+from sandkernel.kernels.runtime_dir import RUNTIME_DIR_NAME, default_base_dir, remove_runtime_dir
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,30 @@ def owner_alive(label: str) -> bool:
     return process_start_time(pid_num) == start
 
 
+def own_runtime_dir(label: str, base: Path | None = None) -> Path | None:
+    """The runtime dir a container's label names, if it is one of ours; else None.
+
+    Labels are data anyone with Docker access can write (``sandkernel.runtime_dir=/etc``), so
+    only a path that is literally ``<base>/<12 hex digits>`` is accepted (no ``..``, no other
+    level), the base being this process's :func:`default_base_dir`, and both must be real
+    directories, checked with lstat (a symlink is never followed) and owned by this user.
+    """
+    base = base or default_base_dir()
+    path = Path(label)
+    if not label or os.path.normpath(label) != label or path.parent != base:
+        return None
+    if not re.fullmatch(RUNTIME_DIR_NAME, path.name):
+        return None
+    for candidate in (base, path):
+        try:
+            st = os.lstat(candidate)
+        except OSError:
+            return None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            return None
+    return path
+
+
 @dataclass(frozen=True)
 class ReapReport:
     removed: tuple[str, ...]
@@ -82,10 +109,9 @@ def reap_sync(engine: DockerEngine | None = None, *, owner: str | None = None, e
                 container.remove(force=True)
             except docker.errors.APIError as err:  # already gone, or being removed by its owner
                 log.debug("reap: %s: %s", container.name, err)
-            rundir = labels.get(RUNTIME_DIR_LABEL)
-            if rundir and os.path.isdir(rundir):
-                shutil.rmtree(rundir, ignore_errors=True)
-                shutil.rmtree(rundir + "-egress", ignore_errors=True)  # an allowlist session's proxy socket
+            rundir = own_runtime_dir(labels.get(RUNTIME_DIR_LABEL, ""))
+            if rundir is not None:
+                remove_runtime_dir(rundir)  # and its -egress sibling (an allowlist session's proxy socket)
             removed.append(container.name)
         else:
             kept += 1

@@ -1,0 +1,85 @@
+"""The reaper removes only runtime dirs under its own base: a container label is data anyone
+with Docker access can write, so ``sandkernel.runtime_dir=/etc`` must not delete /etc."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+import tempfile
+from pathlib import Path
+
+import docker.errors
+import pytest
+
+from sandkernel.kernels.docker_engine import default_engine
+from sandkernel.kernels.profiles import resolve_profile
+from sandkernel.kernels.reaper import OWNER_LABEL, RUNTIME_DIR_LABEL, SESSION_LABEL, reap_sync
+from sandkernel.kernels.runtime_dir import default_base_dir
+
+pytestmark = pytest.mark.security
+
+
+def victim() -> Path:
+    path = Path(tempfile.mkdtemp(prefix="sk-victim-", dir="/tmp"))
+    (path / "precious").write_text("keep me")
+    return path
+
+
+def test_hostile_runtime_dir_labels_remove_nothing_outside_the_base():
+    base = default_base_dir()
+    base.mkdir(parents=True, exist_ok=True)
+    outside, via_symlink, via_dotdot = victim(), victim(), victim()
+    link = base / secrets.token_hex(6)  # a well-formed name under the base that is a symlink out
+    link.symlink_to(via_symlink)
+    labels = [
+        str(outside),
+        str(link),
+        f"{base}/../../{via_dotdot.relative_to('/')}",
+        f"{outside}/.",
+    ]
+    dead_owner = f"{socket.gethostname()}:999999999:1"  # no such pid: the reaper treats it as dead
+    engine = default_engine()
+    created = [
+        engine.client.containers.create(
+            resolve_profile().image,
+            labels={SESSION_LABEL: f"hostile-{i}", OWNER_LABEL: dead_owner, RUNTIME_DIR_LABEL: label},
+        )
+        for i, label in enumerate(labels)
+    ]
+    try:
+        report = reap_sync(engine, owner=dead_owner)
+        assert sorted(report.removed) == sorted(c.name for c in created)
+        for path in (outside, via_symlink, via_dotdot):
+            assert (path / "precious").read_text() == "keep me", f"the reaper deleted {path}"
+        assert link.is_symlink(), "the reaper removed a symlink it should not have followed or touched"
+    finally:
+        for c in created:
+            with contextlib.suppress(docker.errors.NotFound):
+                c.remove(force=True)
+        link.unlink(missing_ok=True)
+        for path in (outside, via_symlink, via_dotdot):
+            for entry in path.iterdir():
+                entry.unlink()
+            path.rmdir()
+
+
+def test_the_reaper_still_removes_its_own_runtime_dirs():
+    base = default_base_dir()
+    base.mkdir(parents=True, exist_ok=True)
+    mine = base / secrets.token_hex(6)
+    mine.mkdir(mode=0o700)
+    (mine / "k-1").write_text("")
+    dead_owner = f"{socket.gethostname()}:999999998:1"
+    engine = default_engine()
+    c = engine.client.containers.create(
+        resolve_profile().image,
+        labels={SESSION_LABEL: "reaped", OWNER_LABEL: dead_owner, RUNTIME_DIR_LABEL: str(mine)},
+    )
+    try:
+        assert reap_sync(engine, owner=dead_owner).removed == (c.name,)
+        assert not os.path.lexists(mine)
+    finally:
+        with contextlib.suppress(docker.errors.NotFound):
+            c.remove(force=True)
