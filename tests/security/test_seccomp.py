@@ -6,7 +6,8 @@ Linux seccomp code, independent of gVisor and of Docker. In the arena, the attac
 tries the same calls under runc and gVisor, where the filter the kernel installed on itself
 (stacked on Docker's copy under runc) answers.
 
-Each probe is chosen so the filter's answer differs from the kernel's own: ``socket(AF_ALG,
+Where it can be, a probe is chosen so the filter's answer differs from the kernel's own (not
+for migrate_pages/move_pages under gVisor, which answers EPERM itself): ``socket(AF_ALG,
 999, 0)`` is EINVAL from Linux and gVisor (the type is checked first; this host's Linux has no
 AF_ALG at all, so a valid type would say EAFNOSUPPORT either way) but EAFNOSUPPORT from the
 filter; ``io_setup(1, NULL)`` is EFAULT from the kernel, EPERM from the filter;
