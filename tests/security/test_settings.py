@@ -115,5 +115,9 @@ async def test_operator_profiles_file_grants_what_tenants_cannot_ask(tmp_path):
             {"code": "import os; print(open('/wheels/marker.txt').read(), os.environ['ANALYST'], os.access('/wheels', os.W_OK))"},
         )
         assert status == 200 and reply["text"] == "operator wheels yes False\n", reply
+        # The operator's host path and environment are never shown to the tenant.
+        status, notebook = await gateway.request("GET", f"/api/sessions/{session['id']}/notebook")
+        shown = json.dumps([session, notebook["metadata"]])
+        assert status == 200 and str(wheels) not in shown and "ANALYST" not in shown, shown
     finally:
         await stop_gateway(gateway)
