@@ -68,7 +68,8 @@ from sandkernel.kernels.docker_engine import default_engine
 from sandkernel.kernels.sandbox_uids import SANDBOX_UID_RANGE, UidAllocator
 low = SANDBOX_UID_RANGE[0] + 5000
 allocator = UidAllocator(default_engine(), Path(sys.argv[1]), [], (low, low + 40))
-print(json.dumps([allocator.allocate() for _ in range(10)]))
+print(json.dumps([allocator.allocate() for _ in range(10)]), flush=True)
+sys.stdin.read()  # stay alive (a dead owner's reservations are free again) until the test is done
 """
 
 
@@ -76,15 +77,21 @@ def test_concurrent_processes_never_share_a_uid(tmp_path):
     """Four processes draw 10 uids each from a 40-uid range at once: all 40 distinct."""
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", ALLOCATE_IN_A_PROCESS, str(tmp_path)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", ALLOCATE_IN_A_PROCESS, str(tmp_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         for _ in range(4)
     ]
     uids = []
-    for proc in procs:
-        out, _ = proc.communicate(timeout=120)
-        assert proc.returncode == 0
-        uids += json.loads(out)
+    try:
+        for proc in procs:
+            uids += json.loads(proc.stdout.readline())
+    finally:
+        for proc in procs:
+            proc.stdin.close()
+            proc.wait(timeout=60)
     assert len(uids) == 40 and len(set(uids)) == 40
 
 
