@@ -105,7 +105,7 @@ def _clip_for_note(text: str) -> str:
         return text
     half = NOTE_CODE_CHARS // 2
     digest = hashlib.sha256(text.encode(errors="replace")).hexdigest()
-    return text[:half] + cut_marker(len(text) - 2 * half, "characters", "code", digest) + text[-half:]
+    return text[:half] + cut_marker(len(text) - 2 * half, "characters", "code", sha256=digest) + text[-half:]
 
 
 def _fenced(text: str, language: str = "") -> str:
@@ -154,6 +154,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.pending: dict[str, int] = {}  # msg_id -> bytes of client requests awaiting an answer
         self.pending_bytes = 0
         self.inputs_requested = 0  # input_requests relayed to this client and not yet answered
+        self.refused = False  # closed over a budget: frames still arriving are ignored
         self.recording: dict[str, _Recording] = {}
 
     def check_origin(self, origin: str) -> bool:
@@ -214,7 +215,9 @@ class ChannelsHandler(websocket.WebSocketHandler):
         assert self.managed is not None
         self.set_nodelay(True)
         km = self.managed.session.kernel_manager
-        self.session = km.session
+        # Our own copy: a Session rejects a signature it has seen, and every subscriber of the kernel
+        # sees every broadcast message, so a shared one would drop them on all but the first.
+        self.session = km.session.clone()
         identity = (self.get_query_argument("session_id", "") or "").encode() or None
         self.sockets = {
             "shell": km.connect_shell(identity=identity),
@@ -303,6 +306,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
     async def on_message(self, frame: str | bytes) -> None:
         assert self.session is not None
         await self.iopub_ready.wait()
+        if self.refused:
+            return
         try:
             msg = from_frame(frame)
         except FrameError as err:
@@ -344,6 +349,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
             reason = f"tenant has over {MAX_PENDING_BYTES_PER_TENANT >> 20} MiB of requests in flight; wait for replies"
         if reason is not None:
             log.warning("websocket closed: %s", reason, extra={"tenant": self.tenant})
+            self.refused = True
             self.close(CLOSE_POLICY_VIOLATION, reason)
             return False
         size += self.pending.pop(msg_id, 0)  # a reused msg_id adds to the same entry

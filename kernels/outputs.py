@@ -103,11 +103,14 @@ MAX_OUTPUT_BYTES = 48 * 1024 * 1024
 MARKER_ABOVE_BYTES = 1024
 
 
-def cut_marker(cut: int, unit: str = "characters", what: str = "output", sha256: str | None = None) -> str:
+def cut_marker(
+    cut: int, unit: str = "characters", what: str = "output", why: str | None = None, sha256: str | None = None
+) -> str:
     """The one wording for output sandkernel cut, wherever it was cut (collector, reply budget,
     transcript). ``sha256`` (hex) lets a reader check a copy of what was cut."""
+    reason = f" ({why})" if why else ""
     digest = f"; sha256 {sha256}" if sha256 else ""
-    return f"\n…[sandkernel: {cut} {unit} of {what} cut here{digest}]…\n"
+    return f"\n…[sandkernel: {cut} {unit} of {what} cut here{reason}{digest}]…\n"
 
 
 def value_size(value: Any) -> int:
@@ -151,17 +154,17 @@ def replace_with_markers(output: dict[str, Any], why: str) -> int:
         size = value_size(text)
         if size <= MARKER_ABOVE_BYTES:
             return 0
-        output["text"] = cut_marker(size, "bytes", f"{output.get('name', 'stream')} ({why})", _digest(text))
+        output["text"] = cut_marker(size, "bytes", output.get("name", "stream"), why, _digest(text))
         return size
     if kind == "error":
         cut = 0
         size = value_size(output.get("traceback", []))
         if size > MARKER_ABOVE_BYTES:
-            output["traceback"] = [cut_marker(size, "bytes", f"traceback ({why})", _digest(output["traceback"]))]
+            output["traceback"] = [cut_marker(size, "bytes", "traceback", why, _digest(output["traceback"]))]
             cut += size
         size = value_size(output.get("evalue", ""))
         if size > MARKER_ABOVE_BYTES:
-            output["evalue"] = cut_marker(size, "bytes", f"error value ({why})", _digest(output["evalue"]))
+            output["evalue"] = cut_marker(size, "bytes", "error value", why, _digest(output["evalue"]))
             cut += size
         return cut
     data = output.get("data") or {}
@@ -172,7 +175,7 @@ def replace_with_markers(output: dict[str, Any], why: str) -> int:
             digest = _digest(value)
             del data[mime]
             omitted.append({"mime": mime, "bytes": size, "sha256": digest})
-            notes.append(cut_marker(size, "bytes", f"{mime} ({why})", digest))
+            notes.append(cut_marker(size, "bytes", mime, why, digest))
     if not omitted:
         return 0
     plain = data.get("text/plain")
@@ -191,8 +194,8 @@ class OutputCollector:
     ``clear_output`` (with or without ``wait``) and ``update_display_data`` are honoured.
     Memory is bounded in bytes: each merged stream keeps at most ``max_stream_chars`` (head and
     tail halves); at most ``max_outputs`` outputs are kept; and all outputs together hold at
-    most ``max_bytes`` (plus one stream's bound): past it, a rich output or traceback keeps a
-    marker with its size and SHA-256 and a new stream is dropped. What was cut is counted in
+    most ``max_bytes`` (plus one stream's bound, as a stream grows by merging): past it, a rich
+    output or traceback keeps a marker with its size and SHA-256 and a new stream is dropped. What was cut is counted in
     ``chars_cut`` / ``outputs_dropped`` / ``bytes_omitted``.
     """
 
@@ -275,7 +278,7 @@ class OutputCollector:
             if msg_type == "error":  # kept only as the execution's error: bounded all the same
                 self.bytes_omitted += replace_with_markers(output, "over the execution's output budget")
         elif msg_type == "stream":
-            if self.bytes_held >= self.max_bytes:
+            if self.bytes_held + len(output["text"]) > self.max_bytes:
                 self.outputs_dropped += 1
                 self.chars_cut += len(output["text"])
                 return output

@@ -198,7 +198,7 @@ class KernelSession:
             "image": self.profile.image,
             "image_id": provisioner.image_id,
             "runtime": self.profile.runtime.value,
-            "limits": self.profile.to_dict(),
+            "limits": self.profile.to_dict(public=True),  # tenants can read the transcript
         }
 
     async def __aenter__(self) -> KernelSession:

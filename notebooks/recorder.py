@@ -44,8 +44,9 @@ MAX_TRANSCRIPT_BYTES = 32 * 1024 * 1024
 # source is clipped to SOURCE_KEEP_CHARS, so the rest of the session is still on record.
 FULL_CELLS_SHARE = 0.75
 SOURCE_KEEP_CHARS = 16 * 1024
-# Kept free below the cap for the notebook's metadata (session facts, egress summary, inputs).
-METADATA_RESERVE_BYTES = 2 * 1024 * 1024
+# Share of the cap kept free for the notebook's metadata (session facts, egress summary): 2 MiB
+# of the default 32 MiB. Cells past the rest are counted in the metadata, not recorded.
+METADATA_RESERVE_SHARE = 1 / 16
 
 
 def default_notebook_dir() -> Path:
@@ -148,7 +149,7 @@ class TranscriptRecorder:
         if used + _estimate(cell) > self.full_cells_bytes:
             _shrink(cell)
         text = json.dumps(cell, sort_keys=True, indent=1, ensure_ascii=False)
-        if used + len(text) > self.max_bytes - METADATA_RESERVE_BYTES:
+        if used + len(text) > self.max_bytes * (1 - METADATA_RESERVE_SHARE):
             self._cells_not_recorded += 1
             self.update_metadata(
                 transcript_cap={"max_bytes": self.max_bytes, "cells_not_recorded": self._cells_not_recorded}
@@ -219,7 +220,7 @@ def _shrink(cell: nbformat.NotebookNode) -> None:
     if isinstance(source, str) and len(source) > SOURCE_KEEP_CHARS:
         half = SOURCE_KEEP_CHARS // 2
         digest = hashlib.sha256(source.encode()).hexdigest()
-        marker = cut_marker(len(source) - 2 * half, "characters", "source (over the session transcript's cap)", digest)
+        marker = cut_marker(len(source) - 2 * half, "characters", "source", "over the session transcript's cap", digest)
         cell["source"] = source[:half] + marker + source[-half:]
 
 

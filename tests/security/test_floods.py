@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import uuid
 from pathlib import Path
 
@@ -19,11 +18,11 @@ import pytest
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import WebSocketClosedError, websocket_connect
 
-from sandkernel.gateway.channels import MAX_PENDING_BYTES_PER_CONNECTION
+from sandkernel.gateway.channels import MAX_PENDING_BYTES_PER_CONNECTION, MAX_PENDING_BYTES_PER_TENANT
 from sandkernel.notebooks.recorder import MAX_TRANSCRIPT_BYTES
 
-from ..gateway_fixtures import ALICE, PeakRss
-from ..test_gateway import execute_request
+from ..gateway_fixtures import ALICE, BOB, PeakRss
+from ..test_gateway import execute_request, ws_execute
 
 pytestmark = [pytest.mark.security, pytest.mark.slow]
 
@@ -90,3 +89,119 @@ async def test_background_display_flood_keeps_the_gateway_bounded(arena):
     finally:
         await arena.gateway.request("DELETE", f"/api/sessions/{sid}")
         arena.extra_sessions.discard(sid)
+
+
+# Inbound: large execute_requests sent while the kernel is busy, so none is answered meanwhile.
+FRAME_BYTES = 4 * 1024 * 1024
+
+
+def _ws_request(arena, kernel_id: str, token: str = ALICE) -> HTTPRequest:
+    url = f"ws://127.0.0.1:{arena.gateway.port}/api/kernels/{kernel_id}/channels?session_id={uuid.uuid4().hex}"
+    return HTTPRequest(url, headers={"Authorization": f"token {token}"})
+
+
+def _big_execute() -> str:
+    """A 4 MiB execute_request (a comment: cheap to run; not kept in the kernel's history, so
+    running the admitted ones afterwards does not run the attacker's own kernel out of memory)."""
+    request = execute_request("#" + "x" * (FRAME_BYTES - 512))
+    request["content"]["store_history"] = False
+    return json.dumps(request)
+
+
+async def _send_until_closed(conn, frames: int) -> None:
+    """Send up to ``frames`` large execute_requests, stopping when the gateway closes the
+    connection, then wait for its close frame."""
+    for _ in range(frames):
+        try:
+            await conn.write_message(_big_execute())
+        except WebSocketClosedError:
+            break
+    while conn.close_code is None:
+        try:
+            if await asyncio.wait_for(conn.read_message(), 10) is None:
+                break
+        except asyncio.TimeoutError:
+            break
+
+
+async def _connected(arena) -> object:
+    """A websocket to the attacker's kernel whose output subscription is live (one round trip)."""
+    conn = await websocket_connect(_ws_request(arena, arena.attacker["kernel"]["id"]))
+    probe = execute_request("")
+    probe["header"]["msg_type"] = "kernel_info_request"
+    probe["content"] = {}
+    await conn.write_message(json.dumps(probe))
+    while True:
+        message = json.loads(await asyncio.wait_for(conn.read_message(), 60))
+        if (
+            message.get("parent_header", {}).get("msg_id") == probe["header"]["msg_id"]
+            and message["channel"] == "shell"
+        ):
+            return conn
+
+
+async def _busy(arena, conn, seconds: int) -> asyncio.Task:
+    """Keep the attacker's kernel busy (through the session API), so requests sent meanwhile
+    stay unanswered; returns once ``conn`` saw it start."""
+    task = asyncio.create_task(arena.attack(f"import time; time.sleep({seconds}); print('slept')", timeout=300))
+    while True:
+        message = json.loads(await asyncio.wait_for(conn.read_message(), 60))
+        if message.get("msg_type") == "execute_input" and "time.sleep" in message["content"]["code"]:
+            return task
+
+
+async def _canary_sends_a_large_request(arena) -> None:
+    """Bob (another tenant) still gets large requests through his own websocket."""
+    conn = await websocket_connect(_ws_request(arena, arena.canary["kernel"]["id"], token=BOB))
+    try:
+        iopub, reply = await ws_execute(conn, "big = '" + "y" * FRAME_BYTES + "'\nprint(len(big))", timeout=120)
+        assert reply["content"]["status"] == "ok"
+        assert any(m["msg_type"] == "stream" and m["content"]["text"] == f"{FRAME_BYTES}\n" for m in iopub)
+    finally:
+        conn.close()
+    arena.canary_cells += 1
+
+
+async def test_a_websocket_flooding_requests_is_closed_at_its_in_flight_bound(arena):
+    await arena.attack("print('idle')")  # earlier attacks are over
+    conn = await _connected(arena)
+    busy = await _busy(arena, conn, 15)
+    frames = 40  # 160 MiB, five times the bound
+    async with PeakRss() as rss:
+        await _send_until_closed(conn, frames)
+        await _canary_sends_a_large_request(arena)
+    assert conn.close_code == 1008, f"not closed after {frames} frames of {FRAME_BYTES} bytes ({conn.close_code})"
+    assert "wait for replies" in conn.close_reason, conn.close_reason
+    assert rss.growth < 200, f"gateway grew {rss.growth:.0f} MiB"
+    assert (await busy)["text"] == "slept\n"
+    after = await arena.attack("print('after the flood')", timeout=300)
+    assert after["status"] == "ok" and after["text"] == "after the flood\n", after
+
+
+async def test_a_tenant_cannot_multiply_its_in_flight_bound_with_connections(arena):
+    await arena.attack("print('idle')")
+    per_connection = MAX_PENDING_BYTES_PER_CONNECTION // FRAME_BYTES - 1  # each connection stays under its own bound
+    count = MAX_PENDING_BYTES_PER_TENANT // (per_connection * FRAME_BYTES) + 1
+    conns = [await _connected(arena) for _ in range(count)]
+    busy = await _busy(arena, conns[0], 15)
+    try:
+        async with PeakRss() as rss:
+            for conn in conns:
+                for _ in range(per_connection):
+                    try:
+                        await conn.write_message(_big_execute())
+                    except WebSocketClosedError:
+                        break
+            last = conns[-1]
+            while last.close_code is None and await asyncio.wait_for(last.read_message(), 30) is not None:
+                pass
+            await _canary_sends_a_large_request(arena)
+        assert last.close_code == 1008 and "tenant" in last.close_reason, (last.close_code, last.close_reason)
+        assert all(c.close_code is None for c in conns[:-1]), "connections within the bound were closed"
+        assert rss.growth < 300, f"gateway grew {rss.growth:.0f} MiB"
+        assert (await busy)["text"] == "slept\n"
+    finally:
+        for conn in conns:
+            conn.close()
+    after = await arena.attack("print('after the flood')", timeout=300)
+    assert after["status"] == "ok" and after["text"] == "after the flood\n", after
