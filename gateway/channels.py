@@ -411,12 +411,19 @@ class ChannelsHandler(websocket.WebSocketHandler):
         if channel != "iopub":
             return
         if msg["header"]["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
-            del self.recording[msg_id]
-            recorder = self.managed.session.recorder if self.managed else None
-            if recorder is not None:
-                await recorder.record(recording.code, recording.result(), source="websocket")
+            await self._finish_recording(msg_id)
+            return
+        if msg["header"]["msg_type"] == "status":  # busy: a new execution started, so earlier
+            for other in [k for k, r in self.recording.items() if k != msg_id and r.reply_status]:
+                await self._finish_recording(other)  # replied ones whose idle this subscriber lost are done
             return
         await recording.collector.add(msg)
+
+    async def _finish_recording(self, msg_id: str) -> None:
+        recording = self.recording.pop(msg_id)
+        recorder = self.managed.session.recorder if self.managed else None
+        if recorder is not None:
+            await recorder.record(recording.code, recording.result(), source="websocket")
 
     async def _complain(self, message: str) -> None:
         with contextlib.suppress(websocket.WebSocketClosedError):

@@ -445,6 +445,7 @@ class KernelSession:
         self._check_open()
         # Not behind the execute lock: restart is how a caller rescues a stuck execution (the
         # running execute sees the epoch change and returns kernel_died).
+        await self._note_discarded()
         await self._restart_kernel("the kernel was restarted on request")
         await self._flush_notes()
 
