@@ -71,7 +71,7 @@ async def fresh_process(session: KernelSession, code: str) -> tuple[bool, float]
     def run() -> int:
         exec_id = api.exec_create(
             session.container.id,
-            ["python", "-c", code],
+            ["/opt/kernel/bin/python", "-I", "-c", code],
             user=session.container.user,
             workdir=WORKSPACE,
             environment={"MPLBACKEND": "Agg"},
