@@ -140,14 +140,22 @@ async def _connected(arena) -> object:
             return conn
 
 
-async def _busy(arena, conn, seconds: int) -> asyncio.Task:
+async def _busy(arena, conn, seconds: int = 600) -> asyncio.Task:
     """Keep the attacker's kernel busy (through the session API), so requests sent meanwhile
-    stay unanswered; returns once ``conn`` saw it start."""
-    task = asyncio.create_task(arena.attack(f"import time; time.sleep({seconds}); print('slept')", timeout=300))
+    stay unanswered; returns once ``conn`` saw it start. End it with :func:`_interrupt`."""
+    task = asyncio.create_task(arena.attack(f"import time; time.sleep({seconds})", timeout=seconds + 60))
     while True:
         message = json.loads(await asyncio.wait_for(conn.read_message(), 60))
         if message.get("msg_type") == "execute_input" and "time.sleep" in message["content"]["code"]:
             return task
+
+
+async def _interrupt(arena, busy: asyncio.Task) -> None:
+    """Interrupt the busy execute: the kernel then aborts the queued requests (stop_on_error)
+    instead of running them, so the attacker's kernel is soon ready for the next test."""
+    status, _ = await arena.gateway.request("POST", f"/api/sessions/{arena.attacker['id']}/interrupt")
+    assert status in (200, 204)
+    assert (await busy)["status"] in ("interrupted", "error")
 
 
 async def _canary_sends_a_large_request(arena) -> None:
@@ -165,15 +173,17 @@ async def _canary_sends_a_large_request(arena) -> None:
 async def test_a_websocket_flooding_requests_is_closed_at_its_in_flight_bound(arena):
     await arena.attack("print('idle')")  # earlier attacks are over
     conn = await _connected(arena)
-    busy = await _busy(arena, conn, 15)
+    busy = await _busy(arena, conn)
     frames = 40  # 160 MiB, five times the bound
-    async with PeakRss() as rss:
-        await _send_until_closed(conn, frames)
-        await _canary_sends_a_large_request(arena)
+    try:
+        async with PeakRss() as rss:
+            await _send_until_closed(conn, frames)
+            await _canary_sends_a_large_request(arena)
+    finally:
+        await _interrupt(arena, busy)
     assert conn.close_code == 1008, f"not closed after {frames} frames of {FRAME_BYTES} bytes ({conn.close_code})"
     assert "wait for replies" in conn.close_reason, conn.close_reason
     assert rss.growth < 200, f"gateway grew {rss.growth:.0f} MiB"
-    assert (await busy)["text"] == "slept\n"
     after = await arena.attack("print('after the flood')", timeout=300)
     assert after["status"] == "ok" and after["text"] == "after the flood\n", after
 
@@ -183,7 +193,7 @@ async def test_a_tenant_cannot_multiply_its_in_flight_bound_with_connections(are
     per_connection = MAX_PENDING_BYTES_PER_CONNECTION // FRAME_BYTES - 1  # each connection stays under its own bound
     count = MAX_PENDING_BYTES_PER_TENANT // (per_connection * FRAME_BYTES) + 1
     conns = [await _connected(arena) for _ in range(count)]
-    busy = await _busy(arena, conns[0], 15)
+    busy = await _busy(arena, conns[0])
     try:
         async with PeakRss() as rss:
             for conn in conns:
@@ -199,8 +209,8 @@ async def test_a_tenant_cannot_multiply_its_in_flight_bound_with_connections(are
         assert last.close_code == 1008 and "tenant" in last.close_reason, (last.close_code, last.close_reason)
         assert all(c.close_code is None for c in conns[:-1]), "connections within the bound were closed"
         assert rss.growth < 300, f"gateway grew {rss.growth:.0f} MiB"
-        assert (await busy)["text"] == "slept\n"
     finally:
+        await _interrupt(arena, busy)
         for conn in conns:
             conn.close()
     after = await arena.attack("print('after the flood')", timeout=300)
