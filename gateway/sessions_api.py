@@ -115,7 +115,7 @@ class ExecuteHandler(SessionHandler):
     def _reply(self, result: Any) -> dict[str, Any]:
         data = result.to_dict()
         data["outputs"], data["truncation"] = apply_budget(data["outputs"], self.budget())
-        if result.chars_cut or result.outputs_dropped:
+        if result.chars_cut or result.outputs_dropped or result.bytes_omitted:
             data["truncation"]["truncated"] = True
         self.settings_["metrics"].record_execution(result, data["truncation"]["truncated"])
         data["text"] = "".join(

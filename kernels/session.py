@@ -71,6 +71,11 @@ DRAIN_POLL_SECONDS = 1.0
 OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "update_display_data", "execute_result", "error"})
 # How often a silent execution checks that its kernel is still alive (seconds).
 WATCHDOG_INTERVAL = 0.5
+# How long iopub may lag behind a reply that already arrived before the subscription is taken
+# for cut and renewed (seconds). The kernel publishes outputs from a thread of its own: starved
+# of CPU (another tenant's attack on a 2-core host, gVisor), it can trail the shell reply by
+# seconds, and renewing the subscription then would drop the very outputs that were on the way.
+IOPUB_PROBE_SECONDS = 10.0
 # How long to wait for the execute_reply once the kernel went idle (seconds).
 REPLY_TIMEOUT = 5.0
 
@@ -602,7 +607,7 @@ class KernelSession:
                 if await self._reply_arrived(msg_id):
                     # The reply is final but iopub never said idle: dropped under flood, or the
                     # subscription itself was cut (an oversized message). Check, and repair.
-                    if not await self._iopub_answers(2.0, msg_id, collector):
+                    if not await self._iopub_answers(IOPUB_PROBE_SECONDS, msg_id, collector):
                         await self._reconnect_iopub()
                         await collector.add(OUTPUT_LOST_NOTE)
                     return ExecutionStatus.OK
