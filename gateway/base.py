@@ -57,7 +57,8 @@ class ApiError(web.HTTPError):
 def api_error_from(err: SandkernelError) -> ApiError:
     for cls, status in STATUS_FOR_ERROR:
         if isinstance(err, cls):
-            return ApiError(status, str(err), code=type(err).__name__.removesuffix("Error").lower() or None)
+            code = err.code or type(err).__name__.removesuffix("Error").lower() or None
+            return ApiError(status, str(err), code=code)
     return ApiError(500, str(err))
 
 

@@ -49,6 +49,8 @@ CLIENT_CHANNELS = ("shell", "control", "stdin")
 # Each websocket holds four ZMQ sockets (file descriptors) in the gateway: bounded per kernel.
 MAX_CONNECTIONS_PER_KERNEL = 16
 NUDGE_TIMEOUT = 30.0
+# How long a relay waits on its socket before polling it again (milliseconds); see _relay.
+RELAY_POLL_MS = 500
 IOPUB_RECOVERY_SECONDS = 10.0
 # Bytes of client requests one websocket may have sent to its kernel and not yet had answered.
 # A JupyterLab "run all" of a large notebook is a few MB; a client sending 16 MiB frames faster
@@ -272,6 +274,11 @@ class ChannelsHandler(websocket.WebSocketHandler):
     async def _relay(self, channel: str, sock: zmq.asyncio.Socket) -> None:
         assert self.session is not None and self.managed is not None
         while True:
+            # Poll with a timeout rather than wait on recv alone: each poll ends in a real
+            # zmq_poll, so a readiness edge lost between pyzmq and the event loop (seen as
+            # websockets that never got their reply) costs at most RELAY_POLL_MS, never a hang.
+            if not await sock.poll(RELAY_POLL_MS):
+                continue
             parts = await sock.recv_multipart()
             try:
                 _, msg_list = self.session.feed_identities(parts)

@@ -35,7 +35,7 @@ from typing import Any
 
 from sandkernel.errors import ConfigError, SettingNotPermittedError, UnknownProfileError
 from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.egress_policy import EgressNotPermitted, EgressPolicy
+from sandkernel.kernels.egress_policy import BadNetworkError, EgressNotPermitted, EgressPolicy
 from sandkernel.kernels.profiles import NUMERIC_RANGES, PROFILES, Profile, Runtime, check_setting
 
 OPERATOR_SETTINGS = frozenset({"image", "wheelhouse", "env"})
@@ -280,11 +280,13 @@ class ProfileCatalog:
             return None
         grantor = profile.network or self.egress_policy
         if grantor is None:
-            raise SettingNotPermittedError(
+            raise EgressNotPermitted(
                 "this gateway grants no network: the operator can enable an allowlist with --egress-policy FILE "
                 "or a profile's network setting"
             )
         try:
             return EgressPolicy.from_config(grantor.narrowed(request))
-        except EgressNotPermitted as err:
-            raise SettingNotPermittedError(str(err)) from None
+        except EgressNotPermitted:
+            raise
+        except ConfigError as err:
+            raise BadNetworkError(str(err)) from None

@@ -29,7 +29,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from sandkernel.errors import ConfigError
+from sandkernel.errors import ConfigError, SettingNotPermittedError
 
 DEFAULT_PORTS = (80, 443)
 # Reachable only where the policy lists them: never global, or the cloud metadata service.
@@ -38,8 +38,16 @@ _LABEL = re.compile(r"^(?!-)[a-z0-9-]{1,63}(?<!-)$")
 POLICY_KEYS = {"allow", "ports", "rate_per_minute", "allow_addresses", "resolve", "inject_headers", "ca_bundle"}
 
 
-class EgressNotPermitted(ConfigError):
+class EgressNotPermitted(SettingNotPermittedError):
     """A session asked for more network than the operator's policy grants."""
+
+    code = "egress_not_permitted"
+
+
+class BadNetworkError(ConfigError):
+    """A session's network setting is malformed (not a narrowing the policy can read)."""
+
+    code = "bad_network"
 
 
 def _check_name(pattern: Any) -> str:

@@ -10,7 +10,12 @@ from __future__ import annotations
 
 
 class SandkernelError(Exception):
-    """Root of every error sandkernel raises on purpose."""
+    """Root of every error sandkernel raises on purpose.
+
+    ``code`` is the machine-readable name an API error carries (``{"error": code}``); None lets
+    the gateway derive one from the class name."""
+
+    code: str | None = None
 
 
 class ConfigError(SandkernelError, ValueError):
@@ -24,6 +29,8 @@ class UnknownProfileError(ConfigError, LookupError):
 class SettingNotPermittedError(ConfigError, PermissionError):
     """A tenant asked for a setting only the operator may choose (an image, a host directory, a
     runtime the profile does not offer, more network than granted)."""
+
+    code = "not_permitted"
 
 
 class DockerUnavailableError(SandkernelError):

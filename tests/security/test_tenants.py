@@ -135,9 +135,9 @@ ABSURD_BODIES = [
     ("POST", "/api/sessions", {"limits": {"cpus": "lots"}}, 400, "config", "cpus must be a number"),
     ("POST", "/api/sessions", {"limits": {"runtime": "kvm"}}, 400, "config", "runtime must be one of"),
     # operator-owned settings: refused as such, whatever the value (not because "../../etc" is no image)
-    ("POST", "/api/sessions", {"limits": {"image": "../../etc"}}, 403, "settingnotpermitted", "image can only be set"),
-    ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": ["x"]}}}, 403, "settingnotpermitted", "env can only"),
-    ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": "/x.so"}}}, 403, "settingnotpermitted", "env can only"),
+    ("POST", "/api/sessions", {"limits": {"image": "../../etc"}}, 403, "not_permitted", "image can only be set"),
+    ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": ["x"]}}}, 403, "not_permitted", "env can only"),
+    ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": "/x.so"}}}, 403, "not_permitted", "env can only"),
     ("POST", "/api/sessions", {"limits": [1, 2]}, 400, "bad_request", "limits and metadata must be JSON objects"),
     ("POST", "/api/sessions", {"metadata": "nope"}, 400, "bad_request", "limits and metadata must be JSON objects"),
     ("POST", "/api/sessions/{sid}/execute", {"code": None}, 400, "bad_code", "'code' must be a string"),
