@@ -7,7 +7,7 @@ from typing import Any
 
 from sandkernel import __version__
 from sandkernel.gateway.base import ApiError, BaseHandler
-from sandkernel.kernels.kernelspec import KERNEL_NAMES, kernel_json
+from sandkernel.kernels.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
 from sandkernel.kernels.profiles import Runtime
 
 
@@ -30,8 +30,7 @@ def offered_kernel_names(handler: BaseHandler) -> list[str]:
 
 def default_kernel_name(handler: BaseHandler) -> str:
     """The kernelspec of the default profile's runtime (gVisor where the operator chose it)."""
-    runtime = handler.registry.catalog.profile("default").runtime
-    return next(name for name, value in KERNEL_NAMES.items() if value == runtime.value)
+    return kernel_name_for(handler.registry.catalog.profile("default").runtime)
 
 
 class KernelSpecsHandler(BaseHandler):
@@ -42,8 +41,9 @@ class KernelSpecsHandler(BaseHandler):
 
 class KernelSpecHandler(BaseHandler):
     def get(self, name: str) -> None:
-        if name not in offered_kernel_names(self):
-            raise ApiError(404, f"no kernelspec {name[:64]!r}; available: {offered_kernel_names(self)}")
+        offered = offered_kernel_names(self)
+        if name not in offered:
+            raise ApiError(404, f"no kernelspec {name[:64]!r}; available: {offered}")
         self.write_json(kernelspec_model(name))
 
 

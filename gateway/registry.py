@@ -19,8 +19,8 @@ from typing import Any
 
 from sandkernel.errors import ConfigError, KernelNotFoundError
 from sandkernel.kernels.catalog import ProfileCatalog
+from sandkernel.kernels.kernelspec import kernel_name_for
 from sandkernel.kernels.pool import WarmPool
-from sandkernel.kernels.profiles import Runtime
 from sandkernel.kernels.session import KernelSession
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
@@ -142,7 +142,7 @@ class SessionRegistry:
                 session = await KernelSession.start(profile=chosen, session_id=session_id, recorder=recorder)
         finally:
             self._pending[tenant] -= 1
-        kernel_name = "sandkernel-python-gvisor" if session.profile.runtime is Runtime.RUNSC else "sandkernel-python"
+        kernel_name = kernel_name_for(session.profile.runtime)
         managed = ManagedSession(session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})

@@ -18,6 +18,13 @@ from sandkernel.kernels.container import LAUNCHER
 KERNEL_NAMES = {"sandkernel-python": "runc", "sandkernel-python-gvisor": "runsc"}
 
 
+def kernel_name_for(runtime: str) -> str:
+    """The kernelspec that runs under ``runtime`` ("runc" or "runsc", or a Runtime): the one
+    place the mapping is read backwards."""
+    value = getattr(runtime, "value", runtime)
+    return next(name for name, candidate in KERNEL_NAMES.items() if candidate == value)
+
+
 def kernel_json(name: str) -> dict:
     runtime = KERNEL_NAMES[name]
     label = "gVisor" if runtime == "runsc" else "Docker"

@@ -28,7 +28,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandkernel.errors import ArgumentTypeError, ConfigError, KernelStartError, SandkernelError, SessionClosedError
 from sandkernel.kernels.container import SandboxContainer
-from sandkernel.kernels.kernelspec import SandkernelSpecManager
+from sandkernel.kernels.kernelspec import SandkernelSpecManager, kernel_name_for
 from sandkernel.kernels.outputs import (
     ExecutionResult,
     ExecutionStatus,
@@ -36,7 +36,7 @@ from sandkernel.kernels.outputs import (
     OutputCollector,
     TimeoutStep,
 )
-from sandkernel.kernels.profiles import Profile, Runtime, resolve_profile
+from sandkernel.kernels.profiles import Profile, resolve_profile
 from sandkernel.kernels.provisioner import DockerProvisioner
 from sandkernel.notebooks.recorder import TranscriptRecorder
 
@@ -134,7 +134,7 @@ class KernelSession:
         self._profile_name = profile
         self._overrides = dict(overrides or {})
         self.id = session_id or uuid.uuid4().hex
-        kernel_name = "sandkernel-python-gvisor" if self.profile.runtime is Runtime.RUNSC else "sandkernel-python"
+        kernel_name = kernel_name_for(self.profile.runtime)
         self._km = self._new_kernel_manager(kernel_name)
         self._client: AsyncKernelClient | None = None
         self._lock = asyncio.Lock()

@@ -75,6 +75,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
+    from sandkernel.kernels.kernelspec import kernel_name_for
     from sandkernel.notebooks.compare import format_report
     from sandkernel.notebooks.replay import replay_notebook
 
@@ -82,7 +83,7 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     if not path.is_file():
         print(f"sandkernel: no notebook at {path}", file=sys.stderr)
         return 2
-    kernel = "sandkernel-python-gvisor" if args.runtime == "runsc" else "sandkernel-python"
+    kernel = kernel_name_for(args.runtime)
     target, verdicts = replay_notebook(
         path, until=args.until, kernel_name=kernel, rules_file=args.rules, files=[Path(f) for f in args.file]
     )
