@@ -33,9 +33,9 @@ from sandkernel.agent.loop import AgentConfig
 from sandkernel.agent.offline_api import ScriptedMessagesServer
 from sandkernel.agent.runner import local_gateway, run_task
 from sandkernel.agent.scenarios import SCENARIOS
-from sandkernel.kernels.container import WORKSPACE
-from sandkernel.kernels.session import KernelSession
-from sandkernel.kernels.workspace_files import WorkspaceFiles
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.sandbox.container import WORKSPACE
+from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
 
 RESULTS = results_path("agent_roundtrips.json")
 

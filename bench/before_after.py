@@ -30,7 +30,7 @@ HERE = Path(__file__).resolve().parents[1]
 # Runs inside one tree's interpreter: one cold start, then ``executes`` round trips; prints JSON.
 PROBE = r"""
 import asyncio, json, sys, time
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
 
 async def main(runtime, executes):
     t0 = time.perf_counter()
@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--runtimes", default="runc,runsc", help="comma-separated runtimes")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
-    from sandkernel.kernels.profiles import DEFAULT_IMAGE
+    from sandkernel.kernels.lifecycle.profiles import DEFAULT_IMAGE
 
     contenders = {
         "before": (args.before.resolve(), args.before_image),

@@ -25,9 +25,9 @@ from pathlib import Path
 from jupyter_client import AsyncKernelClient
 from results_dir import results_path
 
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.profiles import resolve_profile
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.profiles import resolve_profile
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 
 def _quiet(msg: dict) -> None:

@@ -28,7 +28,7 @@ from results_dir import results_path
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.websocket import websocket_connect
 
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
 
 TOKEN = "bench-token-" + uuid.uuid4().hex
 

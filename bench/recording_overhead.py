@@ -16,7 +16,7 @@ from pathlib import Path
 
 from results_dir import results_path
 
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.notebooks.recorder import TranscriptRecorder
 
 

@@ -24,8 +24,8 @@ from cold_start import bare_sockets_ready, remove_bare_kernel, start_bare_kernel
 from inprocess_gateway import GatewayApi, inprocess_gateway
 from results_dir import results_path
 
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 TEN_MB = "print('x' * 10_000_000)"
 ONE_MB_PNG = (

@@ -5,7 +5,7 @@ reply: outputs are kept in order until the budget runs out; the output that cros
 its head and tail around a marker saying how much was cut; later text outputs are replaced by
 a marker. Images beyond ``max_images`` or ``max_image_bytes`` are replaced by a one-line
 summary, and images the session layer already replaced by a marker (over the execution's byte
-budget, see kernels/outputs.py) count as omitted too. The reply says what was cut; the transcript
+budget, see kernels/execution/outputs.py) count as omitted too. The reply says what was cut; the transcript
 keeps more (within its own cap).
 """
 
@@ -15,7 +15,7 @@ import copy
 import dataclasses
 from typing import Any
 
-from sandkernel.kernels.outputs import cut_marker
+from sandkernel.kernels.execution.outputs import cut_marker
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/svg+xml", "image/gif")
 

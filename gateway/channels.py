@@ -40,8 +40,8 @@ from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import ApiError, authenticate_request
 from sandkernel.gateway.registry import ManagedSession, SessionRegistry
 from sandkernel.gateway.wire import FrameError, from_frame, to_frame
-from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus, OutputCollector, cut_marker
-from sandkernel.kernels.session import connect_iopub
+from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, OutputCollector, cut_marker
+from sandkernel.kernels.execution.session import connect_iopub
 
 log = logging.getLogger(__name__)
 

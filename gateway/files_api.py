@@ -1,6 +1,6 @@
 """Workspace files and variables of a session: upload, download, list, and a namespace listing.
 
-File I/O happens inside the sandbox (see kernels/workspace_files.py); this module only maps
+File I/O happens inside the sandbox (see kernels/sandbox/workspace_files.py); this module only maps
 requests and the sandbox's refusals onto HTTP."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError
 from sandkernel.gateway.sessions_api import SessionHandler
-from sandkernel.kernels.workspace_files import MAX_FILE_BYTES, WorkspaceFileError, WorkspaceFiles
+from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFileError, WorkspaceFiles
 
 STATUS_FOR_FILE_ERROR = {"not_found": 404, "too_large": 413}
 

@@ -7,8 +7,8 @@ from typing import Any
 
 from sandkernel import __version__
 from sandkernel.gateway.base import ApiError, BaseHandler
-from sandkernel.kernels.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
-from sandkernel.kernels.profiles import Runtime
+from sandkernel.kernels.lifecycle.profiles import Runtime
+from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
 
 
 def kernelspec_model(name: str) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus
+from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
 
 
 class GatewayMetrics:

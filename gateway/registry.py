@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from sandkernel.errors import ConfigError, KernelNotFoundError
-from sandkernel.kernels.catalog import ProfileCatalog
-from sandkernel.kernels.kernelspec import kernel_name_for
-from sandkernel.kernels.pool import WarmPool
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
+from sandkernel.kernels.lifecycle.pool import WarmPool
+from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
 log = logging.getLogger(__name__)

@@ -42,10 +42,10 @@ from sandkernel.gateway.sessions_api import (
     SessionHandler,
     SessionsHandler,
 )
-from sandkernel.kernels.catalog import ProfileCatalog, choose_default_runtime
-from sandkernel.kernels.egress_policy import EgressPolicy
-from sandkernel.kernels.pool import WarmPool
-from sandkernel.kernels.reaper import reap
+from sandkernel.kernels.egress.policy import EgressPolicy
+from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_runtime
+from sandkernel.kernels.lifecycle.pool import WarmPool
+from sandkernel.kernels.lifecycle.reaper import reap
 from sandkernel.notebooks.recorder import default_notebook_dir
 
 log = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ async def serve(
 ) -> None:
     """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set).
 
-    ``profiles_file`` is the operator's profiles and ceilings (see kernels/catalog.py);
+    ``profiles_file`` is the operator's profiles and ceilings (see kernels/lifecycle/catalog.py);
     ``default_runtime`` ("auto": gVisor where registered; None: $SANDKERNEL_RUNTIME, else auto)
     the runtime of profiles that name none.
     On stop: accept no new connections, interrupt running executions and give them

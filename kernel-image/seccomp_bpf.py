@@ -3,7 +3,7 @@
 Why the kernel filters itself: gVisor (runsc) does not apply the container's OCI seccomp
 profile to processes started with ``docker exec``, and every kernel is one. So
 ``start_kernel.py`` installs the profile the host wrote (seccomp.json, the same dict Docker
-gets from ``kernels/seccomp.py``) on itself, after no_new_privs and before any user code
+gets from ``kernels/sandbox/seccomp.py``) on itself, after no_new_privs and before any user code
 exists; children inherit it. Under runc it stacks on Docker's copy: the kernel applies the
 strictest action, and between two ERRNO answers the newest filter's errno, ours. That also
 makes ``defaultErrnoRet`` (ENOSYS for unlisted calls) true under Docker 20.10, whose daemon

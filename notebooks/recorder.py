@@ -23,7 +23,7 @@ from typing import Any
 
 import nbformat
 
-from sandkernel.kernels.outputs import ExecutionResult, cut_marker, output_size, replace_with_markers
+from sandkernel.kernels.execution.outputs import ExecutionResult, cut_marker, output_size, replace_with_markers
 from sandkernel.notebooks.transcript import build_notebook, markdown_cell, result_to_cell
 
 # Write pacing for large transcripts (see _write_behind).

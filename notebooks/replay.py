@@ -19,8 +19,8 @@ from jupyter_client import AsyncKernelManager
 from nbclient import NotebookClient
 
 from sandkernel.errors import ConfigError
-from sandkernel.kernels.kernelspec import SandkernelSpecManager
-from sandkernel.kernels.workspace_files import WorkspaceFiles
+from sandkernel.kernels.sandbox.kernelspec import SandkernelSpecManager
+from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
 from sandkernel.notebooks.compare import CellVerdict, compare_notebooks, load_rules
 from sandkernel.notebooks.transcript import write_notebook_atomic
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 from nbformat.v4 import new_markdown_cell, new_notebook
 
-from sandkernel.kernels.outputs import ExecutionResult
+from sandkernel.kernels.execution.outputs import ExecutionResult
 
 
 def result_to_cell(

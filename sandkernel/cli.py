@@ -36,7 +36,7 @@ def _load_egress_policy(path: str | None):  # type: ignore[no-untyped-def]
     if path is None:
         return None
     from sandkernel.errors import ConfigError
-    from sandkernel.kernels.egress_policy import EgressPolicy
+    from sandkernel.kernels.egress.policy import EgressPolicy
 
     try:
         config = json.loads(Path(path).read_text())
@@ -75,7 +75,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from sandkernel.kernels.kernelspec import kernel_name_for
+    from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
     from sandkernel.notebooks.compare import format_report
     from sandkernel.notebooks.replay import replay_notebook
 
@@ -144,12 +144,12 @@ def _cmd_attach(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from sandkernel.kernels.session import KernelSession
+    from sandkernel.kernels.execution.session import KernelSession
 
     code = sys.stdin.read() if args.code == "-" else args.code
 
     async def run() -> int:
-        from sandkernel.kernels.catalog import choose_default_runtime
+        from sandkernel.kernels.lifecycle.catalog import choose_default_runtime
 
         overrides = {"runtime": (await choose_default_runtime(args.runtime)).value}
         async with await KernelSession.start(profile=args.profile, overrides=overrides) as session:
@@ -167,15 +167,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_image_build(args: argparse.Namespace) -> int:
-    from sandkernel.kernels.image import build_image
-    from sandkernel.kernels.profiles import DEFAULT_IMAGE
+    from sandkernel.kernels.lifecycle.profiles import DEFAULT_IMAGE
+    from sandkernel.kernels.sandbox.image import build_image
 
     build_image(tag=args.tag or DEFAULT_IMAGE, base=args.base, offline=args.offline, progress=print)
     return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from sandkernel.kernels.doctor import run_checks
+    from sandkernel.kernels.sandbox.doctor import run_checks
 
     checks = run_checks()
     for check in checks:
@@ -187,7 +187,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_kernelspec_install(args: argparse.Namespace) -> int:
-    from sandkernel.kernels.kernelspec import install_kernelspecs
+    from sandkernel.kernels.sandbox.kernelspec import install_kernelspecs
 
     prefix = args.prefix or (None if args.user else sys.prefix)
     for path in install_kernelspecs(user=args.user, prefix=prefix):
@@ -196,7 +196,7 @@ def _cmd_kernelspec_install(args: argparse.Namespace) -> int:
 
 
 def _cmd_reap(args: argparse.Namespace) -> int:
-    from sandkernel.kernels.reaper import reap_sync
+    from sandkernel.kernels.lifecycle.reaper import reap_sync
 
     report = reap_sync(everything=args.all)
     print(f"removed {len(report.removed)} container(s); {report.kept} still owned by live processes")

@@ -2,7 +2,7 @@
 
 Every failure of the infrastructure (Docker, the image, the runtime, the transport) raises a
 subclass of :class:`SandkernelError` whose message says what to fix. Errors in the *user's*
-code are not exceptions: they are data in an :class:`~sandkernel.kernels.outputs.ExecutionResult`.
+code are not exceptions: they are data in an :class:`~sandkernel.kernels.execution.outputs.ExecutionResult`.
 Built-in bases are mixed in where the meaning matches, so callers may catch either.
 """
 

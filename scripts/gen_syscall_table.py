@@ -4,13 +4,13 @@ Two facts come from outside this repository, and this script is how they are ref
 
 * the x86_64 syscall numbers, which ``kernel-image/seccomp_bpf.py`` needs to compile the
   profile's names to BPF (read from the kernel headers, ``asm/unistd_64.h`` in linux-libc-dev);
-* Docker's default allow-list, which ``kernels/seccomp.py`` starts from (read from a copy of
+* Docker's default allow-list, which ``kernels/sandbox/seccomp.py`` starts from (read from a copy of
   moby's ``default.json``: github.com/moby/profiles, ``seccomp/default.json``).
 
 Usage::
 
     python scripts/gen_syscall_table.py                       # rewrite the table in seccomp_bpf.py
-    python scripts/gen_syscall_table.py --moby-default FILE   # print the allow-list for kernels/seccomp.py
+    python scripts/gen_syscall_table.py --moby-default FILE   # print the allow-list for kernels/sandbox/seccomp.py
 
 The table is rewritten in place between its BEGIN/END markers; the allow-list is printed for a
 person to paste (with the commit it came from), because updating it is a security review.

@@ -18,10 +18,10 @@ import shutil
 import pytest
 
 from sandkernel.errors import SandkernelError
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.profiles import resolve_profile
-from sandkernel.kernels.reaper import OWNER_LABEL, owner_label, reap_sync
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.profiles import resolve_profile
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label, reap_sync
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 REQUIRE_RUNSC_ENV = "SANDKERNEL_REQUIRE_RUNSC"
 

@@ -12,10 +12,10 @@ from sandkernel.errors import (
     SessionClosedError,
     UnknownProfileError,
 )
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.reaper import OWNER_LABEL, owner_label
-from sandkernel.kernels.runtime_dir import default_base_dir
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.runtime_dir import default_base_dir
 
 
 def _our_containers() -> set[str]:

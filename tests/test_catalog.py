@@ -7,9 +7,9 @@ import json
 import pytest
 
 from sandkernel.errors import ConfigError, SettingNotPermittedError, UnknownProfileError
-from sandkernel.kernels.catalog import DEFAULT_CEILINGS, OPERATOR_SETTINGS, ProfileCatalog
-from sandkernel.kernels.egress_policy import EgressPolicy
-from sandkernel.kernels.profiles import PROFILES, Runtime
+from sandkernel.kernels.egress.policy import EgressPolicy
+from sandkernel.kernels.lifecycle.catalog import DEFAULT_CEILINGS, OPERATOR_SETTINGS, ProfileCatalog
+from sandkernel.kernels.lifecycle.profiles import PROFILES, Runtime
 
 
 def catalog_from(tmp_path, entries, runtime=Runtime.RUNC, egress=None) -> ProfileCatalog:
@@ -34,7 +34,7 @@ def test_operator_owned_settings_are_refused_by_name(setting, value):
 
 
 def test_every_profile_setting_has_exactly_one_owner():
-    from sandkernel.kernels.catalog import TENANT_SETTINGS
+    from sandkernel.kernels.lifecycle.catalog import TENANT_SETTINGS
 
     fields = set(PROFILES["default"].to_dict()) - {"name"}
     assert fields == OPERATOR_SETTINGS | TENANT_SETTINGS

@@ -16,8 +16,8 @@ import nbformat
 import pytest
 
 from sandkernel.errors import ConfigError
-from sandkernel.kernels.egress_policy import EgressNotPermitted, EgressPolicy
-from sandkernel.kernels.egress_proxy import EgressProxy
+from sandkernel.kernels.egress.policy import EgressNotPermitted, EgressPolicy
+from sandkernel.kernels.egress.proxy import EgressProxy
 
 from .conftest import RUNTIMES, require_runtime
 from .gateway_fixtures import start_gateway, stop_gateway

@@ -9,8 +9,8 @@ import zipfile
 import nbformat
 import pytest
 
-from sandkernel.kernels.outputs import ExecutionStatus
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.outputs import ExecutionStatus
+from sandkernel.kernels.execution.session import KernelSession
 
 from .conftest import require_runtime
 

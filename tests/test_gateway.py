@@ -128,7 +128,7 @@ async def test_kernel_lifecycle_over_http_and_websocket(gateway):
 
 
 def docker_containers():
-    from sandkernel.kernels.docker_engine import default_engine
+    from sandkernel.kernels.sandbox.docker_engine import default_engine
 
     return default_engine().client.containers.list(all=True, filters={"label": "sandkernel.kernel"})
 

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from sandkernel.kernels.container import SANDBOX_UID_RANGE, host_pids_limit
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.runtime_dir import CONTAINER_DIR
+from sandkernel.kernels.sandbox.container import SANDBOX_UID_RANGE, host_pids_limit
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.runtime_dir import CONTAINER_DIR
 
 
 async def probe(session, code: str):

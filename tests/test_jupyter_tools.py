@@ -11,7 +11,7 @@ from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import start_new_kernel
 from nbclient import NotebookClient
 
-from sandkernel.kernels.kernelspec import install_kernelspecs
+from sandkernel.kernels.sandbox.kernelspec import install_kernelspecs
 
 from .conftest import container_ids_of, require_runtime
 

@@ -10,10 +10,10 @@ import textwrap
 
 import pytest
 
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.outputs import ExecutionStatus, TimeoutStep
-from sandkernel.kernels.reaper import reap
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.reaper import reap
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from .conftest import RUNTIMES, container_ids_of, require_runtime
 
@@ -121,7 +121,7 @@ async def test_reaper_removes_containers_of_a_crashed_process():
     script = textwrap.dedent(
         """
         import asyncio, json, os, signal
-        from sandkernel.kernels.session import KernelSession
+        from sandkernel.kernels.execution.session import KernelSession
         async def main():
             s = await KernelSession.start()
             print(json.dumps({"session": s.id, "rundir": str(s.provisioner.runtime_dir.path)}), flush=True)

@@ -16,8 +16,8 @@ import nbformat
 import pytest
 from nbformat.sign import NotebookNotary
 
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.reaper import reap
+from sandkernel.kernels.lifecycle.reaper import reap
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from .conftest import container_ids_of
 from .gateway_fixtures import free_port, start_gateway, stop_gateway

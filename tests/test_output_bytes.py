@@ -11,7 +11,7 @@ import json
 import nbformat
 
 from sandkernel.gateway.budget import OutputBudget, apply_budget
-from sandkernel.kernels.outputs import ExecutionResult, ExecutionStatus
+from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
 from sandkernel.notebooks.recorder import TranscriptRecorder
 
 from .test_outputs import collect, display, stream

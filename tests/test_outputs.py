@@ -2,7 +2,7 @@
 
 import asyncio
 
-from sandkernel.kernels.outputs import OutputCollector
+from sandkernel.kernels.execution.outputs import OutputCollector
 
 
 def stream(text: str, name: str = "stdout") -> dict:

@@ -8,8 +8,8 @@ import time
 
 import nbformat
 
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from .gateway_fixtures import start_gateway, stop_gateway
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sandkernel.errors import TransportError
-from sandkernel.kernels.runtime_dir import RuntimeDir
+from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir
 
 
 class UnixListener:

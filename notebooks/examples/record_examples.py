@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from sandkernel.demo import run_demo
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.notebooks.recorder import TranscriptRecorder
 
 HERE = Path(__file__).parent

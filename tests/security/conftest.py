@@ -24,9 +24,15 @@ from typing import Any
 import nbformat
 import pytest
 
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.reaper import OWNER_LABEL, owner_label
-from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, SECCOMP_FILE, RuntimeDir, default_base_dir
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.runtime_dir import (
+    CONNECTION_FILE,
+    CONTAINER_DIR,
+    SECCOMP_FILE,
+    RuntimeDir,
+    default_base_dir,
+)
 
 from ..conftest import RUNTIMES, require_runtime
 from ..gateway_fixtures import ALICE, BOB, Gateway, rss_mib, start_gateway, stop_gateway

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from sandkernel.kernels.container import SANDBOX_GID, SANDBOX_UID_RANGE, host_pids_limit
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.profiles import Profile, resolve_profile
-from sandkernel.kernels.runtime_dir import CONTAINER_DIR
+from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
+from sandkernel.kernels.sandbox.container import SANDBOX_GID, SANDBOX_UID_RANGE, host_pids_limit
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.runtime_dir import CONTAINER_DIR
 
 from ..gateway_fixtures import ALICE, BOB
 from .conftest import ATTACKER_LIMITS

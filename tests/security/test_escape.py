@@ -6,7 +6,7 @@ So every case names exactly one outcome per runtime; where runc and gVisor diffe
 written down with the reason (gVisor refuses writes it does not implement with EACCES where
 Linux says EROFS, and lacks some kernel objects altogether). "succeeded" is never accepted.
 
-Syscalls the seccomp profile denies by name (kernels/seccomp.py DENIED_SYSCALLS) answer EPERM in
+Syscalls the seccomp profile denies by name (kernels/sandbox/seccomp.py DENIED_SYSCALLS) answer EPERM in
 both runtimes: the kernel installs the filter on itself, and under runc it also stacks on
 Docker's copy. Several cases would succeed for an unprivileged process without the filter
 (perf_event_open, bpf map, io_uring, add_key, userfaultfd on some hosts, process_vm_readv of
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from sandkernel.kernels.seccomp import AF_VSOCK, seccomp_profile
+from sandkernel.kernels.sandbox.seccomp import AF_VSOCK, seccomp_profile
 
 pytestmark = pytest.mark.security
 

@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sandkernel.kernels.container import SandboxContainer
-from sandkernel.kernels.docker_engine import default_engine
+from sandkernel.kernels.sandbox.container import SandboxContainer
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 pytestmark = pytest.mark.security
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.profiles import resolve_profile
-from sandkernel.kernels.reaper import OWNER_LABEL, RUNTIME_DIR_LABEL, SESSION_LABEL, reap_sync
-from sandkernel.kernels.runtime_dir import default_base_dir
+from sandkernel.kernels.lifecycle.profiles import resolve_profile
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, RUNTIME_DIR_LABEL, SESSION_LABEL, reap_sync
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.runtime_dir import default_base_dir
 
 pytestmark = pytest.mark.security
 

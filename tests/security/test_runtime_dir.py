@@ -25,9 +25,9 @@ from types import SimpleNamespace
 import pytest
 
 from sandkernel.errors import TransportError
-from sandkernel.kernels.container import SANDBOX_GID, SandboxContainer
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.runtime_dir import CONNECTION_FILE, SECCOMP_FILE, RuntimeDir
+from sandkernel.kernels.sandbox.container import SANDBOX_GID, SandboxContainer
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, SECCOMP_FILE, RuntimeDir
 
 pytestmark = pytest.mark.security
 

@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
-from sandkernel.kernels.container import SANDBOX_GID
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.profiles import resolve_profile
-from sandkernel.kernels.reaper import OWNER_LABEL, owner_label
-from sandkernel.kernels.sandbox_uids import SANDBOX_UID_RANGE, UID_LABEL, UidAllocator, subid_ranges
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.profiles import resolve_profile
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.sandbox.container import SANDBOX_GID
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.uids import SANDBOX_UID_RANGE, UID_LABEL, UidAllocator, subid_ranges
 
 from ..conftest import require_runtime
 
@@ -64,8 +64,8 @@ def test_allocation_skips_subid_ranges_and_uids_in_use(tmp_path):
 ALLOCATE_IN_A_PROCESS = """
 import json, sys
 from pathlib import Path
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.sandbox_uids import SANDBOX_UID_RANGE, UidAllocator
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.uids import SANDBOX_UID_RANGE, UidAllocator
 low = SANDBOX_UID_RANGE[0] + 5000
 allocator = UidAllocator(default_engine(), Path(sys.argv[1]), [], (low, low + 40))
 print(json.dumps([allocator.allocate() for _ in range(10)]), flush=True)

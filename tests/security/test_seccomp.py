@@ -1,7 +1,7 @@
 """The seccomp profile: an allow-list from Docker's default, our denials, ENOSYS for the rest.
 
 Two kinds of evidence. On the host, a child process installs the BPF that the kernel image
-compiles from ``kernels/seccomp.py`` and then tries each call: the errnos come from the real
+compiles from ``kernels/sandbox/seccomp.py`` and then tries each call: the errnos come from the real
 Linux seccomp code, independent of gVisor and of Docker. In the arena, the attacker's kernel
 tries the same calls under runc and gVisor, where the filter the kernel installed on itself
 (stacked on Docker's copy under runc) answers.
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.seccomp import DENIED_SYSCALLS, DOCKER_ALLOWED, seccomp_profile
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.seccomp import DENIED_SYSCALLS, DOCKER_ALLOWED, seccomp_profile
 
 pytestmark = pytest.mark.security
 
@@ -212,4 +212,4 @@ async def test_containers_carry_the_allow_list(arena):
         options = engine.client.api.inspect_container(container.id)["HostConfig"]["SecurityOpt"]
         [profile] = [json.loads(o[len("seccomp=") :]) for o in options if o.startswith("seccomp=")]
         assert profile["defaultAction"] == "SCMP_ACT_ERRNO" and profile.get("defaultErrnoRet") == 38
-        assert profile == seccomp_profile(), "the container runs the profile kernels/seccomp.py builds"
+        assert profile == seccomp_profile(), "the container runs the profile kernels/sandbox/seccomp.py builds"

@@ -11,7 +11,7 @@ import nbformat
 import pytest
 from nbformat.sign import NotebookNotary
 
-from sandkernel.kernels.docker_engine import default_engine
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from ..gateway_fixtures import BOB
 

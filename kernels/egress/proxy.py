@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from sandkernel.kernels.egress_policy import EgressPolicy, RateLimiter
+from sandkernel.kernels.egress.policy import EgressPolicy, RateLimiter
 
 log = logging.getLogger(__name__)
 

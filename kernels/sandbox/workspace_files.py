@@ -18,7 +18,7 @@ import docker.errors
 from docker.utils.socket import frames_iter
 
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
-from sandkernel.kernels.container import SANDBOX_PYTHON, WORKSPACE, SandboxContainer
+from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON, WORKSPACE, SandboxContainer
 
 MAX_FILE_BYTES = 32 * 1024 * 1024
 MAX_LISTING = 10000

@@ -23,11 +23,10 @@ import docker.errors
 from docker.types import LogConfig, Ulimit
 
 from sandkernel.errors import KernelStartError
-from sandkernel.kernels.docker_engine import DockerEngine, translate_api_error
-from sandkernel.kernels.egress_policy import EgressPolicy
-from sandkernel.kernels.egress_proxy import CONTAINER_EGRESS_DIR, RELAY_PORT, SOCKET_NAME
-from sandkernel.kernels.profiles import Profile, Runtime
-from sandkernel.kernels.reaper import (
+from sandkernel.kernels.egress.policy import EgressPolicy
+from sandkernel.kernels.egress.proxy import CONTAINER_EGRESS_DIR, RELAY_PORT, SOCKET_NAME
+from sandkernel.kernels.lifecycle.profiles import Profile, Runtime
+from sandkernel.kernels.lifecycle.reaper import (
     KERNEL_LABEL,
     OWNER_LABEL,
     RUNTIME_DIR_LABEL,
@@ -35,9 +34,10 @@ from sandkernel.kernels.reaper import (
     owner_label,
     process_start_time,
 )
-from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
-from sandkernel.kernels.sandbox_uids import SANDBOX_UID_RANGE, UID_LABEL
-from sandkernel.kernels.seccomp import seccomp_security_opt
+from sandkernel.kernels.sandbox.docker_engine import DockerEngine, translate_api_error
+from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
+from sandkernel.kernels.sandbox.seccomp import seccomp_security_opt
+from sandkernel.kernels.sandbox.uids import SANDBOX_UID_RANGE, UID_LABEL
 
 log = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ import tempfile
 from pathlib import Path
 
 from sandkernel.errors import ConfigError, TransportError
-from sandkernel.kernels.seccomp import seccomp_profile
+from sandkernel.kernels.sandbox.seccomp import seccomp_profile
 
 log = logging.getLogger(__name__)
 

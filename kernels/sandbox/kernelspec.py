@@ -13,7 +13,7 @@ from pathlib import Path
 
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager, NoSuchKernel
 
-from sandkernel.kernels.container import LAUNCHER
+from sandkernel.kernels.sandbox.container import LAUNCHER
 
 KERNEL_NAMES = {"sandkernel-python": "runc", "sandkernel-python-gvisor": "runsc"}
 

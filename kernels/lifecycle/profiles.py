@@ -16,7 +16,7 @@ from typing import Any
 
 from sandkernel import __version__
 from sandkernel.errors import ConfigError, UnknownProfileError
-from sandkernel.kernels.egress_policy import EgressPolicy
+from sandkernel.kernels.egress.policy import EgressPolicy
 
 DEFAULT_IMAGE = f"sandkernel-kernel:{__version__}"
 

@@ -26,12 +26,12 @@ from jupyter_client.provisioning import KernelProvisionerBase
 from traitlets import Unicode
 
 from sandkernel.errors import KernelStartError
-from sandkernel.kernels.container import LAUNCHER, SANDBOX_GID, ContainerSpec, SandboxContainer
-from sandkernel.kernels.docker_engine import default_engine
-from sandkernel.kernels.egress_proxy import EgressProxy
-from sandkernel.kernels.profiles import Profile, resolve_profile
-from sandkernel.kernels.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
-from sandkernel.kernels.sandbox_uids import UidAllocator
+from sandkernel.kernels.egress.proxy import EgressProxy
+from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
+from sandkernel.kernels.sandbox.container import LAUNCHER, SANDBOX_GID, ContainerSpec, SandboxContainer
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
+from sandkernel.kernels.sandbox.uids import UidAllocator
 
 EXEC_POLL_INTERVAL = 0.25
 log = logging.getLogger(__name__)

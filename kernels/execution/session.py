@@ -27,17 +27,17 @@ from jupyter_client import AsyncKernelManager
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandkernel.errors import ArgumentTypeError, ConfigError, KernelStartError, SandkernelError, SessionClosedError
-from sandkernel.kernels.container import SandboxContainer
-from sandkernel.kernels.kernelspec import SandkernelSpecManager, kernel_name_for
-from sandkernel.kernels.outputs import (
+from sandkernel.kernels.execution.outputs import (
     ExecutionResult,
     ExecutionStatus,
     OutputCallback,
     OutputCollector,
     TimeoutStep,
 )
-from sandkernel.kernels.profiles import Profile, resolve_profile
-from sandkernel.kernels.provisioner import DockerProvisioner
+from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
+from sandkernel.kernels.sandbox.container import SandboxContainer
+from sandkernel.kernels.sandbox.kernelspec import SandkernelSpecManager, kernel_name_for
+from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 from sandkernel.notebooks.recorder import TranscriptRecorder
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import subprocess
 import docker.errors
 
 from sandkernel.errors import SandkernelError
-from sandkernel.kernels.docker_engine import DockerEngine, default_engine
-from sandkernel.kernels.profiles import resolve_profile
-from sandkernel.kernels.runtime_dir import RuntimeDir
+from sandkernel.kernels.lifecycle.profiles import resolve_profile
+from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
+from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir
 
 
 @dataclasses.dataclass(frozen=True)

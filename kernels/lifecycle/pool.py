@@ -16,8 +16,8 @@ import logging
 import time
 
 from sandkernel.errors import SandkernelError
-from sandkernel.kernels.profiles import Profile, resolve_profile
-from sandkernel.kernels.session import KernelSession
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
 
 log = logging.getLogger(__name__)
 

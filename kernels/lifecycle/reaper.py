@@ -19,8 +19,8 @@ from pathlib import Path
 
 import docker.errors
 
-from sandkernel.kernels.docker_engine import DockerEngine, default_engine
-from sandkernel.kernels.runtime_dir import RUNTIME_DIR_NAME, default_base_dir, remove_runtime_dir
+from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
+from sandkernel.kernels.sandbox.runtime_dir import RUNTIME_DIR_NAME, default_base_dir, remove_runtime_dir
 
 log = logging.getLogger(__name__)
 
