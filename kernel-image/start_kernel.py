@@ -17,6 +17,7 @@ import platform
 import runpy
 import sys
 
+import sandkernel_variables  # noqa: F401  bound in sys.modules before user code: no workspace file can shadow it
 from seccomp_bpf import compile_profile, install  # beside this file in /opt/sandkernel
 
 
