@@ -17,6 +17,8 @@ from typing import Any
 
 from nbformat.v4 import output_from_msg
 
+from sandkernel.truncation import cut_marker  # the one marker (also imported from here by older callers)
+
 OutputCallback = Callable[[dict[str, Any]], Awaitable[None]]
 
 
@@ -103,16 +105,6 @@ MAX_OUTPUT_BYTES = 48 * 1024 * 1024
 MARKER_ABOVE_BYTES = 1024
 
 
-def cut_marker(
-    cut: int, unit: str = "characters", what: str = "output", why: str | None = None, sha256: str | None = None
-) -> str:
-    """The one wording for output sandkernel cut, wherever it was cut (collector, reply budget,
-    transcript). ``sha256`` (hex) lets a reader check a copy of what was cut."""
-    reason = f" ({why})" if why else ""
-    digest = f"; sha256 {sha256}" if sha256 else ""
-    return f"\n…[sandkernel: {cut} {unit} of {what} cut here{reason}{digest}]…\n"
-
-
 def value_size(value: Any) -> int:
     """Bytes of one output value as nbformat stores it (UTF-8 text, or JSON for JSON MIME types)."""
     if isinstance(value, str):
@@ -135,14 +127,16 @@ def output_size(output: dict[str, Any]) -> int:
     if kind == "stream":
         return value_size(output.get("text", ""))
     if kind == "error":
-        return value_size(output.get("traceback", [])) + value_size(output.get("evalue", ""))
-    return sum(value_size(v) for v in (output.get("data") or {}).values())
+        return sum(value_size(output.get(key, "")) for key in ("traceback", "evalue", "ename"))
+    metadata = output.get("metadata")  # the kernel's too: as large as it likes unless counted
+    return sum(value_size(v) for v in (output.get("data") or {}).values()) + (value_size(metadata) if metadata else 0)
 
 
 def replace_with_markers(output: dict[str, Any], why: str) -> int:
     """Replace the large parts of one nbformat output, in place, by markers (size, SHA-256).
 
-    Rich outputs keep their small MIME values and get a text/plain marker per replaced value;
+    Rich outputs keep their small MIME values and get a text/plain marker per replaced value
+    (their metadata, which the kernel sends too, is replaced whole when large);
     ``metadata.sandkernel.omitted`` lists what was replaced (MIME type, bytes, sha256), so the
     reply budget and readers can tell. Streams and tracebacks become their marker. The output
     stays valid nbformat. Returns the bytes replaced.
@@ -162,13 +156,21 @@ def replace_with_markers(output: dict[str, Any], why: str) -> int:
         if size > MARKER_ABOVE_BYTES:
             output["traceback"] = [cut_marker(size, "bytes", "traceback", why, _digest(output["traceback"]))]
             cut += size
-        size = value_size(output.get("evalue", ""))
-        if size > MARKER_ABOVE_BYTES:
-            output["evalue"] = cut_marker(size, "bytes", "error value", why, _digest(output["evalue"]))
-            cut += size
+        for key, what in (("evalue", "error value"), ("ename", "error name")):
+            size = value_size(output.get(key, ""))
+            if size > MARKER_ABOVE_BYTES:
+                output[key] = cut_marker(size, "bytes", what, why, _digest(output[key]))
+                cut += size
         return cut
     data = output.get("data") or {}
     notes = []
+    metadata = output.get("metadata")
+    size = value_size(metadata) if metadata else 0
+    if size > MARKER_ABOVE_BYTES:  # the kernel's metadata, replaced whole (any "omitted" it forged goes too)
+        digest = _digest(metadata)
+        output["metadata"] = {}
+        omitted.append({"mime": "metadata", "bytes": size, "sha256": digest})
+        notes.append(cut_marker(size, "bytes", "metadata", why, digest))
     for mime, value in list(data.items()):
         size = value_size(value)
         if size > MARKER_ABOVE_BYTES:
