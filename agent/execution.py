@@ -11,8 +11,7 @@ import dataclasses
 from typing import Any
 
 from sandkernel.agent.errors import EXECUTION_ERRORS
-
-IMAGE_MIME_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
+from sandkernel.mime import IMAGE_MIME_TYPES, is_base64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +90,18 @@ class Execution:
 
     @property
     def images(self) -> list[Image]:
+        """The images of :attr:`results` (types in :data:`sandkernel.mime.IMAGE_MIME_TYPES`), decoded:
+        SVG is XML text, the rest base64. A value that is not valid base64 is left out."""
         found = []
         for bundle in self.results:
             for mime in IMAGE_MIME_TYPES:
-                if isinstance(bundle.get(mime), str):
-                    found.append(Image(mime, base64.b64decode(bundle[mime])))
+                value = bundle.get(mime)
+                if not isinstance(value, str):
+                    continue
+                try:
+                    found.append(Image(mime, base64.b64decode(value) if is_base64(mime) else value.encode()))
+                except ValueError:  # binascii.Error: the kernel sent something else
+                    continue
         return found
 
     def raise_for_status(self) -> Execution:

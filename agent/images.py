@@ -15,17 +15,17 @@ from typing import Any
 from PIL import Image as PILImage
 
 from sandkernel.agent.execution import Image
+from sandkernel.mime import is_api_image
 
 MAX_EDGE = 1568
 MAX_PIXELS = 1_150_000
 MAX_BYTES = 3_750_000  # the API's per-image limit is 5 MB of base64
 DECODE_CEILING = 50_000_000  # pixels; beyond this the image is refused unread
-API_MIME_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 
 
 def image_block(image: Image) -> dict[str, Any] | str:
     """An image content block, or a sentence saying why the image cannot be shown."""
-    if image.mime_type not in API_MIME_TYPES:
+    if not is_api_image(image.mime_type):
         return f"[{image.mime_type} image not shown: the model accepts PNG, JPEG, GIF or WebP]"
     try:
         with PILImage.open(io.BytesIO(image.data)) as probe:  # reads the header only

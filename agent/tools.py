@@ -2,7 +2,8 @@
 
 Every tool call runs as code in the session's kernel (file tools included, as short readable
 Python), so each one is a code cell of the transcript with its tool-use id, and replaying the
-notebook replays the whole session. Results are bounded with the gateway's truncation marker;
+notebook replays the whole session. Results are bounded with sandkernel's one cut marker
+(:mod:`sandkernel.truncation`, shared with the gateway but not imported from it);
 images become image blocks; exceptions come back with ``is_error`` and a trimmed traceback.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from sandkernel.agent.client import AsyncSession
 from sandkernel.agent.execution import Execution
 from sandkernel.agent.images import image_block
-from sandkernel.gateway.budget import clip_text
+from sandkernel.truncation import clip_text, cut_marker
 
 MAX_RESULT_BYTES = 16 * 1024
 MAX_IMAGES_PER_RESULT = 4
@@ -151,8 +152,8 @@ def result_block(tool_use_id: str, execution: Execution) -> dict[str, Any]:
         text += f" ({execution.ended_by})" if execution.ended_by else ""
         text += f"; {execution.state_lost}]" if execution.state_lost else "]"
     if execution.truncated:
-        text += "\n[sandkernel: the output was cut to fit; the full output is in the session notebook]"
-    text, _, _ = clip_text(text.strip() or "(no output)", MAX_RESULT_BYTES)
+        text += cut_marker(None, what="output", why="to fit the gateway's reply; the session notebook has all of it")
+    text = clip_text(text.strip() or "(no output)", MAX_RESULT_BYTES, why="to fit the tool result").text
     content: list[dict[str, Any]] = [{"type": "text", "text": text}]
     for image in execution.images[:MAX_IMAGES_PER_RESULT]:
         block = image_block(image)

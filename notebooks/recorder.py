@@ -16,15 +16,16 @@ import datetime as dt
 import hashlib
 import json
 import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import nbformat
 
-from sandkernel.kernels.execution.outputs import ExecutionResult, cut_marker, output_size, replace_with_markers
+from sandkernel.atomic import sync, write_atomic
+from sandkernel.kernels.execution.outputs import ExecutionResult, output_size, replace_with_markers
 from sandkernel.notebooks.transcript import build_notebook, markdown_cell, result_to_cell
+from sandkernel.truncation import clip_chars
 
 # Write pacing for large transcripts (see _write_behind).
 PACE_ABOVE_SECONDS = 0.002
@@ -178,7 +179,7 @@ class TranscriptRecorder:
             self._changed.clear()
             started = time.monotonic()
             version, text = self._version, self._document()
-            await asyncio.to_thread(_replace_file, self.path, text)
+            await asyncio.to_thread(write_atomic, self.path, text, durable=False)
             async with self._written_cond:
                 self._written = version
                 self._written_cond.notify_all()
@@ -191,7 +192,7 @@ class TranscriptRecorder:
             try:  # fsync once the burst is over
                 await asyncio.wait_for(self._changed.wait(), self.SYNC_DELAY)
             except asyncio.TimeoutError:
-                await asyncio.to_thread(_fsync_file_and_dir, self.path)
+                await asyncio.to_thread(sync, self.path)
 
     async def close(self) -> None:
         """Write what is pending, make it durable, stop the writer task."""
@@ -199,7 +200,7 @@ class TranscriptRecorder:
             await self.flushed()
             self._writer.cancel()
             self._writer = None
-            await asyncio.to_thread(_fsync_file_and_dir, self.path)
+            await asyncio.to_thread(sync, self.path)
 
     def delete(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -217,37 +218,5 @@ def _shrink(cell: nbformat.NotebookNode) -> None:
     for output in cell.get("outputs", []):
         replace_with_markers(output, "over the session transcript's cap")
     source = cell.get("source", "")
-    if isinstance(source, str) and len(source) > SOURCE_KEEP_CHARS:
-        half = SOURCE_KEEP_CHARS // 2
-        digest = hashlib.sha256(source.encode()).hexdigest()
-        marker = cut_marker(len(source) - 2 * half, "characters", "source", "over the session transcript's cap", digest)
-        cell["source"] = source[:half] + marker + source[-half:]
-
-
-def _replace_file(path: Path, text: str) -> None:
-    """Atomic replace: unique temp file in the same directory, then rename. The directory is
-    made on first need: metadata may be recorded before :meth:`TranscriptRecorder.start`."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except FileNotFoundError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def _fsync_file_and_dir(path: Path) -> None:
-    for target, flags in ((path, os.O_RDONLY), (path.parent, os.O_RDONLY | os.O_DIRECTORY)):
-        try:
-            fd = os.open(target, flags)
-        except FileNotFoundError:
-            return
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    if isinstance(source, str):
+        cell["source"] = clip_chars(source, SOURCE_KEEP_CHARS, "source", "over the session transcript's cap")

@@ -2,20 +2,19 @@
 
 The first piece of the transcript recorder: an :class:`ExecutionResult` is already in
 nbformat output shape, so a cell is the code plus those outputs plus timing metadata.
-Writes go to a temp file in the same directory, fsync, then rename, so a reader (or a crash)
-never sees a half-written notebook.
+Writes go through :mod:`sandkernel.atomic` (temp file in the same directory, fsync, rename,
+fsync the directory), so a reader (or a crash) never sees a half-written notebook.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
 import uuid
 from pathlib import Path
 
 import nbformat
 from nbformat.v4 import new_markdown_cell, new_notebook
 
+from sandkernel.atomic import write_atomic
 from sandkernel.kernels.execution.outputs import ExecutionResult
 
 
@@ -80,16 +79,9 @@ def build_notebook(cells: list[nbformat.NotebookNode], metadata: dict) -> nbform
 
 
 def write_notebook_atomic(notebook: nbformat.NotebookNode, path: Path) -> None:
-    """Validate, then write via temp file + fsync + rename (crash-safe)."""
+    """Validate, then replace ``path`` atomically and durably (:func:`sandkernel.atomic.write_atomic`).
+
+    Raises ``nbformat.ValidationError`` before touching the file if the notebook is invalid."""
     nbformat.validate(notebook)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            nbformat.write(notebook, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    text = nbformat.writes(notebook)
+    write_atomic(path, text if text.endswith("\n") else text + "\n")

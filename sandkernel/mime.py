@@ -77,6 +77,12 @@ def is_text(mime: str) -> bool:
     return kind in TEXT_MIME_TYPES or minor.endswith("+json") or minor.endswith("+xml")
 
 
+def is_base64(mime: str) -> bool:
+    """True when nbformat stores a value of this type base64-encoded: binary types, except SVG
+    (XML text, stored as it is, like every text-like type)."""
+    return is_binary(mime) and essence(mime) != "image/svg+xml"
+
+
 def is_binary(mime: str) -> bool:
     """Not text-like: counts against the binary/image budget (images, PDFs, video, unknown types)."""
     return not is_text(mime)
