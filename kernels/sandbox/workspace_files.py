@@ -7,6 +7,12 @@ interpreter is named by absolute path (a planted ``/workspace/.local/bin/python`
 up) and ``-I`` ignores PYTHONPATH and user site, so a planted module cannot stand in for the helper.
 Only regular files are read or replaced (O_NOFOLLOW, O_NONBLOCK: no devices, FIFOs, symlinks);
 paths must stay under /workspace.
+
+Uploads replace the file atomically (a new temp file of a random name beside it, then rename), but
+not with :mod:`sandkernel.atomic`, the host's writer: this code runs inside the container, where
+sandkernel is not installed and must not be (the kernel could then import and patch it), and the
+host must never open a path the sandboxed code controls. No fsync: the workspace is scratch space
+that dies with the container, and a sandbox that could force host disk flushes is a noisy neighbour.
 """
 
 from __future__ import annotations
@@ -72,17 +78,26 @@ elif op == "write":
     data = sys.stdin.buffer.read(limit + 1)
     if len(data) > limit:
         fail("too_large", f"upload is over the limit of {limit} bytes")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".sandkernel-upload"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as err:
+        fail("bad_path", f"cannot make the directory of {rel!r} ({err.strerror})")
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, f".{name}.{os.urandom(6).hex()}.sandkernel-upload")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     except OSError as err:
         fail("not_regular", f"cannot write {rel!r} ({err.strerror})")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
-        os.unlink(tmp); fail("not_regular", f"{rel!r} exists and is not a regular file")
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        if os.path.lexists(path) and not stat.S_ISREG(os.lstat(path).st_mode):
+            os.unlink(tmp); fail("not_regular", f"{rel!r} exists and is not a regular file")
+        os.replace(tmp, path)
+    except OSError as err:
+        try: os.unlink(tmp)
+        except OSError: pass
+        fail("no_space" if err.errno in (28, 122) else "not_written", f"cannot write {rel!r} ({err.strerror})")
     sys.stdout.write(json.dumps({"path": os.path.relpath(path, root), "size": len(data)}))
 """
 
