@@ -1,109 +1,331 @@
-"""Replay a transcript in a fresh sandbox with nbclient and compare it with the original.
+"""Replay a notebook in a fresh sandbox, through the one execute path, and judge every cell.
 
-nbclient runs the code cells with our kernel manager (no kernelspec install needed), errors
-allowed so every cell runs as it did in the session; the replayed notebook is written beside
-the original as ``NAME.replay.ipynb``.
+Each code cell runs with :meth:`KernelSession.execute`, the path every door takes, so the
+session's per-cell timeout ladder (interrupt → restart → replace), death and OOM detection
+apply: a cell that kills its kernel is judged ``kernel died`` and the next cell runs on the
+restarted kernel; a cell that never ends is judged ``timed out`` after ``timeout`` seconds and
+the replay goes on. Every code cell gets one :class:`~sandkernel.notebooks.compare.Verdict`:
+same, changed, new error, error gone, kernel died, timed out, or not run (past ``until``).
+
+The notebook may come from anywhere nbformat can read (see :mod:`sandkernel.notebooks.repair`);
+the replay is written beside it as ``NAME.replay.ipynb``, nbformat 4.5, valid, with sandkernel's
+kernelspec and each cell's status and verdict in its metadata. Files the original session
+uploaded are put back in the workspace before the cell they preceded.
+
+:func:`run_replay_command` is the ``sandkernel replay`` command: it prints the verdicts, a
+summary line and the replay's path, and returns the exit code (:data:`EXIT_CODES`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import copy
+import binascii
+import dataclasses
 import hashlib
 import logging
+import sys
+from collections import Counter
 from pathlib import Path
+from typing import Any, TextIO
 
 import nbformat
-from jupyter_client import AsyncKernelManager
-from nbclient import NotebookClient
 
-from sandkernel.errors import ConfigError
-from sandkernel.kernels.sandbox.kernelspec import SandkernelSpecManager
+from sandkernel.errors import ConfigError, SandkernelError
+from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.catalog import choose_default_runtime
+from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
 from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
-from sandkernel.notebooks.compare import CellVerdict, compare_notebooks, load_rules
-from sandkernel.notebooks.transcript import write_notebook_atomic
+from sandkernel.notebooks import repair
+from sandkernel.notebooks.compare import (
+    CellVerdict,
+    Verdict,
+    compare_outputs,
+    exit_code,
+    format_report,
+    load_rules,
+)
+from sandkernel.notebooks.transcript import result_to_cell, write_notebook_atomic
 
 log = logging.getLogger(__name__)
+
+# Seconds one cell may run before the timeout ladder stops it (``sandkernel replay --timeout``).
+DEFAULT_CELL_TIMEOUT = 600.0
+EXIT_SAME, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_SANDBOX_FAILED = 0, 1, 2, 3
+EXIT_CODES = {
+    EXIT_SAME: "every code cell reproduced the original (same, not run, or a death or timeout it recorded too)",
+    EXIT_DIFFERENT: "at least one code cell differs (changed, new error, error gone, kernel died, timed out)",
+    EXIT_BAD_INPUT: "bad input: no notebook, not one nbformat reads, not Python, a needed file or setting missing",
+    EXIT_SANDBOX_FAILED: "the sandbox could not run the replay (Docker, the image, the runtime, the kernel)",
+}
+# What an original transcript's cell status must be for a replay's death or timeout to agree.
+RECORDED_AS = {Verdict.KERNEL_DIED: {"kernel_died", "oom"}, Verdict.TIMED_OUT: {"timeout"}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Upload:
+    """A file the original session put in the workspace before its ``before_cell``-th code cell."""
+
+    before_cell: int
+    path: str
+    data: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayOutcome:
+    """What a replay did: where the replayed notebook is, each code cell's verdict, and the
+    sentences about the input (conversions, repairs, what was left out)."""
+
+    path: Path
+    verdicts: list[CellVerdict]
+    notes: list[str]
+    runtime: str
+
+
+async def replay(
+    path: Path,
+    until: int | None = None,
+    runtime: str | None = None,
+    profile: str | None = None,
+    rules_file: str | None = None,
+    timeout: float = DEFAULT_CELL_TIMEOUT,
+    files: list[Path] | None = None,
+) -> ReplayOutcome:
+    """Replay the notebook at ``path`` (its first ``until`` code cells; all by default).
+
+    ``runtime`` is runc, runsc or auto (None: $SANDKERNEL_RUNTIME, else auto); ``timeout`` is
+    per cell, in seconds. Raises :class:`ConfigError` for bad input (nothing was started) and
+    other :class:`SandkernelError`\\ s when the sandbox fails; never for what the cells do."""
+    if until is not None and (isinstance(until, bool) or not isinstance(until, int) or until < 0):
+        raise ConfigError(f"--until must be a number of code cells, 0 or more, not {until!r}")
+    try:
+        rules = load_rules(rules_file)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot use the rules file {rules_file}: {err}") from err
+    original, notes = repair.load_notebook(path)
+    uploads = _uploads_of(original, files or [], notes)
+    chosen = (await choose_default_runtime(runtime)).value
+    async with await KernelSession.start(profile=profile, overrides={"runtime": chosen}) as session:
+        cells, verdicts = await _run_cells(session, original, uploads, until, timeout, rules, notes)
+        sandbox = session.describe()
+    target = path.with_name(path.name.removesuffix(".ipynb") + ".replay.ipynb")
+    replayed = _replay_notebook(path, original, cells, verdicts, sandbox, until, timeout, notes)
+    try:
+        write_notebook_atomic(replayed, target)
+    except nbformat.ValidationError as error:  # every piece was validated: this would be our bug
+        raise SandkernelError(f"the replay of {path.name} does not validate, not written: {error.message}") from error
+    except OSError as error:
+        raise ConfigError(f"cannot write the replay {target}: {error}") from error
+    return ReplayOutcome(target, verdicts, notes, chosen)
 
 
 def replay_notebook(
     path: Path,
     until: int | None = None,
-    kernel_name: str = "sandkernel-python",
+    kernel_name: str | None = None,
     rules_file: str | None = None,
-    timeout: float = 600,
+    timeout: float = DEFAULT_CELL_TIMEOUT,
     files: list[Path] | None = None,
+    runtime: str | None = None,
 ) -> tuple[Path, list[CellVerdict]]:
-    """Execute the first ``until`` code cells (all by default); return the replay's path and verdicts.
-
-    Files the session uploaded are put back in the fresh workspace before the cell they preceded:
-    from the transcript when embedded, else from ``files`` (matched by workspace path or name)."""
-    original = nbformat.read(path, as_version=4)
-    replay = copy.deepcopy(original)
-    kept, seen = [], 0
-    for cell in replay.cells:
-        if cell.cell_type == "code":
-            seen += 1
-            if until is not None and seen > until:
-                continue
-            cell.outputs = []
-            cell.execution_count = None
-        kept.append(cell)
-    replay.cells = kept
-    inputs = _inputs_of(original, files or [])
-    asyncio.run(_execute(replay, kernel_name, timeout, inputs))
-    target = path.with_name(path.name.removesuffix(".ipynb") + ".replay.ipynb")
-    write_notebook_atomic(replay, target)
-    if until is not None:
-        original = copy.deepcopy(original)
-        codes = [c for c in original.cells if c.cell_type == "code"][:until]
-        original.cells = codes
-    return target, compare_notebooks(original, replay, load_rules(rules_file))
+    """:func:`replay` for callers without an event loop: the replay's path and the verdicts.
+    ``kernel_name`` (sandkernel-python or sandkernel-python-gvisor) is another way to say the runtime."""
+    if kernel_name is not None:
+        if kernel_name not in KERNEL_NAMES:
+            raise ConfigError(f"unknown kernel {kernel_name!r}; use one of {sorted(KERNEL_NAMES)}")
+        runtime = runtime or KERNEL_NAMES[kernel_name]
+    outcome = asyncio.run(replay(path, until, runtime, None, rules_file, timeout, files))
+    return outcome.path, outcome.verdicts
 
 
-def _inputs_of(notebook: nbformat.NotebookNode, files: list[Path]) -> list[tuple[int, str, bytes]]:
-    """(before_cell, workspace path, content) for each recorded upload; refuses what it cannot supply."""
-    supplied = {}
-    for local in files:
-        supplied[local.name] = local
+def run_replay_command(
+    notebook: str,
+    until: int | None = None,
+    runtime: str | None = None,
+    profile: str | None = None,
+    rules_file: str | None = None,
+    timeout: float = DEFAULT_CELL_TIMEOUT,
+    files: list[str] | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    """``sandkernel replay``: print the notes, each cell's verdict, the summary and the replay's
+    path to ``out``, problems to ``err``; return an exit code of :data:`EXIT_CODES`."""
+    out, err = out or sys.stdout, err or sys.stderr
+    try:
+        outcome = asyncio.run(
+            replay(Path(notebook), until, runtime, profile, rules_file, timeout, [Path(f) for f in files or []])
+        )
+    except ConfigError as error:
+        print(f"sandkernel: {error}", file=err)
+        return EXIT_BAD_INPUT
+    except SandkernelError as error:
+        print(f"sandkernel: the replay could not run: {error}", file=err)
+        return EXIT_SANDBOX_FAILED
+    for note in outcome.notes:
+        print(f"note: {note}", file=out)
+    print(format_report(outcome.verdicts), file=out)
+    print(f"replayed notebook ({outcome.runtime}): {outcome.path}", file=out)
+    return exit_code(outcome.verdicts)
+
+
+def _uploads_of(notebook: nbformat.NotebookNode, files: list[Path], notes: list[str]) -> list[Upload]:
+    """Each file the session uploaded (``metadata.sandkernel.inputs``), from the transcript when
+    embedded, else from ``files`` (matched by workspace path or name). A file neither holds is
+    a ConfigError naming it; a malformed entry is skipped with a note."""
+    supplied = {local.name: local for local in files}
+    entries = notebook.metadata.get("sandkernel", {})
+    entries = entries.get("inputs", []) if isinstance(entries, dict) else []
     found = []
-    for entry in notebook.metadata.get("sandkernel", {}).get("inputs", []):
-        local = supplied.get(entry["path"]) or supplied.get(Path(entry["path"]).name)
+    for entry in entries if isinstance(entries, list) else []:
+        try:
+            workspace_path, digest, before = str(entry["path"]), str(entry["sha256"]), int(entry.get("before_cell", 0))
+        except (TypeError, KeyError, ValueError):
+            notes.append(f"metadata.sandkernel.inputs has an entry that names no file and hash: {str(entry)[:80]}")
+            continue
+        local = supplied.get(workspace_path) or supplied.get(Path(workspace_path).name)
         if local is not None:
-            data = local.read_bytes()
-            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-                log.warning("%s differs from the file the session used (%s)", local, entry["path"])
+            try:
+                data = local.read_bytes()
+            except OSError as error:
+                raise ConfigError(f"cannot read {local}: {error}") from error
+            if hashlib.sha256(data).hexdigest() != digest:
+                notes.append(f"{local} differs from the file the session used ({workspace_path})")
         elif "base64" in entry:
-            data = base64.b64decode(entry["base64"])
+            try:
+                data = base64.b64decode(entry["base64"], validate=True)
+            except (binascii.Error, TypeError, ValueError):
+                raise ConfigError(f"the embedded copy of {workspace_path} is not valid base64") from None
         else:
             raise ConfigError(
-                f"this notebook needs the file {entry['path']} ({entry['size']} bytes, sha256 "
-                f"{entry['sha256'][:12]}…), too large to be embedded: pass it with --file"
+                f"this notebook needs the file {workspace_path} ({entry.get('size', '?')} bytes, sha256 "
+                f"{digest[:12]}…), too large to be embedded: pass it with --file"
             )
-        found.append((int(entry.get("before_cell", 0)), entry["path"], data))
+        found.append(Upload(before, workspace_path, data))
     return found
 
 
-async def _execute(
-    notebook: nbformat.NotebookNode, kernel_name: str, timeout: float, inputs: list[tuple[int, str, bytes]]
-) -> None:
-    """nbclient's execute, cell by cell, with the session's uploads written in between."""
-    km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=SandkernelSpecManager())
-    client = NotebookClient(notebook, km=km, timeout=timeout, startup_timeout=120, allow_errors=True)
-    client.reset_execution_trackers()
-    try:
-        async with client.async_setup_kernel():
-            info = await client.async_wait_for_reply(client.kc.kernel_info())
-            notebook.metadata["language_info"] = info["content"]["language_info"]
-            code_cells = 0
-            for index, cell in enumerate(notebook.cells):
-                if cell.cell_type == "code":
-                    due = [(p, data) for before, p, data in inputs if before == code_cells]
-                    for workspace_path, data in due:
-                        await WorkspaceFiles(km.provisioner.container).write(workspace_path, data)
-                    code_cells += 1
-                await client.async_execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
-    finally:  # nbclient leaves a kernel it did not create running; the container goes with it
-        if km.has_kernel:
-            await km.shutdown_kernel(now=True)
+async def _run_cells(
+    session: KernelSession,
+    original: nbformat.NotebookNode,
+    uploads: list[Upload],
+    until: int | None,
+    timeout: float,
+    rules: list[tuple[str, str]],
+    notes: list[str],
+) -> tuple[list[dict[str, Any]], list[CellVerdict]]:
+    """Run the code cells in order; return the replay's cells (all kinds, valid) and verdicts."""
+    cells: list[dict[str, Any]] = []
+    verdicts: list[CellVerdict] = []
+    taken: set[str] = set()
+    missing_ids = 0
+    for position, cell in enumerate(original.cells, start=1):
+        if not isinstance(cell, dict):
+            notes.append(f"cell {position} is not a cell ({type(cell).__name__}); left out")
+            continue
+        new_id, renamed = repair.cell_id(cell, taken)
+        if renamed and "id" not in cell:
+            missing_ids += 1
+        elif renamed:
+            notes.append(f"cell {position}: its id {str(cell['id'])[:40]!r} was invalid or repeated; given {new_id}")
+        if cell.get("cell_type") != "code":
+            if cell.get("cell_type") not in ("markdown", "raw"):
+                notes.append(f"cell {position}: unknown cell type {str(cell.get('cell_type'))[:40]!r}, kept as raw")
+            cells.append(repair.valid_cell(repair.copied_cell(cell, new_id), f"cell {position}", notes))
+            continue
+        index = len(verdicts) + 1
+        code = repair.source_of(cell)
+        if until is not None and index > until:
+            verdict = CellVerdict(index, Verdict.NOT_RUN)
+            replayed = _unrun_cell(code, cell, new_id)
+        else:
+            for upload in uploads:
+                if upload.before_cell == index - 1:
+                    await WorkspaceFiles(session.container).write(upload.path, upload.data)
+            result = await session.execute(code, timeout=timeout, source="replay")
+            verdict = judge(index, cell, result, rules, timeout)
+            replayed = dict(result_to_cell(code, result, source="replay"))
+            replayed["id"] = new_id
+            replayed["metadata"] = {**repair.cell_metadata(cell), **replayed["metadata"]}
+        replayed["metadata"].setdefault("sandkernel", {})["replay_verdict"] = verdict.verdict.value
+        log.info("replayed cell %d: %s", index, verdict.verdict.value)
+        verdicts.append(verdict)
+        cells.append(repair.valid_cell(replayed, f"code cell {index}", notes))
+    if missing_ids:
+        notes.append(f"{missing_ids} cells had no id (nbformat before 4.5); the replay gives every cell one")
+    return cells, verdicts
+
+
+def _unrun_cell(code: str, cell: dict[str, Any], new_id: str) -> dict[str, Any]:
+    return {
+        "cell_type": "code",
+        "id": new_id,
+        "source": code,
+        "outputs": [],
+        "execution_count": None,
+        "metadata": {**repair.cell_metadata(cell), "sandkernel": {}},
+    }
+
+
+def judge(
+    index: int, original: dict[str, Any], result: ExecutionResult, rules: list[tuple[str, str]], timeout: float
+) -> CellVerdict:
+    """The verdict for code cell ``index``: the replay's death or timeout first (with whether
+    the original transcript recorded the same), else its outputs compared with the original's."""
+    recorded = original.get("metadata", {}).get("sandkernel", {}) if isinstance(original.get("metadata"), dict) else {}
+    recorded_status = recorded.get("status") if isinstance(recorded, dict) else None
+    if result.status in (ExecutionStatus.KERNEL_DIED, ExecutionStatus.OOM, ExecutionStatus.TIMEOUT):
+        if result.status is ExecutionStatus.TIMEOUT:
+            verdict = Verdict.TIMED_OUT
+            rung = result.ended_by.value if result.ended_by else "the timeout ladder"
+            note = f"still running after {timeout:g}s; stopped by {rung}"
+        else:
+            verdict = Verdict.KERNEL_DIED
+            note = "out of memory" if result.status is ExecutionStatus.OOM else "the kernel process ended"
+            note += "; the next cell runs on a restarted kernel"
+        as_recorded = recorded_status in RECORDED_AS[verdict]
+        return CellVerdict(
+            index, verdict, note=note + ("; as in the original" if as_recorded else ""), as_recorded=as_recorded
+        )
+    verdict = compare_outputs(index, original.get("outputs"), list(result.outputs), rules)
+    if verdict.verdict is not Verdict.SAME and result.state_lost:
+        extra = f"state lost before this cell: {result.state_lost}"
+        verdict = dataclasses.replace(verdict, note=f"{verdict.note}; {extra}" if verdict.note else extra)
+    return verdict
+
+
+def _replay_notebook(
+    path: Path,
+    original: nbformat.NotebookNode,
+    cells: list[dict[str, Any]],
+    verdicts: list[CellVerdict],
+    sandbox: dict[str, Any],
+    until: int | None,
+    timeout: float,
+    notes: list[str],
+) -> nbformat.NotebookNode:
+    """The replayed notebook: valid cells, sandkernel's kernelspec, and what the replay did."""
+    name = kernel_name_for(sandbox["runtime"])
+    spec = kernel_json(name)
+    recorded = original.metadata.get("sandkernel")
+    recorded = recorded if isinstance(recorded, dict) else {}
+    if "widgets" in original.metadata:
+        notes.append("the original's widget state (metadata.widgets) was not copied: the replay's widgets are new")
+    own = {
+        "kernelspec": {"name": name, "display_name": spec["display_name"], "language": spec["language"]},
+        "language_info": {"name": "python"},
+        "sandkernel": {
+            **sandbox,
+            **({"inputs": recorded["inputs"]} if isinstance(recorded.get("inputs"), list) else {}),
+            "replay": {
+                "of": path.name,
+                "original_session_id": recorded.get("session_id"),
+                "until": until,
+                "cell_timeout": timeout,
+                "verdicts": dict(Counter(v.verdict.value for v in verdicts)),
+                "notes": notes,
+            },
+        },
+    }
+    return repair.new_notebook(cells, repair.valid_metadata(own, dict(original.metadata), notes))
