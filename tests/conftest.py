@@ -1,12 +1,21 @@
-"""Shared fixtures: a real Docker engine, the real kernel image, sessions under each runtime.
+"""Shared fixtures and the suite's two tiers.
 
-Nothing here is mocked. The suite needs the engine running and the image built (the README's
-test command does both). runsc is exercised wherever gVisor is installed: installed but not
+Tiers. Pure-logic tests run anywhere in seconds (``pytest -m "not docker"``: no engine, no
+image); container tests need a real Docker engine and the real kernel image, as the README's test
+command sets up. Which tier a test is in is decided here, in one place
+(:func:`pytest_collection_modifyitems`), not in each file: a test is ``docker`` when it uses a
+fixture of :data:`DOCKER_FIXTURES`, is parametrised over :data:`RUNTIMES`, or is listed in
+:data:`DOCKER_TESTS`; ``runsc`` when one of its parameters is runsc; ``security`` under
+tests/security. When the selection holds no docker test, the session checks are skipped and the
+engine is made unreachable (:data:`UNREACHABLE_DOCKER_HOST`) for the run, so a pure test that
+touches Docker fails on every machine instead of passing where an engine happens to run.
+
+Nothing here is mocked. runsc is exercised wherever gVisor is installed: installed but not
 registered with Docker is a failure, not a skip, and with ``SANDKERNEL_REQUIRE_RUNSC=1`` (CI sets
 it on machines that have gVisor, see .ci/run) not installed is a failure too, so CI cannot
 silently drop the gVisor half.
-At the end, any container this test process created and left behind is removed AND reported
-as an error, so a leaking test fails the run.
+At the end of a run with docker tests, any container this test process created and left behind
+is removed AND reported as an error, so a leaking test fails the run.
 """
 
 from __future__ import annotations
@@ -14,6 +23,7 @@ from __future__ import annotations
 import enum
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +34,8 @@ from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label, reap_s
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 REQUIRE_RUNSC_ENV = "SANDKERNEL_REQUIRE_RUNSC"
+ROOT = Path(__file__).resolve().parents[1]
+SECURITY_DIR = ROOT / "tests" / "security"
 
 
 class RunscState(enum.Enum):
@@ -90,10 +102,78 @@ def pytest_runtest_makereport(item, call):
 
 RUNTIMES = ["runc", "runsc"]
 
+# Fixtures that start a kernel container, or a gateway that starts them (and checks the engine).
+DOCKER_FIXTURES = frozenset(
+    {"session", "arena", "gateway", "client", "stack", "egress_gateway", "fast_ladder", "inspected",
+     "kernelspec_prefix", "nothing_left"}
+)
+# Tests that reach the engine without such a fixture: a whole module ("*") or the named tests
+# (original names, before parametrisation). A pure test wrongly left out fails the pure tier.
+DOCKER_TESTS: dict[str, str | frozenset[str]] = {
+    "tests/test_bad_input.py": "*",
+    "tests/test_gateway_lifecycle.py": "*",
+    "tests/test_jupyter_server_gateway.py": "*",
+    "tests/test_jupyter_tools.py": "*",
+    "tests/test_lifecycle.py": "*",
+    "tests/test_pool.py": "*",
+    "tests/test_cli.py": frozenset(
+        {"test_doctor_reports_a_ready_machine", "test_run_prints_the_result_and_json",
+         "test_bad_input_gets_a_one_line_error_not_a_traceback",
+         "test_demo_runs_the_sales_agent_offline_and_leaves_a_valid_notebook",
+         "test_agent_cli_end_to_end_against_the_scripted_api"}
+    ),
+    "tests/test_notebooks.py": frozenset(
+        {"test_sigkill_of_the_gateway_leaves_a_valid_notebook", "test_examples_replay_the_same",
+         "test_a_changed_cell_is_reported_with_a_diff", "test_replay_restores_uploads_and_asks_for_files_too_large_to_embed"}
+    ),
+    "tests/security/test_reaper.py": "*",
+    "tests/security/test_sandbox_uids.py": frozenset(
+        {"test_allocation_skips_subid_ranges_and_uids_in_use", "test_concurrent_processes_never_share_a_uid"}
+    ),
+    "tests/security/test_settings.py": "*",
+}
+# The engine address used when a run selects no docker test: a socket that cannot exist.
+UNREACHABLE_DOCKER_HOST = "unix:///nonexistent/sandkernel-pure-tier/docker.sock"
+
+
+def is_docker_test(item: pytest.Item) -> bool:
+    """The tier rule (see the module docstring); pure, so a planted case can be checked."""
+    if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and any(v in RUNTIMES for v in callspec.params.values() if isinstance(v, str)):
+        return True
+    listed = DOCKER_TESTS.get(Path(str(item.path)).relative_to(ROOT).as_posix())
+    return listed == "*" or (listed is not None and getattr(item, "originalname", item.name) in listed)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every collected test with its tier (and runsc, security) before ``-m`` selects."""
+    for item in items:
+        if is_docker_test(item):
+            item.add_marker(pytest.mark.docker)
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "runsc" in callspec.params.values():
+            item.add_marker(pytest.mark.runsc)
+        if SECURITY_DIR in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.security)
+
 
 @pytest.fixture(scope="session", autouse=True)
-def docker_ready():
-    """Fail fast, with the fix, when the engine or the image is missing; reap our leftovers."""
+def docker_ready(request):
+    """With docker tests selected: fail fast, with the fix, when the engine or the image is
+    missing, and reap our leftovers at the end. Without: make the engine unreachable, so the
+    pure tier proves on every machine that it needs none."""
+    if not any(item.get_closest_marker("docker") for item in request.session.items):
+        saved = os.environ.get("DOCKER_HOST")
+        os.environ["DOCKER_HOST"] = UNREACHABLE_DOCKER_HOST
+        yield None
+        if saved is None:
+            os.environ.pop("DOCKER_HOST", None)
+        else:
+            os.environ["DOCKER_HOST"] = saved
+        return
     engine = default_engine()
     try:
         engine.image_id_sync(resolve_profile().image)

@@ -6,9 +6,13 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[1] / "bench"
 
 
+@pytest.mark.bench
+@pytest.mark.docker
 def test_bench_suite_runs_and_summarises(tmp_path):
     proc = subprocess.run(
         ["bash", str(BENCH / "run_all.sh"), "--quick"],

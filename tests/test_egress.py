@@ -256,6 +256,7 @@ def index_addresses() -> list[str]:
     return sorted(a for a in found if not ipaddress.ip_address(a).is_global)
 
 
+@pytest.mark.index
 @pytest.mark.parametrize("runtime", RUNTIMES)
 async def test_pip_install_through_the_proxy_persists_across_restart(tmp_path, runtime):
     """The one test that leaves the machine: to the package index this machine's pip uses."""

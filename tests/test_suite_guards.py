@@ -61,6 +61,7 @@ def test_only_runsc_skips_are_forbidden_and_only_when_required():
     assert not skip_forbidden("tests/test_egress.py::test_x[runc]", True)
 
 
+@pytest.mark.docker  # asks the engine which runtimes it has
 def test_this_machine_agrees_with_its_runsc_binary(monkeypatch):
     """Where runsc is installed here, it is registered, and the guard lets its tests run even
     when required; where it is not, requiring it fails the test instead of skipping it."""

@@ -1,9 +1,17 @@
-"""Build the kernel image, with or without a registry.
+"""Build the kernel image, with or without a registry, from a checkout or an installed wheel.
+
+Where the image's files come from (:func:`image_dir`): ``SANDKERNEL_IMAGE_DIR`` if set, else the
+package data of an installed wheel (``sandkernel/kernel_image``, mapped from the repository's
+top-level kernel-image/ by pyproject.toml), else kernel-image/ of the source checkout (editable
+installs). A checkout or an explicit directory is the build context itself, as it always was; an
+installed package is copied to a cache directory first (:func:`build_context`), because the
+wheelhouse (~100 MB of wheels downloaded at build time) is not shipped in the wheel and an
+installed package is no place to download into.
 
 Steps, each reported on the progress callback:
 1. Pick a base: ``python:3.11-slim`` if it is local or can be pulled; otherwise the
    debootstrapped Debian base (built once by kernel-image/bootstrap-base.sh, needs root).
-2. Fill kernel-image/wheelhouse with ``pip download`` on the host (cp311 manylinux wheels),
+2. Fill the context's wheelhouse/ with ``pip download`` on the host (cp311 manylinux wheels),
    skipped when requirements.txt has not changed since the last fill.
 3. ``docker build`` with the classic builder (no buildx needed); the build itself needs no
    network. Layers are cached, so building twice is quick.
@@ -12,7 +20,9 @@ Steps, each reported on the progress callback:
 from __future__ import annotations
 
 import hashlib
+import importlib.resources
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -32,13 +42,63 @@ WHEEL_PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2
 Progress = Callable[[str], None]
 
 
+PACKAGE_DATA_DIR = "kernel_image"  # under the sandkernel package, in an installed wheel
+# Not copied into a cached build context: downloaded payload and bytecode of the package data.
+CONTEXT_IGNORE = ("wheelhouse", "__pycache__", "*.pyc")
+
+
+def _has_dockerfile(path: Path) -> bool:
+    return (path / "Dockerfile").is_file()
+
+
+def installed_image_dir() -> Path | None:
+    """The image files shipped as package data of an installed sandkernel, if this is one."""
+    packaged = Path(str(importlib.resources.files("sandkernel").joinpath(PACKAGE_DATA_DIR)))
+    return packaged if _has_dockerfile(packaged) else None
+
+
+def checkout_image_dir() -> Path:
+    """kernel-image/ of the source checkout this module runs from (an editable install)."""
+    return Path(__file__).resolve().parents[2] / "kernel-image"
+
+
 def image_dir() -> Path:
-    """The kernel-image/ directory (SANDKERNEL_IMAGE_DIR, else next to the source tree)."""
+    """Where the image's files are: SANDKERNEL_IMAGE_DIR, else the installed package data, else
+    the checkout's kernel-image/. Raises ImageBuildError naming the fix when none holds a
+    Dockerfile."""
     configured = os.environ.get("SANDKERNEL_IMAGE_DIR")
-    path = Path(configured) if configured else Path(__file__).resolve().parents[1] / "kernel-image"
-    if not (path / "Dockerfile").is_file():
+    path = Path(configured) if configured else installed_image_dir() or checkout_image_dir()
+    if not _has_dockerfile(path):
         raise ImageBuildError(f"no Dockerfile in {path}; set SANDKERNEL_IMAGE_DIR to the kernel-image directory")
     return path
+
+
+def cache_dir() -> Path:
+    """Where an installed package's build context is assembled (XDG cache, per version)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "sandkernel" / f"kernel-image-{__version__}"
+
+
+def build_context(progress: Progress = print) -> Path:
+    """The directory ``docker build`` runs in, wheelhouse/ included. A checkout (or
+    SANDKERNEL_IMAGE_DIR) is used in place; installed package data is copied to
+    :func:`cache_dir`, refreshed on every build (stale files removed, so ``COPY *.py`` takes
+    exactly the installed files) while the wheelhouse there is kept between builds."""
+    source = image_dir()
+    if os.environ.get("SANDKERNEL_IMAGE_DIR") or installed_image_dir() is None:
+        return source
+    context = cache_dir()
+    context.mkdir(parents=True, exist_ok=True)
+    for entry in context.iterdir():
+        if entry.name == "wheelhouse":
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    shutil.copytree(source, context, ignore=shutil.ignore_patterns(*CONTEXT_IGNORE), dirs_exist_ok=True)
+    progress(f"[context] {source} copied to {context}")
+    return context
 
 
 def _has_image(engine: DockerEngine, ref: str) -> bool:
@@ -71,9 +131,10 @@ def choose_base(engine: DockerEngine, progress: Progress, offline: bool = False)
     return OFFLINE_BASE
 
 
-def fill_wheelhouse(progress: Progress) -> Path:
-    """Download the image's wheels on the host (where pip has the CA bundle and the index)."""
-    directory = image_dir()
+def fill_wheelhouse(progress: Progress, directory: Path | None = None) -> Path:
+    """Download the image's wheels on the host (where pip has the CA bundle and the index) into
+    ``directory``/wheelhouse (default: the build context)."""
+    directory = directory or build_context(progress)
     requirements = directory / "requirements.txt"
     wheelhouse = directory / "wheelhouse"
     stamp = wheelhouse / ".requirements.sha256"
@@ -115,11 +176,12 @@ def build_image(
     """Build the kernel image and return its id. Blocking: for the CLI or a worker thread."""
     engine = engine or default_engine()
     base = base or choose_base(engine, progress, offline=offline)
-    fill_wheelhouse(progress)
+    context = build_context(progress)
+    fill_wheelhouse(progress, context)
     progress(f"[build] {tag} on {base}")
     image_id = None
     stream = engine.client.api.build(
-        path=str(image_dir()),
+        path=str(context),
         tag=tag,
         buildargs={"BASE_IMAGE": base},
         labels={"sandkernel.version": __version__, "sandkernel.base": base},

@@ -1,0 +1,190 @@
+"""Layers only point down (issue 12, item 2): every module's imports, those inside functions
+included, are read with :mod:`ast` and checked against the layer rules below.
+
+    base      sandkernel/*.py (errors, logs, mime, ...): imports no subpackage
+    kernels   sandkernel.kernels: base
+    notebooks sandkernel.notebooks: kernels, base
+    gateway   sandkernel.gateway: notebooks, kernels, base
+    agent     sandkernel.agent: base only (a client library must not pull in the server)
+    cli       sandkernel.cli, sandkernel.demo, sandkernel.local_gateway: anything
+
+Imports under ``if TYPE_CHECKING:`` count too: a type named from a higher layer is still a
+dependency pointing up. Each violation is reported as ``file:line imports X (rule)``. The second
+test feeds the checker planted violations, so the first cannot pass by checking nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import importlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "sandkernel"
+
+
+class Layer(enum.Enum):
+    BASE = "base"
+    KERNELS = "kernels"
+    NOTEBOOKS = "notebooks"
+    GATEWAY = "gateway"
+    AGENT = "agent"
+    CLI = "cli"
+
+
+# What each layer may import from sandkernel (its own layer always included).
+ALLOWED: dict[Layer, frozenset[Layer]] = {
+    Layer.BASE: frozenset({Layer.BASE}),
+    Layer.KERNELS: frozenset({Layer.BASE, Layer.KERNELS}),
+    Layer.NOTEBOOKS: frozenset({Layer.BASE, Layer.KERNELS, Layer.NOTEBOOKS}),
+    Layer.GATEWAY: frozenset({Layer.BASE, Layer.KERNELS, Layer.NOTEBOOKS, Layer.GATEWAY}),
+    Layer.AGENT: frozenset({Layer.BASE, Layer.AGENT}),
+    Layer.CLI: frozenset(Layer),
+}
+SUBPACKAGES = {
+    f"{PACKAGE}.kernels": Layer.KERNELS,
+    f"{PACKAGE}.notebooks": Layer.NOTEBOOKS,
+    f"{PACKAGE}.gateway": Layer.GATEWAY,
+    f"{PACKAGE}.agent": Layer.AGENT,
+}
+CLI_MODULES = frozenset({f"{PACKAGE}.cli", f"{PACKAGE}.demo", f"{PACKAGE}.local_gateway", f"{PACKAGE}.__main__"})
+
+
+def layer_of(module: str) -> Layer | None:
+    """The layer of a dotted module name; None outside sandkernel."""
+    if module != PACKAGE and not module.startswith(PACKAGE + "."):
+        return None
+    for prefix, layer in SUBPACKAGES.items():
+        if module == prefix or module.startswith(prefix + "."):
+            return layer
+    if any(module == m or module.startswith(m + ".") for m in CLI_MODULES):
+        return Layer.CLI
+    return Layer.BASE
+
+
+def rule_text(layer: Layer) -> str:
+    allowed = ", ".join(sorted(a.value for a in ALLOWED[layer]))
+    return f"{layer.value} may import only {allowed}" if layer is not Layer.CLI else "cli may import anything"
+
+
+@dataclass(frozen=True)
+class Violation:
+    file: str
+    line: int
+    target: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line} imports {self.target} ({self.rule})"
+
+
+def imported_modules(tree: ast.AST, module: str, is_package: bool) -> Iterator[tuple[int, str]]:
+    """(line, dotted target) for every import in the tree, wherever it sits. Relative imports
+    are resolved against ``module``; ``from X import Y`` yields ``X.Y`` (Y may be a submodule:
+    the longer name gives the finer layer, and for a name in X it lands in X's layer anyway)."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                source = f"{base}.{node.module}" if node.module else base
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                yield node.lineno, source if alias.name == "*" else f"{source}.{alias.name}"
+
+
+def check_source(source: str, module: str, file: str, is_package: bool = False) -> list[Violation]:
+    """The violations in one module's source (``module`` is its dotted name)."""
+    layer = layer_of(module)
+    assert layer is not None, module
+    found = []
+    for line, target in imported_modules(ast.parse(source, filename=file), module, is_package):
+        target_layer = layer_of(target)
+        if target_layer is not None and target_layer not in ALLOWED[layer]:
+            found.append(Violation(file, line, target, rule_text(layer)))
+    return found
+
+
+def package_sources() -> Iterator[tuple[str, Path, bool]]:
+    """(dotted name, file, is_package) of every module of sandkernel and its subpackages, found
+    where the installed package maps them (pyproject's package-dir), editable or not. Scripts in
+    directories that are not packages are not modules of the library and are left out."""
+    for name in (PACKAGE, *SUBPACKAGES):
+        root = Path(importlib.import_module(name).__path__[0])
+        recurse = name != PACKAGE  # sandkernel/ itself: only its own modules, not the mapped dirs
+        for path in sorted(root.rglob("*.py") if recurse else root.glob("*.py")):
+            rel = path.relative_to(root).with_suffix("")
+            if not all((root / d / "__init__.py").is_file() for d in rel.parents):
+                continue  # a script beside the package (notebooks/examples/record_examples.py)
+            parts = [] if rel.name == "__init__" and rel.parent == Path(".") else list(rel.parts)
+            if parts and parts[-1] == "__init__":
+                parts = parts[:-1]
+                is_package = True
+            else:
+                is_package = not parts
+            yield ".".join([name, *parts]), path, is_package
+
+
+def all_violations() -> tuple[list[Violation], int]:
+    found, modules = [], 0
+    for module, path, is_package in package_sources():
+        modules += 1
+        try:
+            shown = path.relative_to(ROOT).as_posix()
+        except ValueError:
+            shown = str(path)
+        found += check_source(path.read_text(), module, shown, is_package)
+    return found, modules
+
+
+def test_layers_only_point_down():
+    violations, modules = all_violations()
+    assert modules > 50, f"only {modules} modules found: the walk missed the subpackages"
+    for v in violations:
+        print(v)
+    assert not violations, f"{len(violations)} import(s) point up a layer:\n" + "\n".join(map(str, violations))
+
+
+PLANTED = '''
+from __future__ import annotations
+import json
+from typing import TYPE_CHECKING
+from sandkernel.errors import SandkernelError
+from . import outputs
+if TYPE_CHECKING:
+    from sandkernel.agent.client import Client
+def later():
+    import sandkernel.gateway.server as server
+    from ...notebooks import recorder
+    from sandkernel import cli
+    return server, recorder, cli
+'''
+
+
+def test_the_rules_catch_planted_violations():
+    """A kernels/ module importing up (at top level, under TYPE_CHECKING, inside a function,
+    absolutely and relatively) is caught line by line; its legal imports are not."""
+    found = check_source(PLANTED, "sandkernel.kernels.execution.planted", "kernels/execution/planted.py")
+    assert [(v.line, v.target) for v in found] == [
+        (8, "sandkernel.agent.client.Client"),
+        (10, "sandkernel.gateway.server"),
+        (11, "sandkernel.notebooks.recorder"),
+        (12, "sandkernel.cli"),
+    ], found
+    assert str(found[0]) == (
+        "kernels/execution/planted.py:8 imports sandkernel.agent.client.Client (kernels may import only base, kernels)"
+    )
+    # The same source is legal in the CLI layer, and the agent may not import kernels/ either.
+    assert check_source(PLANTED, "sandkernel.demo", "sandkernel/demo.py") == []
+    agent = check_source("from sandkernel.kernels.execution import outputs\n", "sandkernel.agent.x", "agent/x.py")
+    assert [v.target for v in agent] == ["sandkernel.kernels.execution.outputs"]
+    base = check_source("def f():\n    from .gateway import budget\n", "sandkernel.mime", "sandkernel/mime.py")
+    assert [v.target for v in base] == ["sandkernel.gateway.budget"]
