@@ -12,7 +12,8 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -69,7 +70,13 @@ def _summarise(name: str, tool_input: dict[str, Any]) -> str:
     return str(tool_input.get("path", ""))
 
 
-def add_parser(sub: Any) -> None:
+# Starts a gateway in this process and yields a client for it (the CLI layer's local_gateway):
+# handed in by the command line, so the agent package never imports the server.
+LocalGateway = Callable[[], AbstractAsyncContextManager[Any]]
+
+
+def add_parser(sub: Any, local_gateway: LocalGateway | None = None) -> None:
+    """Add ``sandkernel agent``; ``local_gateway`` serves tasks run without ``--url``."""
     agent = sub.add_parser(
         "agent",
         help="run a task with Claude in a fresh sandbox and leave its notebook",
@@ -110,22 +117,25 @@ def add_parser(sub: Any) -> None:
     )
     agent.add_argument("--system-prompt", default=None, metavar="FILE", help="replace the system prompt")
     agent.add_argument("--no-stream", action="store_true", help="ask for whole replies instead of streaming")
-    agent.set_defaults(func=run_agent_command)
+    agent.set_defaults(func=run_agent_command, local_gateway=local_gateway)
 
 
 @contextlib.asynccontextmanager
-async def gateway_client(url: str | None, token: str | None) -> AsyncIterator[Any]:
+async def gateway_client(
+    url: str | None, token: str | None, local_gateway: LocalGateway | None = None
+) -> AsyncIterator[Any]:
     """A client for ``url``, or for a gateway started in this process when there is none."""
     from sandkernel.agent.client import AsyncSandkernel
-    from sandkernel.agent.runner import local_gateway
 
     url = url or os.environ.get("SANDKERNEL_URL")
     if url:
         async with AsyncSandkernel(url, token) as client:
             yield client
-    else:
+    elif local_gateway is not None:
         async with local_gateway() as client:
             yield client
+    else:
+        raise ClientError("no gateway: give --url (or set SANDKERNEL_URL)")
 
 
 def print_outcome(outcome: Any, out: TextIO = sys.stdout) -> None:
@@ -159,7 +169,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
     progress = ProgressPrinter(model=config.model)
 
     async def main() -> int:
-        async with gateway_client(args.url, args.token) as client:
+        async with gateway_client(args.url, args.token, getattr(args, "local_gateway", None)) as client:
             outcome = await run_task(
                 args.task,
                 client,

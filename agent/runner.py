@@ -1,8 +1,8 @@
 """Run one task end to end: a sandbox session, the user's files uploaded, the Claude loop, the
 notebook saved. Shared by ``sandkernel agent``, ``sandkernel demo``, the tests and the benchmark.
 
-Without a gateway URL, :func:`local_gateway` runs one in this process on a loopback port with a
-fresh token, so a single command needs nothing else running.
+It needs a gateway client; commands without a gateway URL start one in-process with
+:func:`sandkernel.local_gateway.local_gateway` (the CLI layer: the agent never imports the server).
 """
 
 from __future__ import annotations
@@ -10,9 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import secrets
-import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -32,35 +29,6 @@ class TaskOutcome:
     notebook: dict[str, Any]
     notebook_path: Path | None  # where the notebook was written, if asked; else the gateway's copy
     transcript: str | None  # the gateway's transcript path
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@contextlib.asynccontextmanager
-async def local_gateway(notebook_dir: Path | None = None, **options: Any) -> AsyncIterator[AsyncSandkernel]:
-    """A gateway in this process (loopback, fresh token) and a client for it; stopped on exit."""
-    from sandkernel.gateway.server import serve
-
-    token, port = secrets.token_urlsafe(24), _free_port()
-    ready, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        serve("127.0.0.1", port, token, ready=ready, stop=stop, notebook_dir=notebook_dir, announce=False, **options)
-    )
-    waiter = asyncio.create_task(ready.wait())
-    await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    if task.done():
-        waiter.cancel()
-        task.result()  # raises what stopped the gateway from starting
-    try:
-        async with AsyncSandkernel(f"http://127.0.0.1:{port}", token) as client:
-            yield client
-    finally:
-        stop.set()
-        await task
 
 
 async def upload_inputs(session: AsyncSession, paths: list[Path]) -> list[str]:

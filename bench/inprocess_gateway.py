@@ -3,7 +3,6 @@ notebooks in a temporary directory: what every gateway benchmark needs, in one p
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import socket
@@ -14,37 +13,25 @@ from typing import Any
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
-from sandkernel.gateway.server import serve
+from sandkernel.gateway.server import Gateway
+from sandkernel.gateway.settings import GatewaySettings
 
 TOKEN = "bench-token-0123456789abcdef"
 
 
 @contextlib.asynccontextmanager
 async def inprocess_gateway(**options: Any) -> AsyncIterator[int]:
-    """Yields the port; every session is removed when the block ends."""
+    """Yields the port; every session is removed when the block ends. ``options`` are
+    GatewaySettings fields; the warm pool is off unless asked for (``pool_size=N``)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    ready, stop = asyncio.Event(), asyncio.Event()
     with tempfile.TemporaryDirectory() as notebooks:
-        task = asyncio.create_task(
-            serve(
-                "127.0.0.1",
-                port,
-                TOKEN,
-                ready=ready,
-                stop=stop,
-                announce=False,
-                notebook_dir=Path(notebooks),
-                **options,
-            )
+        settings = GatewaySettings(
+            ip="127.0.0.1", port=port, token=TOKEN, notebook_dir=Path(notebooks), **{"pool_size": 0, **options}
         )
-        await ready.wait()
-        try:
+        async with await Gateway.start(settings):
             yield port
-        finally:
-            stop.set()
-            await task
 
 
 class GatewayApi:

@@ -70,9 +70,11 @@ class TokenAuth:
         self.failures = FailedAuthLimiter()
 
     @classmethod
-    def from_sources(cls, token: str | None = None, tokens_file: str | None = None) -> tuple[TokenAuth, str | None]:
-        """Build from ``--tokens-file`` (JSON ``{"tenant": "token"}``), ``--token``, the
-        ``SANDKERNEL_TOKEN`` environment variable, or a freshly generated token, in that order.
+    def from_sources(
+        cls, token: str | None = None, tokens_file: str | os.PathLike[str] | None = None
+    ) -> tuple[TokenAuth, str | None]:
+        """Build from a tokens file (JSON ``{"tenant": "token"}``), else ``token``, else a freshly
+        generated token (``$SANDKERNEL_TOKEN`` is read with the other settings, in settings.py).
         Returns the auth and the single token to print (None when a tokens file was used)."""
         if tokens_file:
             _refuse_shared_secret_file(tokens_file)
@@ -85,7 +87,7 @@ class TokenAuth:
             ):
                 raise ConfigError('tokens file must be a JSON object {"tenant": "token"} with tokens of 16+ chars')
             return cls({token: tenant for tenant, token in tenants.items()}), None
-        chosen = token or os.environ.get("SANDKERNEL_TOKEN") or secrets.token_urlsafe(32)
+        chosen = token or secrets.token_urlsafe(32)
         return cls({chosen: DEFAULT_TENANT}), chosen
 
     def tenant_for(self, authorization: str | None, query_token: str | None = None) -> str | None:
@@ -107,7 +109,7 @@ class TokenAuth:
         return found
 
 
-def _refuse_shared_secret_file(path: str) -> None:
+def _refuse_shared_secret_file(path: str | os.PathLike[str]) -> None:
     """A tokens file readable by the group or by others is refused: any local user (or a
     sandbox that could ever see the host's files) would hold every tenant's token."""
     try:

@@ -1,8 +1,11 @@
-"""What every gateway handler shares: auth, JSON bodies, and errors that never leak a traceback.
+"""What every gateway handler shares: auth, JSON bodies, settings, and errors mapped in one place.
 
-Errors are JSON ``{"error": code, "message": sentence}`` with the right status. sandkernel's
-own exceptions map to statuses here, once; anything unexpected becomes a 500 whose message says
-only that it was logged (the traceback goes to the log, never to the client).
+Errors are JSON ``{"error": code, "message": sentence}`` with the right status, whatever raised
+them: :func:`error_reply` is the one mapping (the websocket handler uses it too). A
+:class:`~sandkernel.errors.SandkernelError` carries its own status and code (see
+sandkernel/errors.py), so handlers simply let session-layer errors propagate; an :class:`ApiError`
+is a handler's own refusal of a request. Anything else is a bug: it is logged once with its
+traceback and the client gets a 500 whose message says only that it was logged.
 """
 
 from __future__ import annotations
@@ -14,52 +17,46 @@ from typing import Any
 
 from tornado import web
 
-from sandkernel.errors import (
-    ConfigError,
-    DockerUnavailableError,
-    ImageNotFoundError,
-    KernelNotFoundError,
-    KernelStartError,
-    RuntimeUnavailableError,
-    SandkernelError,
-    SessionClosedError,
-    SettingNotPermittedError,
-)
+from sandkernel.errors import SandkernelError
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.registry import SessionRegistry, TooManySessionsError
+from sandkernel.gateway.metrics import GatewayMetrics
+from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
 
-# Most specific first.
-STATUS_FOR_ERROR: list[tuple[type[Exception], int]] = [
-    (TooManySessionsError, 429),
-    (KernelNotFoundError, 404),
-    (SessionClosedError, 404),
-    (SettingNotPermittedError, 403),
-    (ImageNotFoundError, 400),
-    (RuntimeUnavailableError, 400),
-    (ConfigError, 400),
-    (DockerUnavailableError, 503),
-    (KernelStartError, 503),
-    (SandkernelError, 500),
-]
+INTERNAL_ERROR = (500, "internal_error", "the gateway hit an unexpected error; it has been logged")
 
 
 class ApiError(web.HTTPError):
-    """An HTTP error with a machine code and a sentence for people."""
+    """A handler's refusal of a request: an HTTP status, a machine code and a sentence for people."""
 
     def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(status, reason=HTTPStatus(status).phrase)
         self.message = message
-        self.code = code or HTTPStatus(status).phrase.lower().replace(" ", "_")
+        self.code = code or _phrase_code(status)
 
 
-def api_error_from(err: SandkernelError) -> ApiError:
-    for cls, status in STATUS_FOR_ERROR:
-        if isinstance(err, cls):
-            code = err.code or type(err).__name__.removesuffix("Error").lower() or None
-            return ApiError(status, str(err), code=code)
-    return ApiError(500, str(err))
+def _phrase_code(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase.lower().replace(" ", "_")
+    except ValueError:
+        return "error"
+
+
+def error_reply(err: BaseException) -> tuple[int, str, str]:
+    """(status, code, message) for any exception a request raised: the one mapping.
+
+    ApiError and SandkernelError say their own; tornado's HTTPError gets its status' phrase;
+    anything else is a bug and gets :data:`INTERNAL_ERROR` (no detail leaves the gateway)."""
+    if isinstance(err, ApiError):
+        return err.status_code, err.code, err.message
+    if isinstance(err, SandkernelError):
+        return err.http_status, err.code, str(err) or type(err).__doc__ or err.code
+    if isinstance(err, web.HTTPError):
+        code = _phrase_code(err.status_code)
+        return err.status_code, code, err.log_message or err.reason or code.replace("_", " ")
+    return INTERNAL_ERROR
 
 
 def authenticate_request(handler: web.RequestHandler, auth: TokenAuth | None) -> str:
@@ -105,13 +102,18 @@ class BaseHandler(web.RequestHandler):
 
     registry: SessionRegistry
     auth: TokenAuth | None
-    settings_: dict[str, Any]
+    gateway_settings: GatewaySettings
+    metrics: GatewayMetrics
     tenant: str
 
-    def initialize(self, registry: SessionRegistry, auth: TokenAuth | None, config: dict[str, Any]) -> None:
+    def initialize(
+        self, registry: SessionRegistry, auth: TokenAuth | None, settings: GatewaySettings, metrics: GatewayMetrics
+    ) -> None:
+        """Called by tornado with the route's dependencies (server.py's route table)."""
         self.registry = registry
         self.auth = auth
-        self.settings_ = config
+        self.gateway_settings = settings  # (``self.settings`` is tornado's application settings)
+        self.metrics = metrics
 
     def prepare(self) -> None:
         stream = self.request.connection.stream if self.request.connection else None
@@ -155,29 +157,36 @@ class BaseHandler(web.RequestHandler):
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps(data, default=str))
 
+    def _handle_request_exception(self, e: BaseException) -> None:
+        """Tornado sends every exception a handler raises here; a SandkernelError gets its own
+        status (tornado would make it a 500) and the same JSON as any other error."""
+        if isinstance(e, SandkernelError):
+            self.log_exception(type(e), e, e.__traceback__)
+            if not self._finished:
+                self.send_error(e.http_status, exc_info=(type(e), e, e.__traceback__))
+            return
+        super()._handle_request_exception(e)
+
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
-        if isinstance(exc, ApiError):
-            body = {"error": exc.code, "message": exc.message}
-        elif isinstance(exc, web.HTTPError):
-            phrase = HTTPStatus(status_code).phrase
-            body = {"error": phrase.lower().replace(" ", "_"), "message": exc.log_message or exc.reason or phrase}
+        if exc is None:
+            code = _phrase_code(status_code)
+            message = code.replace("_", " ")
         else:
-            body = {"error": "internal_error", "message": "the gateway hit an unexpected error; it has been logged"}
+            _, code, message = error_reply(exc)
         self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps(body))
+        self.finish(json.dumps({"error": code, "message": message}))
 
     def log_exception(self, typ, value, tb) -> None:  # type: ignore[no-untyped-def]
-        if isinstance(value, web.HTTPError) and value.status_code < 500:
+        """Refusals (4xx) are the client's business: not logged here (the access log has them).
+        A SandkernelError 5xx is an infrastructure failure with a message: one line. Anything
+        else is a bug: one line with its traceback."""
+        status = error_reply(value)[0] if value is not None else 500
+        if isinstance(value, (SandkernelError, web.HTTPError)):
+            if status >= 500:
+                log.error("%s %s failed: %s (%d)", self.request.method, self.request.path, value, status)
             return
-        super().log_exception(typ, value, tb)
-
-    async def call(self, awaitable):  # type: ignore[no-untyped-def]
-        """Await a session-layer coroutine, turning sandkernel errors into API errors."""
-        try:
-            return await awaitable
-        except SandkernelError as err:
-            raise api_error_from(err) from err
+        log.error("bug: %s %s raised", self.request.method, self.request.path, exc_info=(typ, value, tb))
 
 
 class NotFoundHandler(BaseHandler):

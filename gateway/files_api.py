@@ -1,35 +1,29 @@
 """Workspace files and variables of a session: upload, download, list, and a namespace listing.
 
 File I/O happens inside the sandbox (see kernels/sandbox/workspace_files.py); this module only maps
-requests and the sandbox's refusals onto HTTP."""
+requests onto it. The sandbox's refusals (WorkspaceFileError: not_found, bad_path, not_regular,
+too_large, ...) and every other SandkernelError reach the client through base.py's one mapping,
+each with its own status (a closed session is a 404, a missing container too; never a blanket 503)."""
 
 from __future__ import annotations
 
-from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError
 from sandkernel.gateway.sessions_api import SessionHandler
-from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFileError, WorkspaceFiles
-
-STATUS_FOR_FILE_ERROR = {"not_found": 404, "too_large": 413}
+from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFiles
 
 
 class FilesHandler(SessionHandler):
     """GET …/files?path=DIR lists; GET …/files/PATH downloads; PUT …/files/PATH uploads (raw body)."""
 
-    async def _files(self, session_id: str) -> WorkspaceFiles:
+    def _files(self, session_id: str) -> WorkspaceFiles:
         return WorkspaceFiles(self.managed(session_id).session.container)
 
     async def get(self, session_id: str, path: str | None = None) -> None:
-        files = await self._files(session_id)
-        try:
-            if path is None:
-                self.write_json(await files.list(self.get_query_argument("path", "")))
-                return
-            data = await files.read(path)
-        except WorkspaceFileError as err:
-            raise ApiError(STATUS_FOR_FILE_ERROR.get(err.code, 400), str(err), err.code) from None
-        except SandkernelError as err:
-            raise ApiError(503, str(err)) from None
+        files = self._files(session_id)
+        if path is None:
+            self.write_json(await files.list(self.get_query_argument("path", "")))
+            return
+        data = await files.read(path)
         self.set_header("Content-Type", "application/octet-stream")
         self.set_header("Content-Disposition", f'attachment; filename="{path.rsplit("/", 1)[-1]}"')
         self.finish(data)
@@ -39,12 +33,8 @@ class FilesHandler(SessionHandler):
             raise ApiError(400, "PUT needs a file path: /api/sessions/{id}/files/{path}")
         if len(self.body) > MAX_FILE_BYTES:
             raise ApiError(413, f"upload is over the limit of {MAX_FILE_BYTES} bytes", "too_large")
-        files = await self._files(session_id)
-        try:
-            written = await files.write(path, self.body)
-        except WorkspaceFileError as err:
-            raise ApiError(STATUS_FOR_FILE_ERROR.get(err.code, 400), str(err), err.code) from None
-        recorder = self.managed(session_id).session.recorder
+        written = await self._files(session_id).write(path, self.body)
+        recorder = self.managed(session_id).recorder
         if recorder is not None:  # so a replay can restore the session's inputs
             recorder.record_input(written.get("path", path), self.body)
         self.write_json(written, status=201)
@@ -53,7 +43,7 @@ class FilesHandler(SessionHandler):
 class VariablesHandler(SessionHandler):
     async def get(self, session_id: str) -> None:
         managed = self.managed(session_id)
-        self.write_json(await self.call(managed.session.variables()))
+        self.write_json(await managed.session.variables())
 
 
 class EgressHandler(SessionHandler):

@@ -7,6 +7,7 @@ from typing import Any
 
 from sandkernel import __version__
 from sandkernel.gateway.base import ApiError, BaseHandler
+from sandkernel.gateway.registry import ManagedSession
 from sandkernel.kernels.lifecycle.profiles import Runtime
 from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
 
@@ -58,8 +59,8 @@ class KernelsHandler(BaseHandler):
             shown = name[:64] if isinstance(name, str) else name
             raise ApiError(400, f"unknown kernel name {shown!r}; use one of {sorted(KERNEL_NAMES)}", "unknown_kernel")
         limits = {"runtime": KERNEL_NAMES[name]}
-        managed = await self.call(
-            self.registry.create(self.tenant, limits=limits, metadata={"name": "kernel"}, origin="kernel_api")
+        managed = await self.registry.create(
+            self.tenant, limits=limits, metadata={"name": "kernel"}, origin="kernel_api"
         )
         self.set_header("Location", f"/api/kernels/{managed.session.kernel_id}")
         self.write_json(managed.kernel_model(), status=201)
@@ -80,25 +81,22 @@ class KernelHandler(BaseHandler):
                 f"end it with DELETE /api/sessions/{managed.id}",
                 "conflict",
             )
-        await self.call(self.registry.delete(self.tenant, managed.id))
+        await self.registry.delete(self.tenant, managed.id)
         self.set_status(204)
         self.finish()
 
-    def _managed(self, kernel_id: str):  # type: ignore[no-untyped-def]
-        try:
-            return self.registry.by_kernel(self.tenant, kernel_id)
-        except LookupError:
-            raise ApiError(404, f"no kernel {kernel_id!r}") from None
+    def _managed(self, kernel_id: str) -> ManagedSession:
+        """The caller's kernel (KernelNotFoundError, a 404, for another tenant's or none)."""
+        return self.registry.by_kernel(self.tenant, kernel_id)
 
 
 class KernelActionHandler(KernelHandler):
     async def post(self, kernel_id: str, action: str) -> None:
         managed = self._managed(kernel_id)
         if action == "interrupt":
-            await self.call(managed.session.interrupt())
+            await managed.interrupt()
             self.set_status(204)
             self.finish()
         else:
-            await self.call(managed.session.restart())
-            managed.touch("idle")
+            await managed.restart()
             self.write_json(managed.kernel_model())

@@ -14,21 +14,25 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from sandkernel.errors import ConfigError, KernelNotFoundError
+from sandkernel.gateway.metrics import GatewayMetrics
+from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
+from sandkernel.notebooks.observer import attach_transcript
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
 log = logging.getLogger(__name__)
 
 
 class TooManySessionsError(ConfigError):
-    """A tenant is at its session limit."""
+    """A tenant (or the gateway) is at its session limit."""
+
+    status = 429
 
 
 def _now() -> str:
@@ -47,6 +51,7 @@ class ManagedSession:
     connections: int = 0
     origin: str = "session_api"  # or "kernel_api": who created it decides who may end it
     created_mono: float = dataclasses.field(default_factory=time.monotonic)
+    recorder: TranscriptRecorder | None = None  # the session's transcript (an observer of it)
     active_mono: float = dataclasses.field(default_factory=time.monotonic)
 
     @property
@@ -58,6 +63,17 @@ class ManagedSession:
         self.active_mono = time.monotonic()
         if state:
             self.execution_state = state
+
+    async def interrupt(self) -> None:
+        """Interrupt the running execution: what both the kernel and the session API's
+        ``/interrupt`` do."""
+        await self.session.interrupt()
+
+    async def restart(self) -> None:
+        """Restart the kernel (memory state dropped, /workspace kept); the fresh kernel is idle
+        whatever was running before: what both the kernel and the session API's ``/restart`` do."""
+        await self.session.restart()
+        self.touch("idle")
 
     def kernel_model(self) -> dict[str, Any]:
         """The Jupyter kernel model (what /api/kernels returns)."""
@@ -73,7 +89,7 @@ class ManagedSession:
         """A superset of Jupyter's session model."""
         return {
             "id": self.id,
-            "path": str(self.session.recorder.path) if self.session.recorder else None,
+            "path": str(self.recorder.path) if self.recorder else None,
             "name": self.metadata.get("name", ""),
             "type": "notebook",
             "kernel": self.kernel_model(),
@@ -88,21 +104,18 @@ class SessionRegistry:
 
     def __init__(
         self,
-        max_sessions_per_tenant: int = 20,
-        max_sessions_total: int = 100,
-        idle_timeout: float | None = 3600.0,
-        max_lifetime: float | None = 24 * 3600.0,
-        notebook_dir: Path | None = None,
-        pool: WarmPool | None = None,
+        settings: GatewaySettings,
         catalog: ProfileCatalog | None = None,
+        pool: WarmPool | None = None,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
+        """``settings`` gives the limits (sessions per tenant and in all, idle timeout, lifetime)
+        and the notebook directory; ``catalog`` what tenants may ask for (built-in profiles when
+        None); ``pool`` the warm sandboxes, if any; ``metrics`` the gateway's counters."""
+        self.settings = settings
+        self.metrics = metrics or GatewayMetrics()
         self.pool = pool
         self.catalog = catalog or ProfileCatalog.load()
-        self.max_sessions_per_tenant = max_sessions_per_tenant
-        self.max_sessions_total = max_sessions_total
-        self.idle_timeout = idle_timeout
-        self.max_lifetime = max_lifetime
-        self.notebook_dir = notebook_dir
         self._sessions: dict[str, ManagedSession] = {}
         self._pending: dict[str, int] = {}
         self._closing: set[asyncio.Task] = set()
@@ -119,31 +132,32 @@ class SessionRegistry:
         for, checked against the operator's catalog (ConfigError / SettingNotPermittedError)."""
         chosen = self.catalog.for_tenant(profile, limits)
         count = sum(1 for s in self._sessions.values() if s.tenant == tenant) + self._pending.get(tenant, 0)
-        if count >= self.max_sessions_per_tenant:
+        if count >= self.settings.max_sessions:
             raise TooManySessionsError(
-                f"session limit reached ({self.max_sessions_per_tenant} per token); delete a session first"
+                f"session limit reached ({self.settings.max_sessions} per token); delete a session first"
             )
         reserved = self.pool.size if self.pool else 0  # pooled sandboxes count toward the limit
-        if len(self._sessions) + sum(self._pending.values()) + reserved >= self.max_sessions_total:
+        if len(self._sessions) + sum(self._pending.values()) + reserved >= self.settings.max_sessions_total:
             raise TooManySessionsError(
-                f"the gateway is at its limit of {self.max_sessions_total} sessions; try again later"
+                f"the gateway is at its limit of {self.settings.max_sessions_total} sessions; try again later"
             )
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         try:
             session = await self.pool.acquire() if self.pool and self.pool.matches(chosen) else None
             session_id = session.id if session else uuid.uuid4().hex
             recorder = TranscriptRecorder(
-                notebook_path_for(session_id, self.notebook_dir),
+                notebook_path_for(session_id, self.settings.notebook_dir),
                 {"tenant": tenant, "client_metadata": dict(metadata or {}), "warm_pool": session is not None},
             )
-            if session is not None:
-                await session.attach_recorder(recorder)
-            else:
-                session = await KernelSession.start(profile=chosen, session_id=session_id, recorder=recorder)
+            if session is None:
+                session = await KernelSession.start(profile=chosen, session_id=session_id)
+            await attach_transcript(session, recorder)
         finally:
             self._pending[tenant] -= 1
         kernel_name = kernel_name_for(session.profile.runtime)
-        managed = ManagedSession(session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin)
+        managed = ManagedSession(
+            session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin, recorder=recorder
+        )
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})
         return managed
@@ -174,8 +188,8 @@ class SessionRegistry:
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         await asyncio.shield(task)
-        if not keep_notebook and managed.session.recorder is not None:
-            managed.session.recorder.delete()
+        if not keep_notebook and managed.recorder is not None:
+            managed.recorder.delete()
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -184,13 +198,14 @@ class SessionRegistry:
         """Delete sessions idle longer than ``idle_timeout`` or older than ``max_lifetime``
         (busy ones are left to finish). Returns the culled ids."""
         now = time.monotonic()
+        idle_timeout, max_lifetime = self.settings.idle_timeout, self.settings.max_lifetime
         doomed = [
             m
             for m in self._sessions.values()
             if m.execution_state != "busy"
             and (
-                (self.idle_timeout is not None and now - m.active_mono > self.idle_timeout)
-                or (self.max_lifetime is not None and now - m.created_mono > self.max_lifetime)
+                (idle_timeout is not None and now - m.active_mono > idle_timeout)
+                or (max_lifetime is not None and now - m.created_mono > max_lifetime)
             )
         ]
         for managed in doomed:

@@ -1,12 +1,17 @@
 """``sandkernel serve``: the tornado application and its lifecycle.
 
-Binds 127.0.0.1 by default, prints the URL and the token, reaps containers orphaned by a
-crashed predecessor at start, and shuts every session down on SIGINT/SIGTERM.
+:class:`Gateway` is one running gateway: built from a :class:`GatewaySettings` (the only place the
+operator's choices live), it reaps containers orphaned by a crashed predecessor, binds (127.0.0.1 by
+default), culls idle sessions, and on :meth:`Gateway.stop` interrupts running executions, lets them
+answer and removes every container. :func:`serve` runs one until SIGINT/SIGTERM, printing the URL
+and the token; tests, the agent CLI's local gateway and the benchmarks start one in their own
+event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -17,11 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from tornado import httpserver, web
 
 from sandkernel import __version__
-from sandkernel.errors import SandkernelError
+from sandkernel.errors import ConfigError, SandkernelError
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
-from sandkernel.gateway.budget import OutputBudget
-from sandkernel.gateway.channels import MAX_CONNECTIONS_PER_KERNEL, ChannelsHandler
+from sandkernel.gateway.channels import ChannelsHandler
 from sandkernel.gateway.files_api import EgressHandler, FilesHandler, VariablesHandler
 from sandkernel.gateway.kernels_api import (
     ApiRootHandler,
@@ -42,6 +46,7 @@ from sandkernel.gateway.sessions_api import (
     SessionHandler,
     SessionsHandler,
 )
+from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_runtime
 from sandkernel.kernels.lifecycle.pool import WarmPool
@@ -51,6 +56,9 @@ from sandkernel.notebooks.recorder import default_notebook_dir
 log = logging.getLogger(__name__)
 
 OPENAPI_PATH = Path(__file__).with_name("openapi.json")
+# Websocket frames larger than this are refused by tornado (bytes).
+WEBSOCKET_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+WEBSOCKET_PING_SECONDS = 30
 
 
 class HealthHandler(BaseHandler):
@@ -73,10 +81,9 @@ class MetricsHandler(BaseHandler):
         return "anonymous"  # aggregate numbers only, no tenant labels
 
     def get(self) -> None:
-        metrics: GatewayMetrics = self.settings_["metrics"]
-        metrics.sessions.set(len(self.registry))
+        self.metrics.sessions.set(len(self.registry))
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
-        self.finish(metrics.render())
+        self.finish(self.metrics.render())
 
 
 class OpenApiHandler(BaseHandler):
@@ -88,42 +95,44 @@ class OpenApiHandler(BaseHandler):
 
 
 def make_app(
-    registry: SessionRegistry, auth: TokenAuth | None, config: dict[str, Any] | None = None
+    registry: SessionRegistry,
+    settings: GatewaySettings,
+    auth: TokenAuth | None,
+    metrics: GatewayMetrics | None = None,
 ) -> web.Application:
-    config = dict(config or {})
-    config.setdefault("metrics", GatewayMetrics())
-    config.setdefault("budget", OutputBudget())
-    deps = {"registry": registry, "auth": auth, "config": config}
+    """The route table: every handler gets its dependencies through ``initialize``."""
+    deps = {"registry": registry, "auth": auth, "settings": settings}
+    api = {**deps, "metrics": metrics or GatewayMetrics()}
     kid = r"(?P<kernel_id>[^/]+)"
     sid = r"(?P<session_id>[^/]+)"
-    routes = [
-        (r"/api/?", ApiRootHandler),
-        (r"/api/openapi.json", OpenApiHandler),
-        (r"/api/health/?", HealthHandler),
-        (r"/metrics/?", MetricsHandler),
-        (r"/api/kernelspecs/?", KernelSpecsHandler),
-        (r"/api/kernelspecs/(?P<name>[^/]+)/?", KernelSpecHandler),
-        (r"/api/kernels/?", KernelsHandler),
-        (rf"/api/kernels/{kid}/?", KernelHandler),
-        (rf"/api/kernels/{kid}/(?P<action>interrupt|restart)/?", KernelActionHandler),
-        (rf"/api/kernels/{kid}/channels", ChannelsHandler),
-        (r"/api/profiles/?", ProfilesHandler),
-        (r"/api/sessions/?", SessionsHandler),
-        (rf"/api/sessions/{sid}/?", SessionHandler),
-        (rf"/api/sessions/{sid}/execute/?", ExecuteHandler),
-        (rf"/api/sessions/{sid}/(?P<action>interrupt|restart)/?", SessionActionHandler),
-        (rf"/api/sessions/{sid}/variables/?", VariablesHandler),
-        (rf"/api/sessions/{sid}/egress/?", EgressHandler),
-        (rf"/api/sessions/{sid}/notebook/?", NotebookHandler),
-        (rf"/api/sessions/{sid}/markdown/?", MarkdownHandler),
-        (rf"/api/sessions/{sid}/files/?", FilesHandler),
-        (rf"/api/sessions/{sid}/files/(?P<path>.+)", FilesHandler),
-        (r".*", NotFoundHandler),
+    routes: list[tuple[str, type[web.RequestHandler], dict[str, Any]]] = [
+        (r"/api/?", ApiRootHandler, api),
+        (r"/api/openapi.json", OpenApiHandler, api),
+        (r"/api/health/?", HealthHandler, api),
+        (r"/metrics/?", MetricsHandler, api),
+        (r"/api/kernelspecs/?", KernelSpecsHandler, api),
+        (r"/api/kernelspecs/(?P<name>[^/]+)/?", KernelSpecHandler, api),
+        (r"/api/kernels/?", KernelsHandler, api),
+        (rf"/api/kernels/{kid}/?", KernelHandler, api),
+        (rf"/api/kernels/{kid}/(?P<action>interrupt|restart)/?", KernelActionHandler, api),
+        (rf"/api/kernels/{kid}/channels", ChannelsHandler, deps),
+        (r"/api/profiles/?", ProfilesHandler, api),
+        (r"/api/sessions/?", SessionsHandler, api),
+        (rf"/api/sessions/{sid}/?", SessionHandler, api),
+        (rf"/api/sessions/{sid}/execute/?", ExecuteHandler, api),
+        (rf"/api/sessions/{sid}/(?P<action>interrupt|restart)/?", SessionActionHandler, api),
+        (rf"/api/sessions/{sid}/variables/?", VariablesHandler, api),
+        (rf"/api/sessions/{sid}/egress/?", EgressHandler, api),
+        (rf"/api/sessions/{sid}/notebook/?", NotebookHandler, api),
+        (rf"/api/sessions/{sid}/markdown/?", MarkdownHandler, api),
+        (rf"/api/sessions/{sid}/files/?", FilesHandler, api),
+        (rf"/api/sessions/{sid}/files/(?P<path>.+)", FilesHandler, api),
+        (r".*", NotFoundHandler, api),
     ]
     return web.Application(
-        [(pattern, handler, deps) for pattern, handler in routes],
-        websocket_max_message_size=16 * 1024 * 1024,
-        websocket_ping_interval=30,
+        routes,
+        websocket_max_message_size=WEBSOCKET_MAX_MESSAGE_BYTES,
+        websocket_ping_interval=WEBSOCKET_PING_SECONDS,
         log_function=log_request,
     )
 
@@ -147,14 +156,15 @@ def log_request(handler: web.RequestHandler) -> None:
     )
 
 
-# A client has this long to send a request's headers, and to stay idle between requests
-# (seconds): slow-header clients (slowloris) cannot hold connections open for an hour.
-HEADER_TIMEOUT = 20.0
-# ... and this long to send a body (up to MAX_BODY_BYTES).
-BODY_TIMEOUT = 300.0
-
-
-CULL_INTERVAL = 30.0
+def load_egress_policy(path: Path | None) -> EgressPolicy | None:
+    """The operator's egress policy file, validated (ConfigError says what to fix)."""
+    if path is None:
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"cannot read the egress policy {path}: {err}") from err
+    return EgressPolicy.from_config(config)
 
 
 async def _cull_forever(registry: SessionRegistry, interval: float) -> None:
@@ -166,88 +176,99 @@ async def _cull_forever(registry: SessionRegistry, interval: float) -> None:
             log.warning("culling failed: %s", err)
 
 
-async def serve(
-    ip: str = "127.0.0.1",
-    port: int = 8888,
-    token: str | None = None,
-    tokens_file: str | None = None,
-    max_sessions: int = 20,
-    budget: OutputBudget | None = None,
-    ready: asyncio.Event | None = None,
-    stop: asyncio.Event | None = None,
-    max_sessions_total: int = 100,
-    idle_timeout: float | None = 3600.0,
-    max_lifetime: float | None = 24 * 3600.0,
-    shutdown_grace: float = 10.0,
-    cull_interval: float = CULL_INTERVAL,
-    notebook_dir: Path | None = None,
-    announce: bool = True,
-    allow_token_in_url: bool = False,
-    allow_origins: tuple[str, ...] = (),
-    max_connections_per_kernel: int = MAX_CONNECTIONS_PER_KERNEL,
-    egress_policy: EgressPolicy | None = None,
-    pool_size: int = 0,
-    profiles_file: str | None = None,
-    default_runtime: str | None = None,
-    header_timeout: float = HEADER_TIMEOUT,
-) -> None:
-    """Run the gateway until SIGINT/SIGTERM (or ``stop`` is set).
+class Gateway:
+    """One running gateway: its registry, HTTP server and culler. Start with :meth:`start`, end
+    with :meth:`stop` (or ``async with``)."""
 
-    ``profiles_file`` is the operator's profiles and ceilings (see kernels/lifecycle/catalog.py);
-    ``default_runtime`` ("auto": gVisor where registered; None: $SANDKERNEL_RUNTIME, else auto)
-    the runtime of profiles that name none.
-    On stop: accept no new connections, interrupt running executions and give them
-    ``shutdown_grace`` seconds to return their results, then remove every container."""
-    auth, shown_token = TokenAuth.from_sources(token, tokens_file)
-    auth.allow_query_token = allow_token_in_url
-    runtime = await choose_default_runtime(default_runtime)
-    catalog = ProfileCatalog.load(profiles_file, runtime, egress_policy)
-    report = await reap()
-    if report.removed:
-        log.info("reaped orphaned containers", extra={"count": len(report.removed)})
-    pool = WarmPool(pool_size, catalog.profile("default")) if pool_size > 0 else None
-    registry = SessionRegistry(
-        max_sessions, max_sessions_total, idle_timeout, max_lifetime, notebook_dir, pool, catalog
-    )
-    app = make_app(
-        registry,
-        auth,
-        {
-            "budget": budget or OutputBudget(),
-            "allow_origins": tuple(allow_origins),
-            "max_connections_per_kernel": max_connections_per_kernel,
-        },
-    )
-    server = httpserver.HTTPServer(
-        app, max_body_size=MAX_BODY_BYTES * 2, idle_connection_timeout=header_timeout, body_timeout=BODY_TIMEOUT
-    )
-    server.listen(port, address=ip)
-    if stop is None:  # run as a program: stop on SIGINT/SIGTERM
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        registry: SessionRegistry,
+        server: httpserver.HTTPServer,
+        shown_token: str | None,
+        default_runtime: str,
+    ) -> None:
+        self.settings = settings
+        self.default_runtime = default_runtime  # what "auto" (or the operator) chose
+        self.registry = registry
+        self.shown_token = shown_token  # the single token to print (None with a tokens file)
+        self._server = server
+        self._culler = asyncio.create_task(_cull_forever(registry, settings.cull_interval))
+        self._stopped = False
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.settings.ip}:{self.settings.port}"
+
+    @classmethod
+    async def start(cls, settings: GatewaySettings) -> Gateway:
+        """Read the operator's files (tokens, profiles, egress policy: ConfigError on a bad one),
+        reap orphaned containers, start the warm pool and listen on ``settings.ip:port``."""
+        auth, shown_token = TokenAuth.from_sources(settings.token, settings.tokens_file)
+        auth.allow_query_token = settings.allow_token_in_url
+        runtime = await choose_default_runtime(settings.default_runtime)
+        catalog = ProfileCatalog.load(settings.profiles_file, runtime, load_egress_policy(settings.egress_policy_file))
+        report = await reap()
+        if report.removed:
+            log.info("reaped orphaned containers", extra={"count": len(report.removed)})
+        pool = WarmPool(settings.pool_size, catalog.profile("default")) if settings.pool_size > 0 else None
+        registry = SessionRegistry(settings, catalog, pool, GatewayMetrics())
+        server = httpserver.HTTPServer(
+            make_app(registry, settings, auth, registry.metrics),
+            max_body_size=MAX_BODY_BYTES * 2,
+            idle_connection_timeout=settings.header_timeout,
+            body_timeout=settings.body_timeout,
+        )
+        server.listen(settings.port, address=settings.ip)
+        if pool is not None:
+            pool.start()
+        return cls(settings, registry, server, shown_token, runtime.value)
+
+    async def stop(self) -> None:
+        """Accept no new connections, interrupt running executions and give them
+        ``shutdown_grace`` seconds to return their results, then remove every container."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._culler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._culler
+        self._server.stop()
+        await self.registry.interrupt_busy(self.settings.shutdown_grace)
+        await self.registry.shutdown_all()
+
+    async def __aenter__(self) -> Gateway:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+async def serve(settings: GatewaySettings, stop: asyncio.Event | None = None) -> None:
+    """Run a gateway until SIGINT/SIGTERM (or until ``stop`` is set), saying where it is."""
+    gateway = await Gateway.start(settings)
+    if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-    url = f"http://{ip}:{port}"
-    if announce:
-        print(f"sandkernel gateway at {url}", flush=True)
-        print(f"notebooks: {notebook_dir or default_notebook_dir()}", flush=True)
-        print(f"default runtime: {runtime.value}; profiles: {', '.join(sorted(catalog.profiles))}", flush=True)
-        if shown_token:
-            print(f"token: {shown_token}", flush=True)
-            print(f"JupyterLab: jupyter lab --gateway-url={url} --GatewayClient.auth_token={shown_token}", flush=True)
-    if pool is not None:
-        pool.start()
-        if announce:
-            print(f"warm pool: {pool_size} sandbox(es) of the default profile, filling in the background", flush=True)
-    if ready is not None:
-        ready.set()
-    culler = asyncio.create_task(_cull_forever(registry, cull_interval))
+    catalog = gateway.registry.catalog
+    print(f"sandkernel gateway at {gateway.url}", flush=True)
+    print(f"notebooks: {settings.notebook_dir or default_notebook_dir()}", flush=True)
+    print(f"default runtime: {gateway.default_runtime}; profiles: {', '.join(sorted(catalog.profiles))}", flush=True)
+    if gateway.shown_token:
+        print(f"token: {gateway.shown_token}", flush=True)
+        print(
+            f"JupyterLab: jupyter lab --gateway-url={gateway.url} --GatewayClient.auth_token={gateway.shown_token}",
+            flush=True,
+        )
+    if gateway.registry.pool is not None:
+        print(
+            f"warm pool: {settings.pool_size} sandbox(es) of the default profile, filling in the background",
+            flush=True,
+        )
     try:
         await stop.wait()
     finally:
-        culler.cancel()
-        server.stop()
-        await registry.interrupt_busy(shutdown_grace)
-        await registry.shutdown_all()
-        if announce:
-            print("gateway stopped; all sessions shut down", flush=True)
+        await gateway.stop()
+        print("gateway stopped; all sessions shut down", flush=True)

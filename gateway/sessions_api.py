@@ -1,5 +1,17 @@
 """The session API for agents: create a sandbox, execute code (whole or streamed), interrupt,
-restart, delete. Replies carry budgeted outputs; see budget.py."""
+restart, delete. Replies carry budgeted outputs; see budget.py.
+
+A streamed execute (``?stream=1``) sends NDJSON lines: ``{"type": "output", "output": ...}`` once
+per output as it happens, ``{"type": "keepalive"}`` every 10 s, then one
+``{"type": "result", "result": ...}``: the reply's summary (status, error, execution count,
+timings, truncation, ``streamed``: how many output lines were sent) whose ``outputs`` hold only
+what the stream did not carry (an error output that was not streamed). A client rebuilds the
+whole reply as the streamed outputs followed by the result's. The stream spends the same budget
+as a whole reply (:func:`~sandkernel.gateway.budget.apply_budget`, output by output): once it is
+spent, text outputs are counted in ``truncation`` instead of sent; an error output is never
+withheld. Errors raised before the first line are ordinary JSON errors; after it, an
+``{"type": "error", "error": code, "message": ...}`` line ends the stream.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +23,10 @@ from typing import Any
 from tornado.iostream import StreamClosedError
 
 from sandkernel.errors import SandkernelError
-from sandkernel.gateway.base import ApiError, BaseHandler
+from sandkernel.gateway.base import ApiError, BaseHandler, error_reply
 from sandkernel.gateway.budget import OutputBudget, apply_budget
-from sandkernel.gateway.registry import ManagedSession
+from sandkernel.gateway.registry import ManagedSession, TooManySessionsError
+from sandkernel.kernels.execution.outputs import ExecutionResult
 
 KEEPALIVE_SECONDS = 10.0
 MAX_CODE_BYTES = 1024 * 1024
@@ -33,10 +46,9 @@ class SessionsHandler(BaseHandler):
         if not isinstance(limits, dict) or not isinstance(metadata, dict):
             raise ApiError(400, "limits and metadata must be JSON objects")
         try:
-            managed = await self.call(self.registry.create(self.tenant, profile, limits, metadata))
-        except ApiError as err:
-            if err.status_code == 429:
-                self.settings_["metrics"].limit_hits.labels("sessions").inc()
+            managed = await self.registry.create(self.tenant, profile, limits, metadata)
+        except TooManySessionsError:
+            self.metrics.limit_hits.labels("sessions").inc()
             raise
         self.set_header("Location", f"/api/sessions/{managed.id}")
         self.write_json(managed.session_model(), status=201)
@@ -51,10 +63,8 @@ class ProfilesHandler(BaseHandler):
 
 class SessionHandler(BaseHandler):
     def managed(self, session_id: str) -> ManagedSession:
-        try:
-            return self.registry.get(self.tenant, session_id)
-        except LookupError:
-            raise ApiError(404, f"no session {session_id!r}") from None
+        """The caller's session (KernelNotFoundError, a 404, for another tenant's or none)."""
+        return self.registry.get(self.tenant, session_id)
 
     def get(self, session_id: str) -> None:
         self.write_json(self.managed(session_id).session_model())
@@ -62,7 +72,7 @@ class SessionHandler(BaseHandler):
     async def delete(self, session_id: str) -> None:
         self.managed(session_id)
         keep = self.get_query_argument("delete_notebook", "0") not in ("1", "true")
-        await self.call(self.registry.delete(self.tenant, session_id, keep_notebook=keep))
+        await self.registry.delete(self.tenant, session_id, keep_notebook=keep)
         self.set_status(204)
         self.finish()
 
@@ -71,21 +81,78 @@ class SessionActionHandler(SessionHandler):
     async def post(self, session_id: str, action: str) -> None:
         managed = self.managed(session_id)
         if action == "interrupt":
-            await self.call(managed.session.interrupt())
+            await managed.interrupt()
             self.set_status(204)
             self.finish()
         else:
-            await self.call(managed.session.restart())
+            await managed.restart()
             self.write_json(managed.session_model())
+
+
+class StreamBudget:
+    """The reply budget, spent output by output as a stream goes.
+
+    Each output passes through :func:`apply_budget` with what is left of the text and image
+    budgets, so a streamed reply is cut exactly where a whole one would be. What an output spent
+    is measured with the same function (the bytes a zero budget cuts are all its text bytes), so
+    which MIME types count as text or images is decided in budget.py alone."""
+
+    def __init__(self, budget: OutputBudget) -> None:
+        self.budget = budget
+        self.text_left = budget.max_text_bytes
+        self.images_left = budget.max_images
+        self.text_bytes_cut = 0
+        self.images_omitted = 0
+        self.withheld = 0  # outputs not sent: nothing of them fit
+        self.sent = 0
+        self.error_sent = False
+
+    def take(self, output: dict[str, Any]) -> dict[str, Any] | None:
+        """The output as the stream sends it, or None when none of its text or images fit (it
+        is counted instead). An error output is always returned (apply_budget keeps them whole)."""
+        _, whole = apply_budget([output], OutputBudget(0, 0, self.budget.max_image_bytes))
+        [sent], spent = apply_budget(
+            [output], OutputBudget(self.text_left, self.images_left, self.budget.max_image_bytes)
+        )
+        kept_text = whole["text_bytes_cut"] - spent["text_bytes_cut"]
+        kept_images = whole["images_omitted"] - spent["images_omitted"]
+        self.text_left -= kept_text
+        self.images_left -= kept_images
+        self.text_bytes_cut += spent["text_bytes_cut"]
+        self.images_omitted += spent["images_omitted"]
+        has_content = whole["text_bytes_cut"] or whole["images_omitted"]
+        if output["output_type"] != "error" and has_content and not (kept_text or kept_images):
+            self.withheld += 1
+            return None
+        self.sent += 1
+        self.error_sent = self.error_sent or output["output_type"] == "error"
+        return sent
+
+    def truncation(self, result: ExecutionResult) -> dict[str, Any]:
+        """The reply's ``truncation`` for what this stream cut (and what the session layer cut)."""
+        cut = bool(self.text_bytes_cut or self.images_omitted or self.withheld)
+        return {
+            "truncated": cut or bool(result.chars_cut or result.outputs_dropped or result.bytes_omitted),
+            "text_bytes_cut": self.text_bytes_cut,
+            "images_omitted": self.images_omitted,
+            "outputs_withheld": self.withheld,
+            "max_text_bytes": self.budget.max_text_bytes,
+        }
+
+
+def reply_text(outputs: list[dict[str, Any]]) -> str:
+    """The ``text`` view of a reply: streams and text/plain results, errors left out."""
+    return "".join(
+        o["text"] if o["output_type"] == "stream" else o.get("data", {}).get("text/plain", "") + "\n"
+        for o in outputs
+        if o["output_type"] != "error"
+    )
 
 
 class ExecuteHandler(SessionHandler):
     """POST {code, timeout?} → the result; with ``?stream=1`` (or Accept: application/x-ndjson)
-    an NDJSON stream of ``{"type": "output"}`` lines, keepalives, then ``{"type": "result"}``.
-    A streaming client that disconnects interrupts its execution."""
-
-    def budget(self) -> OutputBudget:
-        return self.settings_.get("budget") or OutputBudget()
+    an NDJSON stream (see the module docstring). A streaming client that disconnects interrupts
+    its execution."""
 
     async def post(self, session_id: str) -> None:
         managed = self.managed(session_id)
@@ -107,29 +174,37 @@ class ExecuteHandler(SessionHandler):
             if streaming:
                 await self._stream(managed, code, timeout, tag)
             else:
-                result = await self.call(managed.session.execute(code, timeout=timeout, tag=tag, source="session_api"))
+                result = await managed.session.execute(code, timeout=timeout, tag=tag, source="session_api")
                 self.write_json(self._reply(result))
         finally:
             managed.touch("idle")
 
-    def _reply(self, result: Any) -> dict[str, Any]:
+    def _reply(self, result: ExecutionResult) -> dict[str, Any]:
         data = result.to_dict()
-        data["outputs"], data["truncation"] = apply_budget(data["outputs"], self.budget())
+        data["outputs"], data["truncation"] = apply_budget(data["outputs"], self.gateway_settings.budget)
         if result.chars_cut or result.outputs_dropped or result.bytes_omitted:
             data["truncation"]["truncated"] = True
-        self.settings_["metrics"].record_execution(result, data["truncation"]["truncated"])
-        data["text"] = "".join(
-            o["text"] if o["output_type"] == "stream" else o.get("data", {}).get("text/plain", "") + "\n"
-            for o in data["outputs"]
-            if o["output_type"] != "error"
-        )
+        if data["truncation"]["truncated"]:
+            self.metrics.record_reply_truncated()
+        data["text"] = reply_text(data["outputs"])
+        return data
+
+    def _summary(self, result: ExecutionResult, budget: StreamBudget) -> dict[str, Any]:
+        """The last line of a stream: the reply without the outputs the stream carried."""
+        data = result.to_dict()
+        outputs = data.pop("outputs")
+        leftovers = [o for o in outputs if o["output_type"] == "error"] if not budget.error_sent else []
+        data["outputs"] = leftovers
+        data["streamed"] = budget.sent
+        data["truncation"] = budget.truncation(result)
+        if data["truncation"]["truncated"]:
+            self.metrics.record_reply_truncated()
         return data
 
     async def _stream(self, managed: ManagedSession, code: str, timeout: Any, tag: str | None) -> None:
         self.set_header("Content-Type", "application/x-ndjson")
         self.set_header("Cache-Control", "no-cache")
-        sent_bytes = 0
-        budget = self.budget()
+        budget = StreamBudget(self.gateway_settings.budget)
         disconnected = asyncio.Event()
         self.request.connection.set_close_callback(disconnected.set)
 
@@ -143,12 +218,9 @@ class ExecuteHandler(SessionHandler):
                 disconnected.set()
 
         async def on_output(output: dict[str, Any]) -> None:
-            nonlocal sent_bytes
-            if sent_bytes >= budget.max_text_bytes:
-                return
-            [budgeted], _ = apply_budget([output], OutputBudget(budget.max_text_bytes - sent_bytes, budget.max_images))
-            sent_bytes += len(json.dumps(budgeted))
-            await send({"type": "output", "output": budgeted})
+            sent = budget.take(output)
+            if sent is not None:
+                await send({"type": "output", "output": sent})
 
         async def keepalive() -> None:
             while True:
@@ -158,14 +230,21 @@ class ExecuteHandler(SessionHandler):
         async def interrupt_on_disconnect() -> None:
             await disconnected.wait()
             with contextlib.suppress(SandkernelError, RuntimeError):
-                await managed.session.interrupt()
+                await managed.interrupt()
 
         helpers = [asyncio.create_task(keepalive()), asyncio.create_task(interrupt_on_disconnect())]
         try:
-            result = await self.call(
-                managed.session.execute(code, timeout=timeout, on_output=on_output, tag=tag, source="session_api")
+            result = await managed.session.execute(
+                code, timeout=timeout, on_output=on_output, tag=tag, source="session_api"
             )
-            await send({"type": "result", "result": self._reply(result)})
+        except SandkernelError as err:
+            if not self._headers_written:
+                raise  # nothing sent yet: an ordinary JSON error
+            self.log_exception(type(err), err, err.__traceback__)
+            status, error, message = error_reply(err)
+            await send({"type": "error", "status": status, "error": error, "message": message})
+        else:
+            await send({"type": "result", "result": self._summary(result, budget)})
         finally:
             for task in helpers:
                 task.cancel()
@@ -177,7 +256,7 @@ class NotebookHandler(SessionHandler):
     """GET the session's transcript (an .ipynb document)."""
 
     async def get(self, session_id: str) -> None:
-        recorder = self.managed(session_id).session.recorder
+        recorder = self.managed(session_id).recorder
         if recorder is None:
             raise ApiError(404, "this session has no transcript")
         await recorder.flushed()  # what we return is what is on disk
@@ -189,7 +268,7 @@ class MarkdownHandler(SessionHandler):
     """POST {text}: add a markdown cell (the agent's reasoning) to the transcript."""
 
     async def post(self, session_id: str) -> None:
-        recorder = self.managed(session_id).session.recorder
+        recorder = self.managed(session_id).recorder
         text = self.json_body().get("text")
         if not isinstance(text, str) or not text.strip():
             raise ApiError(400, "'text' must be a non-empty string of markdown")

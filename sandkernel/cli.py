@@ -25,52 +25,24 @@ RUNTIME_CHOICES = ["auto", "runc", "runsc"]
 RUNTIME_HELP = "container runtime (default auto: gVisor where runsc is registered, else runc)"
 
 
+def _local_gateway():  # type: ignore[no-untyped-def]
+    """A gateway in this process for ``sandkernel agent`` without --url (imported when used)."""
+    from sandkernel.local_gateway import local_gateway
+
+    return local_gateway()
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from sandkernel.demo import run_demo
 
     return run_demo(Path(args.notebook), runtime=args.runtime, workdir=Path(args.workdir))
 
 
-def _load_egress_policy(path: str | None):  # type: ignore[no-untyped-def]
-    """The operator's egress policy file, validated (ConfigError says what to fix)."""
-    if path is None:
-        return None
-    from sandkernel.errors import ConfigError
-    from sandkernel.kernels.egress.policy import EgressPolicy
-
-    try:
-        config = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"cannot read the egress policy {path}: {err}") from err
-    return EgressPolicy.from_config(config)
-
-
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from sandkernel.gateway.budget import OutputBudget
     from sandkernel.gateway.server import serve
+    from sandkernel.gateway.settings import GatewaySettings
 
-    budget = OutputBudget(max_text_bytes=args.output_budget, max_images=args.max_images)
-    asyncio.run(
-        serve(
-            args.ip,
-            args.port,
-            args.token,
-            args.tokens_file,
-            max_sessions=args.max_sessions,
-            budget=budget,
-            max_sessions_total=args.max_sessions_total,
-            idle_timeout=args.idle_timeout or None,
-            max_lifetime=args.max_lifetime or None,
-            notebook_dir=Path(args.notebook_dir) if args.notebook_dir else None,
-            allow_token_in_url=args.allow_token_in_url,
-            allow_origins=tuple(args.allow_origin),
-            max_connections_per_kernel=args.max_connections_per_kernel,
-            egress_policy=_load_egress_policy(args.egress_policy),
-            pool_size=args.pool_size,
-            profiles_file=args.profiles,
-            default_runtime=args.default_runtime,
-        )
-    )
+    asyncio.run(serve(GatewaySettings.from_args(args)))
     return 0
 
 
@@ -214,62 +186,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from sandkernel.agent.cli import add_parser as add_agent_parser
 
-    add_agent_parser(sub)
+    add_agent_parser(sub, local_gateway=_local_gateway)
 
-    serve = sub.add_parser("serve", help="run the gateway: Jupyter-compatible kernel API and session API")
-    serve.add_argument("--ip", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8888, help="port to bind (default 8888)")
-    serve.add_argument("--token", default=None, help="auth token (default: $SANDKERNEL_TOKEN, else generated)")
-    serve.add_argument("--tokens-file", default=None, help='JSON {"tenant": "token"} for several tenants')
-    serve.add_argument("--max-sessions", type=int, default=20, help="live sessions per token (default 20)")
-    serve.add_argument("--max-sessions-total", type=int, default=100, help="live sessions in all (default 100)")
-    serve.add_argument("--idle-timeout", type=float, default=3600, help="cull sessions idle this long, s (0: never)")
-    serve.add_argument("--max-lifetime", type=float, default=86400, help="cull sessions this old, s (0: never)")
-    serve.add_argument("--notebook-dir", default=None, help="where transcripts go (default ~/.local/share/...)")
-    serve.add_argument("--output-budget", type=int, default=64 * 1024, help="text bytes per execute reply")
-    serve.add_argument("--max-images", type=int, default=8, help="images per execute reply")
-    serve.add_argument(
-        "--allow-token-in-url",
-        action="store_true",
-        help="accept ?token= (browser websockets); off by default because URLs end up in logs",
+    serve = sub.add_parser(
+        "serve",
+        help="run the gateway: Jupyter-compatible kernel API and session API",
+        description="Run the gateway. Every setting below can also come from its environment variable or "
+        "from a --config file; precedence: flags > environment > config file > defaults.",
     )
-    serve.add_argument(
-        "--allow-origin",
-        action="append",
-        default=[],
-        metavar="ORIGIN",
-        help="a browser origin allowed to open kernel websockets, e.g. https://lab.example.com (repeatable; * for any)",
-    )
-    serve.add_argument(
-        "--pool-size",
-        type=int,
-        default=2,
-        metavar="N",
-        help="sandboxes of the default profile kept ready for new sessions (default 2; 0 disables)",
-    )
-    serve.add_argument(
-        "--egress-policy",
-        default=None,
-        metavar="FILE",
-        help='JSON allowlist sessions may use or narrow ({"allow": ["pypi.org", ...], ...}); default: no network',
-    )
-    serve.add_argument(
-        "--profiles",
-        default=None,
-        metavar="FILE",
-        help="JSON profiles with their ceilings and operator-owned settings (image, wheelhouse, env); "
-        "see docs/security.md",
-    )
-    serve.add_argument(
-        "--default-runtime",
-        choices=RUNTIME_CHOICES,
-        default=None,
-        help="runtime of profiles that name none (default: $SANDKERNEL_RUNTIME, else auto: gVisor where "
-        "runsc is registered, else runc)",
-    )
-    serve.add_argument(
-        "--max-connections-per-kernel", type=int, default=16, metavar="N", help="websockets per kernel (default 16)"
-    )
+    from sandkernel.gateway.settings import add_arguments
+
+    add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
     replay = sub.add_parser("replay", help="re-run a transcript in a fresh sandbox and compare, cell by cell")

@@ -20,8 +20,9 @@ import anthropic
 from sandkernel.agent.cli import ProgressPrinter, print_outcome
 from sandkernel.agent.loop import DEFAULT_MODEL, AgentConfig
 from sandkernel.agent.offline_api import ScriptedMessagesServer
-from sandkernel.agent.runner import local_gateway, run_task
+from sandkernel.agent.runner import run_task
 from sandkernel.agent.scenarios import SCENARIOS
+from sandkernel.local_gateway import local_gateway
 
 OFFLINE_NOTICE = (
     "ANTHROPIC_API_KEY is not set: playing a scripted conversation from a local offline Messages API\n"

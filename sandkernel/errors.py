@@ -4,22 +4,48 @@ Every failure of the infrastructure (Docker, the image, the runtime, the transpo
 subclass of :class:`SandkernelError` whose message says what to fix. Errors in the *user's*
 code are not exceptions: they are data in an :class:`~sandkernel.kernels.execution.outputs.ExecutionResult`.
 Built-in bases are mixed in where the meaning matches, so callers may catch either.
+
+Each class carries what an API reply says about it, as class attributes: ``status`` (the HTTP
+status) and ``code`` (the machine-readable ``{"error": code}``). The gateway maps every
+SandkernelError through these two attributes in one place (``gateway/base.py``'s
+``error_reply``), so a new error class needs no handler change. A class that sets no ``code``
+gets one from its name (``UnknownProfileError`` -> ``unknownprofile``), as it always had; a
+subclass inherits its parent's ``status``. An error whose instances carry their own ``code``
+(the sandbox's file refusals: ``not_found``, ``too_large``, ...) takes the status of that code
+from :data:`STATUS_FOR_CODE`, which holds the codes that mean the same everywhere in the API.
 """
 
 from __future__ import annotations
+
+# Codes that name the same condition wherever they appear, and the status that goes with them.
+STATUS_FOR_CODE: dict[str, int] = {"not_found": 404, "too_large": 413, "not_permitted": 403}
 
 
 class SandkernelError(Exception):
     """Root of every error sandkernel raises on purpose.
 
-    ``code`` is the machine-readable name an API error carries (``{"error": code}``); None lets
-    the gateway derive one from the class name."""
+    ``status`` is the HTTP status an API reply gives it; ``code`` the machine-readable name it
+    carries (``{"error": code}``). A bare SandkernelError is an infrastructure failure with a
+    message for people (a kernel that would not list its variables): 500."""
 
-    code: str | None = None
+    status: int = 500
+    code: str = "sandkernel_error"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" not in cls.__dict__:
+            cls.code = cls.__name__.removesuffix("Error").lower() or "sandkernel_error"
+
+    @property
+    def http_status(self) -> int:
+        """The status of this error: its code's, where the code is a shared one, else its class's."""
+        return STATUS_FOR_CODE.get(self.code, self.status)
 
 
 class ConfigError(SandkernelError, ValueError):
     """A setting or argument has a value sandkernel cannot use (bad profile value, bad type)."""
+
+    status = 400
 
 
 class UnknownProfileError(ConfigError, LookupError):
@@ -30,23 +56,32 @@ class SettingNotPermittedError(ConfigError, PermissionError):
     """A tenant asked for a setting only the operator may choose (an image, a host directory, a
     runtime the profile does not offer, more network than granted)."""
 
+    status = 403
     code = "not_permitted"
 
 
 class DockerUnavailableError(SandkernelError):
     """The Docker engine cannot be reached."""
 
+    status = 503
+
 
 class ImageNotFoundError(SandkernelError, LookupError):
     """The kernel image does not exist locally (sandkernel never pulls at session start)."""
+
+    status = 400
 
 
 class RuntimeUnavailableError(SandkernelError):
     """The requested container runtime (e.g. runsc) is not registered with Docker."""
 
+    status = 400
+
 
 class KernelStartError(SandkernelError):
     """The sandboxed kernel did not come up (container or ipykernel failed)."""
+
+    status = 503
 
 
 class TransportError(SandkernelError):
@@ -56,9 +91,16 @@ class TransportError(SandkernelError):
 class KernelNotFoundError(SandkernelError, LookupError):
     """No kernel or session with that id (or it belongs to someone else)."""
 
+    status = 404
+    code = "not_found"
+
 
 class SessionClosedError(SandkernelError):
-    """The session was shut down; start a new one."""
+    """The session was shut down (deleted or culled while a request for it was under way); start a
+    new one. For a client it is gone: 404, with a message saying it was shut down."""
+
+    status = 404
+    code = "session_closed"
 
 
 class ImageBuildError(SandkernelError):

@@ -11,7 +11,8 @@ from typing import Any
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from sandkernel.gateway.budget import OutputBudget
-from sandkernel.gateway.server import serve
+from sandkernel.gateway.server import Gateway as RunningGateway
+from sandkernel.gateway.settings import GatewaySettings
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef00"
@@ -27,8 +28,11 @@ def free_port() -> int:
 class Gateway:
     url: str
     port: int
-    stop: asyncio.Event
-    task: asyncio.Task
+    server: RunningGateway  # its registry is there for tests that must reach behind the API
+
+    @property
+    def settings(self) -> GatewaySettings:
+        return self.server.settings
 
     async def request(
         self, method: str, path: str, body: Any = None, token: str | None = ALICE, raw: bytes | None = None, **kw: Any
@@ -50,30 +54,35 @@ class Gateway:
             return resp.code, text
 
 
-async def start_gateway(tmp_path, budget: OutputBudget | None = None, **options: Any) -> Gateway:
+# What test gateways use unless a test says otherwise: few sessions, runc (fast, and the
+# runtime every machine has), no warm pool (each test that wants one says so).
+TEST_DEFAULTS: dict[str, Any] = {"max_sessions": 4, "default_runtime": "runc", "pool_size": 0}
+
+
+async def start_gateway(
+    tmp_path, budget: OutputBudget | None = None, egress_policy: Any = None, **options: Any
+) -> Gateway:
+    """A gateway on a free loopback port with tenants alice and bob. ``options`` are
+    :class:`GatewaySettings` fields; ``budget`` (an OutputBudget) and ``egress_policy`` (an
+    EgressPolicy, written to a file as an operator would) are accepted as the tests always passed them."""
     tokens = tmp_path / "tokens.json"
     tokens.write_text(json.dumps({"alice": ALICE, "bob": BOB}))
     tokens.chmod(0o600)  # the gateway refuses a tokens file others can read
-    port = free_port()
-    ready, stop = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(
-        serve(
-            "127.0.0.1",
-            port,
-            tokens_file=str(tokens),
-            budget=budget,
-            ready=ready,
-            stop=stop,
-            **{"max_sessions": 4, "default_runtime": "runc", **options},
+    if budget is not None:
+        options.update(
+            output_budget=budget.max_text_bytes, max_images=budget.max_images, max_image_bytes=budget.max_image_bytes
         )
-    )
-    await asyncio.wait_for(ready.wait(), 60)
-    return Gateway(f"http://127.0.0.1:{port}", port, stop, task)
+    if egress_policy is not None:
+        policy_file = tmp_path / "egress-policy.json"
+        policy_file.write_text(json.dumps(egress_policy.to_config()))
+        options["egress_policy_file"] = policy_file
+    settings = GatewaySettings(ip="127.0.0.1", port=free_port(), tokens_file=tokens, **{**TEST_DEFAULTS, **options})
+    server = await asyncio.wait_for(RunningGateway.start(settings), 60)
+    return Gateway(server.url, settings.port, server)
 
 
 async def stop_gateway(gateway: Gateway) -> None:
-    gateway.stop.set()
-    await asyncio.wait_for(gateway.task, 120)
+    await asyncio.wait_for(gateway.server.stop(), 120)
 
 
 def rss_mib() -> float:

@@ -1,0 +1,421 @@
+"""The gateway's settings: one frozen object, built once, with every default in this module.
+
+``sandkernel serve`` builds a :class:`GatewaySettings` from four sources, highest first:
+
+1. command-line flags (``--pool-size 4``);
+2. environment variables (``SANDKERNEL_POOL_SIZE=4``; each field names its variable, shown in
+   ``--help``; ``SANDKERNEL_TOKEN``, ``SANDKERNEL_RUNTIME`` and ``SANDKERNEL_NOTEBOOK_DIR`` keep
+   the names they always had);
+3. a config file (``--config FILE`` or ``$SANDKERNEL_CONFIG``): TOML when the name ends in
+   ``.toml`` (read with :mod:`tomllib`, Python 3.11+), JSON otherwise (any Python). Keys are the
+   field names below, at the top level (``pool_size = 4``, ``allow_origins = ["https://lab"]``);
+   an unknown key is refused with the list of known ones, so a typo never passes silently;
+4. the defaults written here, and nowhere else.
+
+``sandkernel serve --help`` is generated from the fields (:func:`add_arguments`): each field's
+help text (with its unit), its default and its environment variable.
+
+Shape. Everything here is the **operator's** choice: where the gateway listens, who may call it,
+how many sessions and connections it holds, timeouts, the reply budget, and which files hold the
+operator's profiles, tokens and egress policy. What a *tenant* may narrow per session (limits,
+runtime, network) is decided in one place only, :class:`~sandkernel.kernels.lifecycle.catalog.ProfileCatalog`,
+from the profiles file named here; a tenant never reaches these settings.
+
+Why frozen dataclasses and not pydantic-settings: the fields are a flat list of scalars, the
+three sources take ~100 lines here, and the project already validates its operator files by hand
+with errors that say what to fix; a new dependency (pydantic and its compiled core) in the
+gateway's import path was not worth that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sandkernel.errors import ConfigError
+from sandkernel.gateway.budget import OutputBudget
+
+ENV_PREFIX = "SANDKERNEL_"
+CONFIG_ENV = "SANDKERNEL_CONFIG"
+RUNTIME_CHOICES = ("auto", "runc", "runsc")
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
+
+
+def _setting(
+    default: Any,
+    help: str,
+    *,
+    flag: str | None = None,
+    env: str | None = None,
+    metavar: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    zero_is_none: bool = False,
+    shown_default: str | None = None,
+    positive: bool = False,
+    repr: bool = True,
+) -> Any:
+    """A settings field with what ``--help``, the environment and the config file need to know.
+
+    ``flag`` and ``env`` default to the field's name (``--pool-size``, ``SANDKERNEL_POOL_SIZE``);
+    ``zero_is_none`` makes 0 mean "no limit" (None) as the flags always did."""
+    metadata = {
+        "help": help,
+        "flag": flag,
+        "env": env,
+        "metavar": metavar,
+        "choices": choices,
+        "zero_is_none": zero_is_none,
+        "shown_default": shown_default,
+        "positive": positive,
+    }
+    return dataclasses.field(default=default, metadata=metadata, repr=repr)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewaySettings:
+    """What the operator chose for one gateway. Read-only: built once, shared by every handler."""
+
+    # -- where it listens, and who may call it -----------------------------------------------
+    ip: str = _setting("127.0.0.1", "address to bind", metavar="ADDRESS")
+    port: int = _setting(8888, "port to bind", metavar="PORT")
+    token: str | None = _setting(
+        None, "auth token of the single tenant", metavar="TOKEN", shown_default="generated and printed", repr=False
+    )
+    tokens_file: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None, 'JSON {"tenant": "token"} for several tenants; must be chmod 600', metavar="FILE"
+    )
+    allow_token_in_url: bool = _setting(
+        False, "accept ?token= (browser websockets); off by default because URLs end up in logs"
+    )
+    allow_origins: tuple[str, ...] = _setting(
+        (),
+        "a browser origin allowed to open kernel websockets, e.g. https://lab.example.com (repeatable; * for any; "
+        "comma-separated in the environment)",
+        flag="allow-origin",
+        metavar="ORIGIN",
+    )
+    max_connections_per_kernel: int = _setting(16, "websockets per kernel", metavar="N", positive=True)
+    header_timeout: float = _setting(
+        20.0,
+        "seconds a client has to send a request's headers, and may stay idle between requests",
+        metavar="S",
+        positive=True,
+    )
+    body_timeout: float = _setting(300.0, "seconds a client has to send a request body", metavar="S", positive=True)
+
+    # -- sessions: the operator's profiles, pool and limits ---------------------------------
+    profiles_file: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None,
+        "JSON profiles with their ceilings and operator-owned settings (image, wheelhouse, env): what tenants "
+        "may pick and narrow; see docs/security.md",
+        flag="profiles",
+        metavar="FILE",
+        shown_default="the built-in default, small, large",
+    )
+    default_runtime: str = _setting(
+        "auto",
+        "runtime of profiles that name none (auto: gVisor where runsc is registered, else runc)",
+        env="SANDKERNEL_RUNTIME",
+        choices=RUNTIME_CHOICES,
+    )
+    egress_policy_file: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None,
+        'JSON allowlist sessions may use or narrow ({"allow": ["pypi.org", ...], ...})',
+        flag="egress-policy",
+        metavar="FILE",
+        shown_default="no network",
+    )
+    pool_size: int = _setting(
+        2, "sandboxes of the default profile kept ready for new sessions (0 disables)", metavar="N"
+    )
+    max_sessions: int = _setting(20, "live sessions per token", metavar="N")
+    max_sessions_total: int = _setting(100, "live sessions in all (the warm pool counts)", metavar="N")
+    idle_timeout: float | None = _setting(
+        3600.0, "cull sessions idle this long, seconds (0: never)", metavar="S", zero_is_none=True
+    )
+    max_lifetime: float | None = _setting(
+        86400.0, "cull sessions this old, seconds (0: never)", metavar="S", zero_is_none=True
+    )
+    cull_interval: float = _setting(30.0, "seconds between two looks for sessions to cull", metavar="S", positive=True)
+    shutdown_grace: float = _setting(
+        10.0, "seconds running executions get to return their results on shutdown", metavar="S"
+    )
+    notebook_dir: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None, "where transcripts go", metavar="DIR", shown_default="~/.local/share/sandkernel/notebooks"
+    )
+
+    # -- what one execute reply may carry (see gateway/budget.py) ---------------------------
+    output_budget: int = _setting(64 * 1024, "bytes of text per execute reply", metavar="BYTES")
+    max_images: int = _setting(8, "images per execute reply", metavar="N")
+    max_image_bytes: int = _setting(
+        2 * 1024 * 1024, "bytes of one image (base64) in an execute reply; larger ones are summarised", metavar="BYTES"
+    )
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = _coerce(field.name, getattr(self, field.name))
+            _check(field.name, value)
+            object.__setattr__(self, field.name, value)
+
+    @property
+    def budget(self) -> OutputBudget:
+        """What one execute reply may carry (the same for streamed and whole replies)."""
+        return OutputBudget(self.output_budget, self.max_images, self.max_image_bytes)
+
+    def replace(self, **changes: Any) -> GatewaySettings:
+        """A copy with ``changes`` (validated like any settings)."""
+        return dataclasses.replace(self, **changes)
+
+    # -- building from the sources -----------------------------------------------------------
+
+    @classmethod
+    def from_sources(
+        cls,
+        flags: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
+        config_file: str | Path | None = None,
+    ) -> GatewaySettings:
+        """Flags > environment > config file > defaults. ``flags`` maps field names to values
+        already typed (what :func:`add_arguments`'s flags parse to); ``environ`` defaults to
+        ``os.environ`` (read now, not at import). Raises :class:`ConfigError` naming the source."""
+        environ = os.environ if environ is None else environ
+        config_file = config_file or environ.get(CONFIG_ENV) or None
+        values: dict[str, Any] = {}
+        if config_file:
+            for name, raw in _read_config_file(Path(config_file)).items():
+                values[name] = _from_file(name, raw, f"{config_file}: {name}")
+        for field in dataclasses.fields(cls):
+            variable = env_name(field)
+            if variable in environ:
+                values[field.name] = _from_text(field.name, environ[variable], f"${variable}")
+        for name, value in (flags or {}).items():
+            values[name] = _from_flag(name, value)
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> GatewaySettings:
+        """From a namespace parsed with :func:`add_arguments` (only the flags given are in it)."""
+        names = {field.name for field in dataclasses.fields(cls)}
+        flags = {name: value for name, value in vars(args).items() if name in names}
+        return cls.from_sources(flags, environ, getattr(args, "config", None))
+
+
+# -- the field table ------------------------------------------------------------------------
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(GatewaySettings)
+
+
+def env_name(field: dataclasses.Field) -> str:
+    return field.metadata.get("env") or ENV_PREFIX + field.name.upper()
+
+
+def flag_name(field: dataclasses.Field) -> str:
+    return "--" + (field.metadata.get("flag") or field.name.replace("_", "-"))
+
+
+def _kind(name: str) -> type:
+    """The scalar type of a field: bool, int, float, str, Path or tuple (of str)."""
+    hint = _hints()[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = typing.get_origin(hint) or hint
+    if base is tuple:
+        return tuple
+    if args and typing.get_origin(hint) is not tuple:
+        return typing.get_origin(args[0]) or args[0]
+    return base
+
+
+def _optional(name: str) -> bool:
+    return type(None) in typing.get_args(_hints()[name])
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """The forms Python callers naturally pass: a str for a path, a list for a tuple, an int
+    for a float."""
+    kind = _kind(name)
+    if kind is Path and isinstance(value, str):
+        return Path(value)
+    if kind is tuple and isinstance(value, list):
+        return tuple(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _check(name: str, value: Any) -> None:
+    """Type and range of one field's value; ConfigError says which and why."""
+    kind = _kind(name)
+    if value is None:
+        if not _optional(name):
+            raise ConfigError(f"setting {name} may not be empty")
+        return
+    if kind is tuple:
+        ok = isinstance(value, tuple) and all(isinstance(v, str) for v in value)
+    else:
+        ok = isinstance(value, kind)
+    if not ok or (kind in (int, float) and isinstance(value, bool)):
+        raise ConfigError(f"setting {name} must be a {_kind_words(kind)}, not {value!r}")
+    if kind in (int, float) and value < 0:
+        raise ConfigError(f"setting {name} must not be negative, not {value!r}")
+    if kind in (int, float) and value == 0 and _field(name).metadata.get("positive"):
+        raise ConfigError(f"setting {name} must be more than 0")
+    if name == "port" and value > 65535:
+        raise ConfigError(f"setting port must be 0..65535, not {value}")
+    choices = _field(name).metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"setting {name} must be one of {', '.join(choices)}, not {value!r}")
+
+
+def _kind_words(kind: type) -> str:
+    return {bool: "boolean", int: "whole number", float: "number", str: "string", Path: "path",
+            tuple: "list of strings"}[kind]
+
+
+def _field(name: str) -> dataclasses.Field:
+    for field in dataclasses.fields(GatewaySettings):
+        if field.name == name:
+            return field
+    raise ConfigError(f"unknown setting {name!r}")
+
+
+def _finish(name: str, value: Any) -> Any:
+    """0 means "never" for the fields that say so; numbers are floats where the field is."""
+    if _field(name).metadata.get("zero_is_none") and value == 0:
+        return None
+    if _kind(name) is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _from_flag(name: str, value: Any) -> Any:
+    if _kind(name) is tuple:
+        return tuple(value)
+    if _kind(name) is Path and value is not None:
+        return Path(value)
+    return _finish(name, value)
+
+
+def _from_text(name: str, raw: str, where: str) -> Any:
+    """A value from an environment variable (a string)."""
+    kind = _kind(name)
+    text = raw.strip()
+    if kind is bool:
+        if text.lower() not in TRUE_WORDS | FALSE_WORDS:
+            raise ConfigError(f"{where} must be true or false (1/0, yes/no), not {raw!r}")
+        return text.lower() in TRUE_WORDS
+    if kind is tuple:
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    if not text and _optional(name):
+        return None
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ConfigError(f"{where} must be a {_kind_words(kind)}, not {raw!r}") from None
+    return _finish(name, value)
+
+
+def _from_file(name: str, raw: Any, where: str) -> Any:
+    """A value from the config file (already JSON/TOML-typed)."""
+    kind = _kind(name)
+    if raw is None and (_optional(name) or _field(name).metadata.get("zero_is_none")):
+        return None
+    if kind is tuple:
+        if not isinstance(raw, list) or not all(isinstance(v, str) for v in raw):
+            raise ConfigError(f"{where} must be a list of strings, not {raw!r}")
+        return tuple(raw)
+    if kind is Path:
+        if not isinstance(raw, str) or not raw:
+            raise ConfigError(f"{where} must be a file path string, not {raw!r}")
+        return Path(raw)
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        raw = float(raw)
+    if not isinstance(raw, kind) or (kind in (int, float) and isinstance(raw, bool)):
+        raise ConfigError(f"{where} must be a {_kind_words(kind)}, not {raw!r}")
+    return _finish(name, raw)
+
+
+def _read_config_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read the config file {path}: {err}") from err
+    if path.suffix == ".toml":
+        if sys.version_info < (3, 11):
+            raise ConfigError(f"config file {path}: TOML needs Python 3.11+; write it as JSON instead")
+        import tomllib
+
+        try:
+            data: Any = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as err:
+            raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise ConfigError(f"config file {path} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold an object of settings (setting name -> value)")
+    known = {field.name for field in dataclasses.fields(GatewaySettings)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown settings {unknown}; known: {', '.join(sorted(known))}")
+    return data
+
+
+# -- the command line ------------------------------------------------------------------------
+
+
+def _shown_default(field: dataclasses.Field) -> str:
+    shown = field.metadata.get("shown_default")
+    if shown is not None:
+        return shown
+    default = field.default
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, tuple):
+        return "none" if not default else ", ".join(default)
+    if isinstance(default, float) and default.is_integer():
+        return str(int(default))
+    return "none" if default is None else str(default)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per settings field (and ``--config``), help generated from the fields.
+
+    Flags default to "not given" (absent from the namespace), so :meth:`GatewaySettings.from_args`
+    can let the environment and the config file fill what the command line leaves out."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help=f"settings file, TOML (*.toml) or JSON; keys are the settings' names (${CONFIG_ENV}); "
+        "precedence: flags > environment > file > defaults",
+    )
+    for field in dataclasses.fields(GatewaySettings):
+        kind = _kind(field.name)
+        text = f"{field.metadata['help']} (default: {_shown_default(field)}; ${env_name(field)})"
+        options: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": text}
+        if kind is bool:
+            options["action"] = argparse.BooleanOptionalAction
+        else:
+            options["metavar"] = field.metadata.get("metavar")
+            if kind is tuple:
+                options["action"] = "append"
+            elif kind in (int, float):
+                options["type"] = kind
+            if field.metadata.get("choices"):
+                options["choices"] = field.metadata["choices"]
+                options.pop("metavar")
+        parser.add_argument(flag_name(field), **options)
