@@ -21,8 +21,8 @@ from tornado import web
 from sandkernel.gateway import server
 
 DOCUMENTED_METHODS = ("get", "post", "put", "patch", "delete")
-# Methods a handler defines but refuses on one of its routes, with the refusal (tested in
-# tests/test_gateway.py); they are left out of the document on purpose.
+# Methods a handler defines but refuses on one of its routes, with the refusal it answers
+# (gateway/files_api.py); they are left out of the document on purpose.
 REFUSED_ON_ROUTE = {
     ("/api/sessions/{session_id}/files", "put"): "400: PUT needs a file path",
 }
