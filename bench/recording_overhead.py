@@ -17,6 +17,7 @@ from pathlib import Path
 from results_dir import results_path
 
 from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.notebooks.observer import attach_transcript
 from sandkernel.notebooks.recorder import TranscriptRecorder
 
 
@@ -27,7 +28,8 @@ async def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         recorder = TranscriptRecorder(Path(tmp) / "bench.ipynb", {})
         plain = await KernelSession.start()
-        recorded = await KernelSession.start(recorder=recorder)
+        recorded = await KernelSession.start()
+        await attach_transcript(recorded, recorder)
         samples: dict[str, list[float]] = {"without recording": [], "with recording": []}
         try:
             for i in range(args.n + 20):

@@ -6,29 +6,25 @@ key; kernel messages are verified (HMAC) and re-framed before they reach the cli
 kernel output is untrusted. Frames that are not Jupyter messages are answered with an error
 message on the websocket and dropped: one bad client never disturbs the kernel or others.
 
-Inbound traffic is bounded in bytes: a request counts as in flight from the moment it is sent to
-the kernel until the kernel answers it (its reply, or its ``idle`` status). A connection, and a
-tenant across all its connections, may have only so many bytes and requests in flight; past
-that the websocket is closed with 1008 (policy violation) and a reason saying what to do, so a
-client that sends faster than its kernel runs cannot queue gigabytes in the gateway. Other
-tenants have their own budgets.
+Every message passes through unchanged (debugger, comms, widgets, stdin), but an
+``execute_request`` runs on the session's one execution path (``KernelSession.execute_relayed``):
+queued behind other doors' executions, under the operator's timeout ladder, with death and OOM
+classification, output budgets, metrics and the transcript, exactly as a session-API execute.
+To keep the kernel's order, this connection's shell requests are sent one after another: a
+request waits while an execute before it runs (as it would in the kernel's own queue). When an
+execute fails with ``stop_on_error`` (JupyterLab's default) or its kernel restarts, the execute
+requests queued behind it are answered ``aborted``, as the kernel itself would.
 
-Executions are recorded in the session's transcript (an audit record): normal executes as cells,
-and silent executes, ``user_expressions`` and debugger requests that run or change code as
-notes, clipped to a bounded size.
+Inbound bytes are bounded (inflight.py); hidden code (silent executes, ``user_expressions``,
+debugger requests that run code) is noted in the record (ws_audit.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
-import hashlib
 import json
 import logging
-import re
-import time
-import weakref
 from typing import Any
 from urllib.parse import urlparse
 
@@ -36,134 +32,65 @@ import zmq
 from jupyter_client.session import Session
 from tornado import websocket
 
+from sandkernel.errors import SandkernelError
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import ApiError, authenticate_request
+from sandkernel.gateway.base import ApiError, authenticate_request, error_reply
+from sandkernel.gateway.inflight import InFlight, ledger_of
 from sandkernel.gateway.registry import ManagedSession, SessionRegistry
+from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.gateway.wire import FrameError, from_frame, to_frame
-from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, OutputCollector, cut_marker
-from sandkernel.kernels.execution.session import connect_iopub
+from sandkernel.gateway.ws_audit import debug_request_note, execute_request_notes
+from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, TimeoutStep
+from sandkernel.kernels.execution.replies import RelayedReply
+from sandkernel.kernels.execution.transport import connect_iopub
 
 log = logging.getLogger(__name__)
 
 CLIENT_CHANNELS = ("shell", "control", "stdin")
-# Each websocket holds four ZMQ sockets (file descriptors) in the gateway: bounded per kernel.
-MAX_CONNECTIONS_PER_KERNEL = 16
 NUDGE_TIMEOUT = 30.0
 # How long a relay waits on its socket before polling it again (milliseconds); see _relay.
 RELAY_POLL_MS = 500
 IOPUB_RECOVERY_SECONDS = 10.0
-# Bytes of client requests one websocket may have sent to its kernel and not yet had answered.
-# A JupyterLab "run all" of a large notebook is a few MB; a client sending 16 MiB frames faster
-# than the kernel runs them is refused at this bound (1008) instead of queueing in the gateway.
-MAX_PENDING_BYTES_PER_CONNECTION = 32 * 1024 * 1024
-# The same bound across all of one tenant's websocket connections (bytes): a tenant cannot
-# multiply it by opening connections, and other tenants keep theirs.
-MAX_PENDING_BYTES_PER_TENANT = 128 * 1024 * 1024
-# Requests one websocket may have awaiting an answer: each pending execute keeps a small record
-# for the transcript, so even tiny requests are bounded (a "run all" of 1000 cells fits).
-MAX_PENDING_REQUESTS_PER_CONNECTION = 1024
-# Characters of code (or debugger arguments) an audit note keeps; the rest is cut with a marker.
-NOTE_CODE_CHARS = 4096
-# Debugger commands recorded in the transcript: those that run code or change program state.
-RECORDED_DEBUG_COMMANDS = frozenset(
-    {"evaluate", "setExpression", "setVariable", "dumpCell", "copyToGlobals", "richInspectVariables"}
-)
 # WebSocket close code for a client over its in-flight budget (RFC 6455: policy violation).
 CLOSE_POLICY_VIOLATION = 1008
+# Executions whose websocket closed while they ran: they finish (and are recorded) on their own.
+_ORPHANED: set[asyncio.Task] = set()
 
 
-class _TenantLedger:
-    """Bytes in flight per tenant, across that tenant's websocket connections."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, int] = {}
-
-    def add(self, tenant: str, size: int) -> int:
-        self.pending[tenant] = self.pending.get(tenant, 0) + size
-        return self.pending[tenant]
-
-    def release(self, tenant: str, size: int) -> None:
-        left = self.pending.get(tenant, 0) - size
-        if left > 0:
-            self.pending[tenant] = left
-        else:
-            self.pending.pop(tenant, None)
-
-
-# One ledger per gateway (its registry); the lead may move it into the server's settings.
-_LEDGERS: weakref.WeakKeyDictionary[SessionRegistry, _TenantLedger] = weakref.WeakKeyDictionary()
-
-
-def _ledger(registry: SessionRegistry) -> _TenantLedger:
-    ledger = _LEDGERS.get(registry)
-    if ledger is None:
-        ledger = _LEDGERS[registry] = _TenantLedger()
-    return ledger
-
-
-def _clip_for_note(text: str) -> str:
-    """At most NOTE_CODE_CHARS of ``text`` (head and tail), with the one cut marker and SHA-256."""
-    if len(text) <= NOTE_CODE_CHARS:
-        return text
-    half = NOTE_CODE_CHARS // 2
-    digest = hashlib.sha256(text.encode(errors="replace")).hexdigest()
-    return text[:half] + cut_marker(len(text) - 2 * half, "characters", "code", sha256=digest) + text[-half:]
-
-
-def _fenced(text: str, language: str = "") -> str:
-    """A markdown code block that ``text`` cannot close early (fence longer than any backtick run)."""
-    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
-    fence = "`" * max(3, longest + 1)
-    return f"{fence}{language}\n{text}\n{fence}"
-
-
-class _Recording:
-    """One execution seen on a websocket, collected into the shape the session layer uses."""
-
-    def __init__(self, code: str) -> None:
-        self.code = code
-        self.collector = OutputCollector()
-        self.started_at = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
-        self.t0 = time.monotonic()
-        self.reply_status: str | None = None
-
-    def result(self) -> ExecutionResult:
-        failed = self.collector.error is not None or self.reply_status == "error"
-        return ExecutionResult(
-            status=ExecutionStatus.ERROR if failed else ExecutionStatus.OK,
-            outputs=self.collector.finished_outputs(),
-            execution_count=self.collector.execution_count,
-            started_at=self.started_at,
-            duration=round(time.monotonic() - self.t0, 6),
-            error=self.collector.error,
-            chars_cut=self.collector.chars_cut,
-            outputs_dropped=self.collector.outputs_dropped,
-            bytes_omitted=self.collector.bytes_omitted,
-        )
+def _aborts_queue(result: ExecutionResult, content: dict[str, Any]) -> bool:
+    """Whether the execute requests queued behind this one are answered ``aborted``: the kernel
+    aborts its queue after a failed non-silent execute with ``stop_on_error`` (the default), and
+    a restart loses it whatever the request said."""
+    if result.status in (ExecutionStatus.KERNEL_DIED, ExecutionStatus.OOM):
+        return True
+    if result.ended_by in (TimeoutStep.RESTART, TimeoutStep.KILL):
+        return True
+    failed = result.status is not ExecutionStatus.OK
+    return failed and not content.get("silent") and content.get("stop_on_error", True) is not False
 
 
 class ChannelsHandler(websocket.WebSocketHandler):
-    def initialize(self, registry: SessionRegistry, auth: TokenAuth | None, config: dict[str, Any]) -> None:
+    def initialize(self, registry: SessionRegistry, auth: TokenAuth | None, settings: GatewaySettings) -> None:
         self.registry = registry
         self.auth = auth
-        self.config = config
+        self.gateway_settings = settings
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
         self.tasks: list[asyncio.Task] = []
         self.managed: ManagedSession | None = None
         self.session: Session | None = None
         self.tenant: str | None = None
         self.counted = False  # this handler holds one of the kernel's connection slots
-        self.pending: dict[str, int] = {}  # msg_id -> bytes of client requests awaiting an answer
-        self.pending_bytes = 0
+        self.inflight: InFlight | None = None
         self.inputs_requested = 0  # input_requests relayed to this client and not yet answered
         self.refused = False  # closed over a budget: frames still arriving are ignored
-        self.recording: dict[str, _Recording] = {}
+        self.shell_queue: asyncio.Queue[tuple[dict[str, Any], list[Any]]] = asyncio.Queue()
+        self.replies: dict[str, RelayedReply] = {}  # execute replies the session layer waits for
 
     def check_origin(self, origin: str) -> bool:
         """Browsers send Origin; a page of another site may open a websocket to us. Allowed:
         the gateway's own origin and those the operator lists (``--allow-origin``). Clients
         that send no Origin (SDKs, jupyter_server) are not browsers and pass."""
-        allowed = self.config.get("allow_origins") or ()
+        allowed = self.gateway_settings.allow_origins
         if "*" in allowed or origin in allowed:
             return True
         return urlparse(origin).netloc.lower() == (self.request.headers.get("Host") or "").lower()
@@ -177,7 +104,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         try:
             tenant = authenticate_request(self, self.auth)
         except ApiError as err:
-            self._refuse(err.status_code, err.code, err.message)
+            self._refuse(*error_reply(err))
             return
         self.tenant = tenant
         try:
@@ -185,7 +112,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         except LookupError:
             self._refuse(404, "not_found", f"no kernel {kernel_id!r}")
             return
-        per_kernel = self.config.get("max_connections_per_kernel", MAX_CONNECTIONS_PER_KERNEL)
+        per_kernel = self.gateway_settings.max_connections_per_kernel
         if self.managed.connections >= per_kernel:
             self._refuse(
                 429,
@@ -214,12 +141,13 @@ class ChannelsHandler(websocket.WebSocketHandler):
         return None
 
     def open(self, kernel_id: str) -> None:
-        assert self.managed is not None
+        assert self.managed is not None and self.tenant is not None
         self.set_nodelay(True)
         km = self.managed.session.kernel_manager
         # Our own copy: a Session rejects a signature it has seen, and every subscriber of the kernel
         # sees every broadcast message, so a shared one would drop them on all but the first.
         self.session = km.session.clone()
+        self.inflight = InFlight(self.tenant, ledger_of(self.registry))
         identity = (self.get_query_argument("session_id", "") or "").encode() or None
         self.sockets = {
             "shell": km.connect_shell(identity=identity),
@@ -232,6 +160,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.tasks = [asyncio.create_task(self._relay(name, sock)) for name, sock in self.sockets.items()]
         self.tasks.append(asyncio.create_task(self._nudge()))
         self.tasks.append(asyncio.create_task(self._watch_iopub(self.sockets["iopub"])))
+        self.tasks.append(asyncio.create_task(self._send_shell()))
 
     async def _nudge(self, timeout: float = NUDGE_TIMEOUT) -> bool:
         """Hold client messages until our iopub subscription is live; True when it is.
@@ -272,7 +201,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.close(1011, "kernel output channel lost; reconnect")
 
     async def _relay(self, channel: str, sock: zmq.asyncio.Socket) -> None:
-        assert self.session is not None and self.managed is not None
+        assert self.session is not None and self.managed is not None and self.inflight is not None
         while True:
             # Poll with a timeout rather than wait on recv alone: each poll ends in a real
             # zmq_poll, so a readiness edge lost between pyzmq and the event loop (seen as
@@ -292,26 +221,28 @@ class ChannelsHandler(websocket.WebSocketHandler):
                     self.iopub_ready.set()
                 continue
             msg["channel"] = channel
-            if channel == "iopub" and msg["header"]["msg_type"] == "status":
+            msg_type = msg["header"]["msg_type"]
+            if channel == "iopub" and msg_type == "status":
                 state = msg["content"].get("execution_state")
                 self.managed.touch(state)
                 if state == "idle":
-                    self._answered(parent_id)
+                    self.inflight.answered(parent_id)
                 elif state in ("starting", "restarting", "dead"):  # no request survives a restart
-                    self._forget_pending()
-            elif channel in ("shell", "control") and parent_id in self.pending:
-                self._answered(parent_id)
-            elif channel == "stdin" and msg["header"]["msg_type"] == "input_request":
+                    self.inflight.forget_all()
+                    self.inputs_requested = 0
+            elif channel in ("shell", "control"):
+                self.inflight.answered(parent_id)
+                if msg_type == "execute_reply" and parent_id in self.replies:
+                    self.replies[parent_id].deliver(msg["content"])
+            elif channel == "stdin" and msg_type == "input_request":
                 self.inputs_requested += 1
             try:
                 await self.write_message(to_frame(msg), binary=bool(msg.get("buffers")))
             except websocket.WebSocketClosedError:
                 return
-            if parent_id in self.recording:  # after forwarding: the transcript is off the hot path
-                await self._record(parent_id, channel, msg)
 
     async def on_message(self, frame: str | bytes) -> None:
-        assert self.session is not None
+        assert self.session is not None and self.managed is not None
         await self.iopub_ready.wait()
         if self.refused:
             return
@@ -324,6 +255,11 @@ class ChannelsHandler(websocket.WebSocketHandler):
         if channel not in CLIENT_CHANNELS:
             await self._complain(f"cannot send on channel {channel!r}; use shell, control or stdin")
             return
+        msg_type = msg["header"]["msg_type"]
+        content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
+        if msg_type == "execute_request" and not isinstance(content.get("code", ""), str):
+            await self._complain("execute_request content.code must be a string of source code")
+            return
         msg_id = str(msg["header"].get("msg_id", ""))
         if channel == "stdin":  # stdin has no reply to wait for: only answers to input_requests pass
             if self.inputs_requested <= 0:
@@ -333,111 +269,112 @@ class ChannelsHandler(websocket.WebSocketHandler):
         elif not self._admit(msg_id, len(frame)):
             return
         buffers = msg.pop("buffers", [])
-        content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
-        msg_type = msg["header"]["msg_type"]
-        if channel == "shell" and msg_type == "execute_request":
-            if not content.get("silent"):
-                self.recording[msg_id] = _Recording(str(content.get("code", "")))
-            await self._note_hidden_execute(content)
+        if channel == "shell":
+            self.shell_queue.put_nowait((msg, buffers))  # bounded by the in-flight budget above
+            return
+        if channel == "control" and msg_type == "interrupt_request":
+            self.managed.session.expect_interrupt()
         elif channel == "control" and msg_type == "debug_request":
-            await self._note_debug_request(content)
+            note = debug_request_note(content)
+            if note is not None:
+                await self.managed.session.note(note)
         self.session.send(self.sockets[channel], msg, buffers=buffers or None)
+
+    async def _send_shell(self) -> None:
+        """Send this connection's shell requests in order, executes through the session's path."""
+        assert self.session is not None
+        while True:
+            msg, buffers = await self.shell_queue.get()
+            if msg["header"]["msg_type"] != "execute_request":
+                self.session.send(self.sockets["shell"], msg, buffers=buffers or None)
+                continue
+            content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
+            result = await self._run_relayed(msg, buffers, content)
+            if result is not None and _aborts_queue(result, content):
+                await self._abort_queued_executes()
+
+    async def _run_relayed(
+        self, msg: dict[str, Any], buffers: list[Any], content: dict[str, Any]
+    ) -> ExecutionResult | None:
+        """Run one relayed execute_request on the session's execution path; None if it could not run."""
+        assert self.session is not None and self.managed is not None
+        session = self.managed.session
+        msg_id = str(msg["header"].get("msg_id", ""))
+        reply = self.replies[msg_id] = RelayedReply()
+
+        def send() -> str:
+            assert self.session is not None
+            self.session.send(self.sockets["shell"], msg, buffers=buffers or None)
+            return msg_id
+
+        try:
+            for note in execute_request_notes(content):
+                await session.note(note)
+            task = asyncio.create_task(
+                session.execute_relayed(
+                    str(content.get("code", "")), send, reply, silent=bool(content.get("silent")), source="websocket"
+                )
+            )
+            try:
+                return await asyncio.shield(task)  # the websocket may close; the execution goes on
+            except asyncio.CancelledError:
+                _ORPHANED.add(task)
+                task.add_done_callback(_ORPHANED.discard)
+                raise
+        except SandkernelError as err:  # the session closed under us: say so, the kernel never saw it
+            await self._complain(f"execute_request not run: {err}")
+            self._answer_aborted(msg)
+            return None
+        finally:
+            self.replies.pop(msg_id, None)
+
+    async def _abort_queued_executes(self) -> None:
+        """Answer the execute requests queued behind a failed one ``aborted``; keep the rest in order."""
+        kept = []
+        while not self.shell_queue.empty():
+            msg, buffers = self.shell_queue.get_nowait()
+            if msg["header"]["msg_type"] == "execute_request":
+                self._answer_aborted(msg)
+            else:
+                kept.append((msg, buffers))
+        for item in kept:
+            self.shell_queue.put_nowait(item)
+
+    def _answer_aborted(self, request: dict[str, Any]) -> None:
+        """What the kernel sends for an execute it aborts: busy, an ``aborted`` reply, idle."""
+        assert self.session is not None and self.inflight is not None
+        parent = request["header"]
+        messages = [
+            ("iopub", self.session.msg("status", {"execution_state": "busy"}, parent=parent)),
+            ("shell", self.session.msg("execute_reply", {"status": "aborted"}, parent=parent)),
+            ("iopub", self.session.msg("status", {"execution_state": "idle"}, parent=parent)),
+        ]
+        self.inflight.answered(str(parent.get("msg_id", "")))
+        for channel, message in messages:
+            message["channel"] = channel
+            with contextlib.suppress(websocket.WebSocketClosedError):
+                self.write_message(to_frame(message))
 
     def _admit(self, msg_id: str, size: int) -> bool:
         """Count a request as in flight, or close the websocket (1008) when it is over a budget."""
-        assert self.tenant is not None
-        ledger = _ledger(self.registry)
-        reason = None
-        if len(self.pending) >= MAX_PENDING_REQUESTS_PER_CONNECTION:
-            reason = f"over {MAX_PENDING_REQUESTS_PER_CONNECTION} requests await the kernel; wait for replies"
-        elif self.pending_bytes + size > MAX_PENDING_BYTES_PER_CONNECTION:
-            reason = f"over {MAX_PENDING_BYTES_PER_CONNECTION >> 20} MiB of requests await the kernel; wait for replies"
-        elif ledger.pending.get(self.tenant, 0) + size > MAX_PENDING_BYTES_PER_TENANT:
-            reason = f"tenant has over {MAX_PENDING_BYTES_PER_TENANT >> 20} MiB of requests in flight; wait for replies"
-        if reason is not None:
-            log.warning("websocket closed: %s", reason, extra={"tenant": self.tenant})
-            self.refused = True
-            self.close(CLOSE_POLICY_VIOLATION, reason)
-            return False
-        size += self.pending.pop(msg_id, 0)  # a reused msg_id adds to the same entry
-        self.pending[msg_id] = size
-        self.pending_bytes += size
-        ledger.add(self.tenant, size)
-        return True
-
-    def _answered(self, msg_id: str | None) -> None:
-        size = self.pending.pop(msg_id, None) if msg_id else None
-        if size is not None and self.tenant is not None:
-            self.pending_bytes -= size
-            _ledger(self.registry).release(self.tenant, size)
-
-    def _forget_pending(self) -> None:
-        """The kernel restarted: nothing in flight will be answered, and no recording will end."""
-        for msg_id in list(self.pending):
-            self._answered(msg_id)
-        self.recording.clear()
-        self.inputs_requested = 0
-
-    async def _note(self, text: str) -> None:
-        recorder = self.managed.session.recorder if self.managed else None
-        if recorder is not None:
-            await recorder.note(text)
-
-    async def _note_hidden_execute(self, content: dict[str, Any]) -> None:
-        """Silent executes and ``user_expressions`` leave no cell of their own: note them."""
-        code = str(content.get("code", ""))
-        expressions = content.get("user_expressions")
-        if content.get("silent") and code.strip():
-            await self._note(
-                "a websocket client ran a silent execute (no outputs recorded):\n\n"
-                + _fenced(_clip_for_note(code), "python")
-            )
-        if isinstance(expressions, dict) and expressions:
-            listing = "\n".join(f"{name} = {value}" for name, value in expressions.items())
-            await self._note(
-                "a websocket client evaluated `user_expressions` with an execute:\n\n"
-                + _fenced(_clip_for_note(listing), "python")
-            )
-
-    async def _note_debug_request(self, content: dict[str, Any]) -> None:
-        """Debugger requests that run code or change state (evaluate, setVariable, ...)."""
-        command = content.get("command")
-        if command not in RECORDED_DEBUG_COMMANDS:
-            return
-        arguments = json.dumps(content.get("arguments", {}), ensure_ascii=False, default=str)
-        await self._note(
-            f"a websocket client sent the debugger `{command}`:\n\n" + _fenced(_clip_for_note(arguments), "json")
-        )
-
-    async def _record(self, msg_id: str, channel: str, msg: dict[str, Any]) -> None:
-        """Build the transcript cell of a websocket execution from the traffic we relay."""
-        recording = self.recording[msg_id]
-        if channel == "shell" and msg["header"]["msg_type"] == "execute_reply":
-            recording.reply_status = msg["content"].get("status")
-            return
-        if channel != "iopub":
-            return
-        if msg["header"]["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
-            await self._finish_recording(msg_id)
-            return
-        if msg["header"]["msg_type"] == "status":  # busy: a new execution started, so earlier
-            for other in [k for k, r in self.recording.items() if k != msg_id and r.reply_status]:
-                await self._finish_recording(other)  # replied ones whose idle this subscriber lost are done
-            return
-        await recording.collector.add(msg)
-
-    async def _finish_recording(self, msg_id: str) -> None:
-        recording = self.recording.pop(msg_id)
-        recorder = self.managed.session.recorder if self.managed else None
-        if recorder is not None:
-            await recorder.record(recording.code, recording.result(), source="websocket")
+        assert self.inflight is not None
+        reason = self.inflight.admit(msg_id, size)
+        if reason is None:
+            return True
+        log.warning("websocket closed: %s", reason, extra={"tenant": self.tenant})
+        self.refused = True
+        self.close(CLOSE_POLICY_VIOLATION, reason)
+        return False
 
     async def _complain(self, message: str) -> None:
         with contextlib.suppress(websocket.WebSocketClosedError):
             await self.write_message(json.dumps({"channel": "gateway", "error": "bad_message", "message": message}))
 
     def on_close(self) -> None:
-        self._forget_pending()
+        if self.inflight is not None:
+            self.inflight.forget_all()
+        for reply in self.replies.values():
+            reply.abandon()  # its socket closes: the running execution ends by iopub alone
         for task in self.tasks:
             task.cancel()
         for sock in self.sockets.values():

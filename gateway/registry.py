@@ -18,6 +18,7 @@ from typing import Any
 
 from sandkernel.errors import ConfigError, KernelNotFoundError
 from sandkernel.gateway.metrics import GatewayMetrics
+from sandkernel.gateway.session_observers import observe
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
@@ -158,6 +159,7 @@ class SessionRegistry:
         managed = ManagedSession(
             session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin, recorder=recorder
         )
+        observe(managed, self.metrics)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})
         return managed

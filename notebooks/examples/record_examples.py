@@ -16,6 +16,7 @@ from pathlib import Path
 
 from sandkernel.demo import run_demo
 from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.notebooks.observer import attach_transcript
 from sandkernel.notebooks.recorder import TranscriptRecorder
 
 HERE = Path(__file__).parent
@@ -42,7 +43,8 @@ RECOVERY_STEPS = [
 
 async def record_recovery(path: Path) -> None:
     recorder = TranscriptRecorder(path, {"host": platform.node(), "purpose": "example: error and recovery"})
-    async with await KernelSession.start(recorder=recorder) as session:
+    async with await KernelSession.start() as session:
+        await attach_transcript(session, recorder)
         for note, code in RECOVERY_STEPS:
             await recorder.add_markdown(note)
             await session.execute(code, timeout=120, tag=f"step-{RECOVERY_STEPS.index((note, code)) + 1}", source="cli")

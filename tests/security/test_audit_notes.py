@@ -12,7 +12,7 @@ import pytest
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from sandkernel.gateway.channels import NOTE_CODE_CHARS
+from sandkernel.gateway.ws_audit import NOTE_CODE_CHARS
 
 from ..gateway_fixtures import ALICE
 from ..test_gateway import execute_request, ws_execute

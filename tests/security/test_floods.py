@@ -18,7 +18,7 @@ import pytest
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import WebSocketClosedError, websocket_connect
 
-from sandkernel.gateway.channels import MAX_PENDING_BYTES_PER_CONNECTION, MAX_PENDING_BYTES_PER_TENANT
+from sandkernel.gateway.inflight import MAX_PENDING_BYTES_PER_CONNECTION, MAX_PENDING_BYTES_PER_TENANT
 from sandkernel.notebooks.recorder import MAX_TRANSCRIPT_BYTES
 
 from ..gateway_fixtures import ALICE, BOB, PeakRss

@@ -1,0 +1,51 @@
+"""Why a kernel died: out of memory, or something else, told apart by the container's counters.
+
+Under gVisor the whole sandbox dies on an OOM kill (Docker's ``OOMKilled``); under runc only the
+kernel process is killed and the container lives on, so the memory cgroup's ``oom_kill`` counter
+is compared with its value before the execution. The counter is read once per container (not
+on every execute) and again only after a death.
+"""
+
+from __future__ import annotations
+
+from sandkernel.errors import SandkernelError
+from sandkernel.kernels.execution.outputs import ExecutionStatus
+from sandkernel.kernels.sandbox.container import SandboxContainer
+
+
+class DeathClassifier:
+    """Classifies kernel deaths of one session's container(s) as OOM or KERNEL_DIED."""
+
+    def __init__(self, memory_mb: int) -> None:
+        self.memory_mb = memory_mb
+        self._baseline: int | None = None
+
+    def forget_container(self) -> None:
+        """The container was replaced: its counters start again."""
+        self._baseline = None
+
+    async def baseline(self, container: SandboxContainer) -> int | None:
+        """The OOM-kill count before an execution (read once per container)."""
+        if self._baseline is None:
+            self._baseline = await container.oom_kill_count()
+        return self._baseline
+
+    async def classify(self, container: SandboxContainer, before: int | None) -> ExecutionStatus:
+        """KERNEL_DIED, or OOM when the container was OOM-killed or its counter moved past ``before``."""
+        try:
+            if await container.oom_killed():
+                return ExecutionStatus.OOM
+            after = await container.oom_kill_count()
+        except SandkernelError:
+            return ExecutionStatus.KERNEL_DIED
+        if after is not None and after > (before if before is not None else 0):
+            self._baseline = after
+            return ExecutionStatus.OOM
+        return ExecutionStatus.KERNEL_DIED
+
+    def sentence(self, status: ExecutionStatus, between_executes: bool) -> str:
+        """The state-loss sentence a result and the transcript carry."""
+        when = "between executions" if between_executes else "during this execution"
+        if status is ExecutionStatus.OOM:
+            return f"the kernel ran out of memory (limit {self.memory_mb} MiB) {when} and was restarted"
+        return f"the kernel died {when} and was restarted"

@@ -1,0 +1,116 @@
+"""The host's ZMQ connection to a sandboxed kernel, bounded because kernel output is untrusted.
+
+Every socket the host opens on a kernel (the session's own client, each websocket's relay)
+refuses messages over MAX_MESSAGE_BYTES and holds at most a few messages in its receive queue,
+so a kernel that floods output fills its own memory-limited send queue, not the gateway. Messages
+that fail verification (code in the kernel holds its key and may send garbage) are dropped and
+logged here, never raised into an execution.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from jupyter_client import AsyncKernelManager
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from sandkernel.kernels.sandbox.kernelspec import SandkernelSpecManager
+
+log = logging.getLogger(__name__)
+
+# The largest single ZMQ message accepted from a kernel (bytes); larger ones drop the connection.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# How many kernel messages may wait in our receive queue per shell/control/stdin socket. The
+# kernel sends these only in reply to the host's requests, and they are read or drained promptly.
+RECEIVE_QUEUE_MESSAGES = 64
+# How many kernel messages may wait in the receive queue of each iopub subscriber (ours and each
+# websocket's). Kernel output is what untrusted code controls, so this is the bound that counts:
+# a subscriber holds at most (IOPUB_RECEIVE_QUEUE + 1) x MAX_MESSAGE_BYTES (the +1 is the message
+# ZMQ is decoding), 192 MiB, even when nobody reads; past it, the kernel's own (memory-limited)
+# send queue fills and then drops. Ours is drained between executes, so in practice it holds one.
+IOPUB_RECEIVE_QUEUE = 2
+# iopub message types that carry output (counted in the "output after the cell returned" note).
+OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "update_display_data", "execute_result", "error"})
+
+
+@contextlib.contextmanager
+def iopub_receive_queue(context: zmq.Context) -> Iterator[None]:
+    """Sockets made inside get the iopub receive queue (IOPUB_RECEIVE_QUEUE messages); the
+    context's default is restored after. Our event loop is single-threaded, so nothing else
+    makes a socket on this context meanwhile."""
+    context.setsockopt(zmq.RCVHWM, IOPUB_RECEIVE_QUEUE)
+    try:
+        yield
+    finally:
+        context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
+
+
+def new_kernel_manager(kernel_name: str) -> AsyncKernelManager:
+    """A kernel manager whose ZMQ sockets refuse oversized messages from the kernel: kernel
+    output is untrusted, and one 1 GB message would otherwise sit in host memory."""
+    km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=SandkernelSpecManager())
+    km.context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    # A flooding kernel queues in its own (memory-limited) send buffer, not in ours; when the
+    # queue is full PUB drops messages, which the shell-reply fallback of the execute covers.
+    km.context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
+    return km
+
+
+def connect_iopub(km: AsyncKernelManager) -> zmq.asyncio.Socket:
+    """A new iopub subscriber on ``km``'s kernel with the bounded receive queue (the gateway's
+    websocket relay makes one per connection)."""
+    with iopub_receive_queue(km.context):
+        return km.connect_iopub()
+
+
+def new_client(km: AsyncKernelManager) -> AsyncKernelClient:
+    """The session's own client of ``km``'s kernel, channels started, iopub bounded. A fresh
+    client is also how a cut iopub subscription is renewed (see KernelSession)."""
+    client = km.client(context=km.context)
+    with iopub_receive_queue(km.context):
+        client.iopub_channel.start()
+    client.start_channels()
+    return client
+
+
+async def next_message(client: AsyncKernelClient, channel: str, timeout: float, session_id: str) -> dict[str, Any]:
+    """The next message on ``client``'s iopub or shell that passes verification; raises queue.Empty.
+
+    Mis-signed or malformed frames are dropped and logged (they come from untrusted code), never
+    raised into the execute path (where they would fail the caller's request)."""
+    get = client.get_iopub_msg if channel == "iopub" else client.get_shell_msg
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await get(timeout=max(deadline - time.monotonic(), 0))
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
+            log.warning(
+                "dropped a %s message that failed verification: %s",
+                channel,
+                str(err)[:200],
+                extra={"session": session_id},
+            )
+            if time.monotonic() >= deadline:
+                raise queue.Empty from None
+
+
+def is_our_output(frames: list[zmq.Frame], our_session: str) -> bool:
+    """Whether a raw iopub message is output answering one of our own requests. Only the small
+    header frames are parsed (never the content); a message that does not parse is not ours."""
+    try:
+        delim = next(i for i, frame in enumerate(frames) if len(frame) == 9 and frame.bytes == b"<IDS|MSG>")
+        header, parent = frames[delim + 2], frames[delim + 3]
+        if len(header) > 65536 or len(parent) > 65536:
+            return False
+        msg_type = json.loads(header.bytes).get("msg_type")
+        return msg_type in OUTPUT_MSG_TYPES and json.loads(parent.bytes).get("session") == our_session
+    except (StopIteration, IndexError, ValueError, AttributeError):
+        return False

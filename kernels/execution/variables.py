@@ -1,0 +1,53 @@
+"""A cheap listing of a kernel's user namespace: name, type, size, shape.
+
+Evaluated as a silent ``user_expressions`` request (no output, no execution count). The code
+that walks the namespace ships in the kernel image (``sandkernel_variables``, on an image-owned
+path the workspace cannot shadow) when the image has it; older images get the same listing
+from an inline expression.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import queue
+import time
+from typing import Any
+
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from sandkernel.errors import SandkernelError
+from sandkernel.kernels.execution.replies import ShellReader
+
+# Evaluated in the kernel: one JSON string, no side effects, bounded length.
+VARIABLES_EXPRESSION = (
+    "(lambda ns, hidden, json=__import__('json'), sys=__import__('sys'): json.dumps(["
+    "{'name': k, 'type': type(v).__module__ + '.' + type(v).__qualname__"
+    " if type(v).__module__ != 'builtins' else type(v).__qualname__,"
+    " 'size': int(getattr(v, 'nbytes', 0) or 0) or (len(v) if isinstance(v, (str, bytes, list, tuple, dict, set))"
+    " else sys.getsizeof(v)),"
+    " 'shape': list(v.shape) if isinstance(getattr(v, 'shape', None), tuple) else None}"
+    " for k, v in list(ns.items())[:2000] if not k.startswith('_') and k not in hidden"
+    " and type(v).__name__ not in ('module', 'function', 'builtin_function_or_method', 'type')]))"
+    "(get_ipython().user_ns, get_ipython().user_ns_hidden)"
+)
+
+
+async def list_variables(client: AsyncKernelClient, read_shell: ShellReader, timeout: float) -> list[dict[str, Any]]:
+    """Ask the kernel for its variables and wait up to ``timeout`` seconds for the answer.
+
+    Raises SandkernelError when the kernel does not answer or the listing fails."""
+    msg_id = client.execute("", silent=True, store_history=False, user_expressions={"vars": VARIABLES_EXPRESSION})
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            msg = await read_shell(max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            break
+        if msg.get("parent_header", {}).get("msg_id") != msg_id:
+            continue
+        found = msg["content"].get("user_expressions", {}).get("vars", {})
+        if found.get("status") != "ok":
+            raise SandkernelError(f"listing variables failed: {found.get('evalue', 'no reply')}")
+        return json.loads(ast.literal_eval(found["data"]["text/plain"]))
+    raise SandkernelError(f"the kernel did not list its variables within {timeout:g}s; is it busy?")

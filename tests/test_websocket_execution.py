@@ -1,0 +1,228 @@
+"""The Jupyter websocket runs code on the session's one execution path.
+
+A JupyterLab execute_request is queued behind other doors' executions, stopped by the operator's
+timeout ladder, classified when the kernel dies or runs out of memory, counted in the metrics and
+recorded in the transcript exactly as a session-API execute; the client still gets every
+message as the kernel sent it, and the kernel's own queue semantics (stop_on_error aborts) hold.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+
+import pytest
+
+from .conftest import RUNTIMES, require_runtime
+from .gateway_fixtures import start_gateway, stop_gateway
+from .test_gateway import connect, execute_request, ws_execute
+
+LIMITS = {"execute_timeout": 3, "interrupt_grace": 1, "memory_mb": 256}
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+async def gw(request, tmp_path_factory):
+    require_runtime(request.param)
+    gateway = await start_gateway(tmp_path_factory.mktemp("ws-exec"))
+    gateway.runtime = request.param
+    yield gateway
+    await stop_gateway(gateway)
+
+
+@pytest.fixture
+async def session(gw):
+    status, body = await gw.request("POST", "/api/sessions", {"limits": {"runtime": gw.runtime, **LIMITS}})
+    assert status == 201, body
+    yield body
+    await gw.request("DELETE", f"/api/sessions/{body['id']}")
+
+
+async def code_cells(gw, session) -> list[dict]:
+    status, notebook = await gw.request("GET", f"/api/sessions/{session['id']}/notebook")
+    assert status == 200
+    return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+
+
+async def wait_for_cell(gw, session, source: str, attempts: int = 600) -> dict:
+    """The transcript cell of ``source`` once recorded (the execution may still be running)."""
+    for _ in range(attempts):
+        for cell in await code_cells(gw, session):
+            if cell["source"] == source:
+                return cell
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no cell for {source!r} in the transcript")
+
+
+def _without_counts(outputs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in output.items() if k != "execution_count"} for output in outputs]
+
+
+def status_of(cell: dict) -> str:
+    return cell["metadata"]["sandkernel"]["status"]
+
+
+async def test_websocket_execute_is_recorded_like_the_session_api(gw, session):
+    code = "print('hello'); 6 * 7"
+    status, api = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": code})
+    assert status == 200 and api["status"] == "ok"
+    ws = await connect(gw, session["kernel"]["id"])
+    try:
+        iopub, reply = await ws_execute(ws, code)
+    finally:
+        ws.close()
+    assert reply["content"]["status"] == "ok"
+    assert [m["content"].get("text") for m in iopub if m["msg_type"] == "stream"] == ["hello\n"]
+    api_cell, ws_cell = (await code_cells(gw, session))[-2:]
+    assert api_cell["source"] == ws_cell["source"] == code
+    assert _without_counts(api_cell["outputs"]) == _without_counts(ws_cell["outputs"])
+    assert len(ws_cell["outputs"]) == 2
+    assert ws_cell["execution_count"] == api_cell["execution_count"] + 1 == reply["content"]["execution_count"]
+    assert (api_cell["metadata"]["sandkernel"]["source"], ws_cell["metadata"]["sandkernel"]["source"]) == (
+        "session_api",
+        "websocket",
+    )
+    assert status_of(api_cell) == status_of(ws_cell) == "ok"
+
+
+async def test_websocket_executes_queue_behind_other_doors(gw, session):
+    api_code = "import time; time.sleep(2); order = ['api']"
+    api = asyncio.create_task(gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": api_code}))
+    await wait_for_busy(gw, session)
+    ws = await connect(gw, session["kernel"]["id"])
+    try:
+        _, reply = await ws_execute(ws, "order.append('ws'); print(order)")
+    finally:
+        ws.close()
+    assert (await api)[1]["status"] == "ok" and reply["content"]["status"] == "ok"
+    api_cell, ws_cell = (await code_cells(gw, session))[-2:]
+    assert api_cell["source"] == api_code
+    api_info, ws_info = api_cell["metadata"]["sandkernel"], ws_cell["metadata"]["sandkernel"]
+    # The websocket's execution started once the API's had ended, not when its request arrived.
+    api_end = _seconds(api_info["started_at"]) + api_info["duration"]
+    assert _seconds(ws_info["started_at"]) >= api_end - 0.01, (api_info, ws_info)
+
+
+async def wait_for_busy(gw, session) -> None:
+    for _ in range(300):
+        _, kernel = await gw.request("GET", f"/api/kernels/{session['kernel']['id']}")
+        if kernel["execution_state"] == "busy":
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("the session never went busy")
+
+
+def _seconds(iso: str) -> float:
+    import datetime as dt
+
+    return dt.datetime.fromisoformat(iso).timestamp()
+
+
+async def test_websocket_execute_is_stopped_by_the_timeout_ladder(gw, session):
+    ws = await connect(gw, session["kernel"]["id"])
+    try:
+        iopub, reply = await ws_execute(ws, "while True: pass", timeout=60)
+        assert reply["content"]["status"] == "error"
+        assert any(m["msg_type"] == "error" and m["content"]["ename"] == "KeyboardInterrupt" for m in iopub)
+        cell = await wait_for_cell(gw, session, "while True: pass")
+        assert status_of(cell) == "timeout" and cell["metadata"]["sandkernel"]["ended_by"] == "interrupt"
+        # Code that ignores the interrupt: the ladder restarts the kernel.
+        stubborn = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass"
+        await ws.write_message(json.dumps(execute_request(stubborn)))
+        cell = await wait_for_cell(gw, session, stubborn)
+        assert status_of(cell) == "timeout"
+        assert cell["metadata"]["sandkernel"]["ended_by"] in ("restart", "kill")
+        assert "exceeded its 3s timeout" in cell["metadata"]["sandkernel"]["state_lost"]
+    finally:
+        ws.close()
+    ws = await connect(gw, session["kernel"]["id"])  # a restart may have replaced the container
+    try:
+        _, reply = await ws_execute(ws, "print('back')", timeout=120)
+    finally:
+        ws.close()
+    assert reply["content"]["status"] == "ok"
+
+
+async def test_websocket_oom_is_classified_counted_and_survived(gw, session):
+    ws = await connect(gw, session["kernel"]["id"])
+    bomb = "b = bytearray(2 * 1024**3)"
+    try:
+        await ws.write_message(json.dumps(execute_request(bomb)))
+        cell = await wait_for_cell(gw, session, bomb)
+    finally:
+        ws.close()
+    assert status_of(cell) == "oom"
+    assert "ran out of memory (limit 256 MiB)" in cell["metadata"]["sandkernel"]["state_lost"]
+    ws = await connect(gw, session["kernel"]["id"])
+    try:
+        _, reply = await ws_execute(ws, "print('alive')", timeout=120)
+    finally:
+        ws.close()
+    assert reply["content"]["status"] == "ok"
+    status, metrics = await gw.request("GET", "/metrics")
+    assert status == 200
+    assert _metric(metrics, 'sandkernel_kernel_deaths_total{cause="oom"}') >= 1
+    assert _metric(metrics, 'sandkernel_executes_total{status="oom"}') >= 1
+
+
+def _metric(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+async def test_a_failed_execute_aborts_the_queue_behind_it(gw, session):
+    ws = await connect(gw, session["kernel"]["id"])
+    try:
+        requests = [
+            execute_request("import time; time.sleep(0.5); raise ValueError('boom')"),
+            execute_request("ran_b = True"),
+            execute_request("ran_c = True"),
+        ]
+        for msg in requests:
+            await ws.write_message(json.dumps(msg))
+        replies: dict[str, str] = {}
+        while len(replies) < 3:
+            data = json.loads(await asyncio.wait_for(ws.read_message(), 60))
+            if data.get("channel") == "shell" and data["msg_type"] == "execute_reply":
+                replies[data["parent_header"]["msg_id"]] = data["content"]["status"]
+        assert [replies[m["header"]["msg_id"]] for m in requests] == ["error", "aborted", "aborted"]
+        _, reply = await ws_execute(ws, "print('ran_b' in globals(), 'ran_c' in globals())")
+        assert reply["content"]["status"] == "ok"
+    finally:
+        ws.close()
+    sources = [cell["source"] for cell in await code_cells(gw, session)]
+    assert "ran_b = True" not in sources and "ran_c = True" not in sources
+    assert sources[-1] == "print('ran_b' in globals(), 'ran_c' in globals())"
+    last = (await code_cells(gw, session))[-1]
+    assert last["outputs"][0]["text"] == "False False\n"
+
+
+async def test_websocket_interrupt_ends_the_execution_as_interrupted(gw, session):
+    ws = await connect(gw, session["kernel"]["id"])
+    code = "import time; time.sleep(100)"
+    try:
+        msg = execute_request(code)
+        await ws.write_message(json.dumps(msg))
+        await wait_for_busy(gw, session)
+        interrupt = execute_request("")
+        interrupt["channel"] = "control"
+        interrupt["header"]["msg_type"] = "interrupt_request"
+        interrupt["content"] = {}
+        await ws.write_message(json.dumps(interrupt))
+        cell = await wait_for_cell(gw, session, code)
+    finally:
+        ws.close()
+    assert status_of(cell) == "interrupted"
+
+
+async def test_an_execution_outlives_its_closed_websocket(gw, session):
+    ws = await connect(gw, session["kernel"]["id"])
+    code = "import time; time.sleep(1); print('finished')"
+    await ws.write_message(json.dumps(execute_request(code)))
+    await wait_for_busy(gw, session)
+    ws.close()
+    cell = await wait_for_cell(gw, session, code)
+    assert status_of(cell) == "ok" and cell["outputs"][0]["text"] == "finished\n"
+    status, api = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": "print(2)"})
+    assert status == 200 and api["status"] == "ok"
