@@ -338,3 +338,120 @@ async def test_streaming_client_that_disconnects_interrupts_its_code(gateway):
         assert statuses == ["interrupted", "ok"]
     finally:
         await gateway.request("DELETE", f"/api/sessions/{sid}")
+
+
+async def test_requests_on_a_session_shut_down_under_them_get_a_404_not_a_500(gateway):
+    """A session shut down while still registered (what a request sees when a delete or the culler
+    wins a race with it) answers every API with a JSON 404 saying so; before errors were mapped in
+    one place, the files API answered 500 (and any other failure of it 503)."""
+    _, session = await gateway.request("POST", "/api/sessions", {})
+    sid = session["id"]
+    try:
+        await gateway.server.registry.get("alice", sid).session.shutdown()
+        for method, path, body in [
+            ("POST", f"/api/sessions/{sid}/execute", {"code": "1"}),
+            ("POST", f"/api/sessions/{sid}/execute?stream=1", {"code": "1"}),
+            ("POST", f"/api/sessions/{sid}/restart", None),
+            ("POST", f"/api/sessions/{sid}/interrupt", None),
+            ("GET", f"/api/sessions/{sid}/variables", None),
+            ("GET", f"/api/sessions/{sid}/files", None),
+            ("GET", f"/api/sessions/{sid}/files/data.csv", None),
+        ]:
+            code, reply = await gateway.request(method, path, body)
+            assert (code, reply["error"]) == (404, "session_closed"), (method, path, code, reply)
+            assert sid in reply["message"], reply  # names the session, whose wording the session layer owns
+        code, reply = await gateway.request("PUT", f"/api/sessions/{sid}/files/data.csv", raw=b"a,b\n")
+        assert (code, reply["error"]) == (404, "session_closed"), reply
+    finally:
+        assert (await gateway.request("DELETE", f"/api/sessions/{sid}"))[0] == 204
+    assert (await gateway.request("GET", f"/api/sessions/{sid}"))[0] == 404
+    assert container_ids_of(sid) == []
+
+
+@pytest.mark.parametrize("route", ["sessions", "kernels"])
+async def test_restart_leaves_the_session_idle_on_both_routes(gateway, route):
+    """Restart rescues a running execution: the reply (and the session) say idle at once, through
+    the kernel API and the session API alike (only the kernel API did before: one implementation now)."""
+    _, session = await gateway.request("POST", "/api/sessions", {})
+    sid, kid = session["id"], session["kernel"]["id"]
+    try:
+        running = asyncio.create_task(
+            gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": "import time\ntime.sleep(600)"})
+        )
+        for _ in range(200):  # bounded wait until the execution is under way
+            _, model = await gateway.request("GET", f"/api/sessions/{sid}")
+            if model["kernel"]["execution_state"] == "busy":
+                break
+            await asyncio.sleep(0.05)
+        assert model["kernel"]["execution_state"] == "busy"
+        target = f"/api/sessions/{sid}/restart" if route == "sessions" else f"/api/kernels/{kid}/restart"
+        code, reply = await gateway.request("POST", target)
+        assert code == 200
+        kernel = reply["kernel"] if route == "sessions" else reply
+        assert kernel["execution_state"] == "idle", reply
+        code, result = await asyncio.wait_for(running, 120)
+        assert code == 200 and result["status"] != "ok"  # the sleep did not finish
+        code, after = await gateway.request("POST", f"/api/sessions/{sid}/execute", {"code": "print('fresh')"})
+        assert after["text"] == "fresh\n"
+    finally:
+        await gateway.request("DELETE", f"/api/sessions/{sid}")
+
+
+async def stream_execute(gateway, sid: str, code: str) -> tuple[int, list[dict]]:
+    """POST a streamed execute with a real streaming HTTP client; the NDJSON lines as they came."""
+    lines: list[dict] = []
+    pending = bytearray()
+
+    def on_chunk(chunk: bytes) -> None:
+        pending.extend(chunk)
+        while b"\n" in pending:
+            line, _, rest = bytes(pending).partition(b"\n")
+            pending[:] = rest
+            lines.append(json.loads(line))
+
+    status, _ = await gateway.request(
+        "POST", f"/api/sessions/{sid}/execute?stream=1", {"code": code}, streaming_callback=on_chunk
+    )
+    return status, lines
+
+
+async def test_streaming_sends_each_output_once_within_the_budget_and_never_drops_the_error(gateway):
+    """The gateway's reply budget is 2000 bytes of text. A cell that prints past it, keeps printing,
+    shows a figure and then fails: the stream carries each output once (the final line repeats
+    none), cut by the same budget as a whole reply, and the error arrives whatever the budget.
+    Before: outputs were sent twice (each line and again in the result) and, once the stream's own
+    count passed the budget, everything after it, the error included, was silently dropped."""
+    _, session = await gateway.request("POST", "/api/sessions", {})
+    sid = session["id"]
+    code = (
+        "import sys\nprint('x' * 3000, flush=True)\n"
+        "for i in range(20):\n    print(f'line {i}', flush=True)\n"
+        "from IPython.display import display, HTML\ndisplay(HTML('<b>late</b>'))\n"
+        "raise ValueError('the end')"
+    )
+    try:
+        status, lines = await stream_execute(gateway, sid, code)
+        assert status == 200
+        outputs = [line["output"] for line in lines if line["type"] == "output"]
+        [result] = [line["result"] for line in lines if line["type"] == "result"]
+        assert lines[-1]["type"] == "result"
+        assert result["status"] == "error" and result["error"]["name"] == "ValueError"
+        # the error was streamed, whole, and is not repeated in the final line
+        errors = [o for o in outputs if o["output_type"] == "error"]
+        assert len(errors) == 1 and errors[0]["evalue"] == "the end" and errors[0]["traceback"]
+        assert result["outputs"] == [] and result["streamed"] == len(outputs)
+        assert "text" not in result  # the final line is a summary, not a second copy
+        # the budget: 2000 bytes of text in all, the big print cut with a marker, the rest counted
+        streamed_text = "".join(o["text"] for o in outputs if o["output_type"] == "stream")
+        assert streamed_text.startswith("x" * 900) and "bytes of output cut" in streamed_text
+        assert len(streamed_text.replace("x", "")) < 500 and streamed_text.count("x") <= 2000
+        truncation = result["truncation"]
+        assert truncation["truncated"] and truncation["max_text_bytes"] == 2000
+        assert truncation["outputs_withheld"] >= 20  # the lines and the HTML past the budget, counted
+        assert truncation["text_bytes_cut"] >= 1000 + sum(len(f"line {i}\n") for i in range(20))
+        # the transcript still has everything
+        _, nb = await gateway.request("GET", f"/api/sessions/{sid}/notebook")
+        cell = [c for c in nb["cells"] if c["cell_type"] == "code"][-1]
+        assert "line 19" in "".join(o.get("text", "") for o in cell["outputs"])
+    finally:
+        await gateway.request("DELETE", f"/api/sessions/{sid}")
