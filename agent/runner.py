@@ -19,7 +19,7 @@ import nbformat
 from sandkernel.agent.client import AsyncSandkernel, AsyncSession
 from sandkernel.agent.errors import ClientError
 from sandkernel.agent.loop import AgentConfig, AgentRun, ClaudeAgent, Progress
-from sandkernel.notebooks.transcript import write_notebook_atomic
+from sandkernel.atomic import write_atomic
 
 
 @dataclasses.dataclass
@@ -76,6 +76,6 @@ async def run_task(
             with contextlib.suppress(ClientError):  # a file the agent did not write
                 data = await session.download(name)
                 (download_to or Path.cwd()).joinpath(Path(name).name).write_bytes(data)
-    if notebook_path is not None:
-        await asyncio.to_thread(write_notebook_atomic, nbformat.from_dict(notebook), notebook_path)
+    if notebook_path is not None:  # the gateway's transcript, validated when it was written there
+        await asyncio.to_thread(write_atomic, notebook_path, nbformat.writes(nbformat.from_dict(notebook)) + "\n")
     return TaskOutcome(run, session.id, notebook, notebook_path, session.info.get("path"))

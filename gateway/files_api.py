@@ -8,11 +8,11 @@ each with its own status (a closed session is a 404, a missing container too; ne
 from __future__ import annotations
 
 from sandkernel.gateway.base import ApiError
-from sandkernel.gateway.sessions_api import SessionHandler
+from sandkernel.gateway.sessions_api import SessionScoped
 from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFiles
 
 
-class FilesHandler(SessionHandler):
+class FilesHandler(SessionScoped):
     """GET …/files?path=DIR lists; GET …/files/PATH downloads; PUT …/files/PATH uploads (raw body)."""
 
     def _files(self, session_id: str) -> WorkspaceFiles:
@@ -40,13 +40,13 @@ class FilesHandler(SessionHandler):
         self.write_json(written, status=201)
 
 
-class VariablesHandler(SessionHandler):
+class VariablesHandler(SessionScoped):
     async def get(self, session_id: str) -> None:
         managed = self.managed(session_id)
         self.write_json(await managed.session.variables())
 
 
-class EgressHandler(SessionHandler):
+class EgressHandler(SessionScoped):
     """GET the session's egress audit: its policy and every request, allowed or refused."""
 
     def get(self, session_id: str) -> None:

@@ -66,7 +66,15 @@ class KernelsHandler(BaseHandler):
         self.write_json(managed.kernel_model(), status=201)
 
 
-class KernelHandler(BaseHandler):
+class KernelScoped(BaseHandler):
+    """Base of the handlers under ``/api/kernels/{id}``: finds the caller's kernel; serves no verb."""
+
+    def _managed(self, kernel_id: str) -> ManagedSession:
+        """The caller's kernel (KernelNotFoundError, a 404, for another tenant's or none)."""
+        return self.registry.by_kernel(self.tenant, kernel_id)
+
+
+class KernelHandler(KernelScoped):
     def get(self, kernel_id: str) -> None:
         self.write_json(self._managed(kernel_id).kernel_model())
 
@@ -85,12 +93,10 @@ class KernelHandler(BaseHandler):
         self.set_status(204)
         self.finish()
 
-    def _managed(self, kernel_id: str) -> ManagedSession:
-        """The caller's kernel (KernelNotFoundError, a 404, for another tenant's or none)."""
-        return self.registry.by_kernel(self.tenant, kernel_id)
 
+class KernelActionHandler(KernelScoped):
+    """POST interrupt or restart (the same implementation as the session API's: ManagedSession's)."""
 
-class KernelActionHandler(KernelHandler):
     async def post(self, kernel_id: str, action: str) -> None:
         managed = self._managed(kernel_id)
         if action == "interrupt":

@@ -61,10 +61,17 @@ class ProfilesHandler(BaseHandler):
         self.write_json(self.registry.catalog.describe())
 
 
-class SessionHandler(BaseHandler):
+class SessionScoped(BaseHandler):
+    """Base of the handlers under ``/api/sessions/{id}``: finds the caller's session. It serves no
+    verb itself, so a subclass answers exactly the verbs it defines (and openapi.json lists)."""
+
     def managed(self, session_id: str) -> ManagedSession:
         """The caller's session (KernelNotFoundError, a 404, for another tenant's or none)."""
         return self.registry.get(self.tenant, session_id)
+
+
+class SessionHandler(SessionScoped):
+    """GET the session model; DELETE the session (and its container)."""
 
     def get(self, session_id: str) -> None:
         self.write_json(self.managed(session_id).session_model())
@@ -77,7 +84,9 @@ class SessionHandler(BaseHandler):
         self.finish()
 
 
-class SessionActionHandler(SessionHandler):
+class SessionActionHandler(SessionScoped):
+    """POST interrupt or restart (the same implementation as the kernel API's: ManagedSession's)."""
+
     async def post(self, session_id: str, action: str) -> None:
         managed = self.managed(session_id)
         if action == "interrupt":
@@ -149,7 +158,7 @@ def reply_text(outputs: list[dict[str, Any]]) -> str:
     )
 
 
-class ExecuteHandler(SessionHandler):
+class ExecuteHandler(SessionScoped):
     """POST {code, timeout?} → the result; with ``?stream=1`` (or Accept: application/x-ndjson)
     an NDJSON stream (see the module docstring). A streaming client that disconnects interrupts
     its execution."""
@@ -252,7 +261,7 @@ class ExecuteHandler(SessionHandler):
             self.finish()
 
 
-class NotebookHandler(SessionHandler):
+class NotebookHandler(SessionScoped):
     """GET the session's transcript (an .ipynb document)."""
 
     async def get(self, session_id: str) -> None:
@@ -264,7 +273,7 @@ class NotebookHandler(SessionHandler):
         self.write_json(recorder.notebook)
 
 
-class MarkdownHandler(SessionHandler):
+class MarkdownHandler(SessionScoped):
     """POST {text}: add a markdown cell (the agent's reasoning) to the transcript."""
 
     async def post(self, session_id: str) -> None:
