@@ -57,6 +57,12 @@ CLOSE_POLICY_VIOLATION = 1008
 _ORPHANED: set[asyncio.Task] = set()
 
 
+def _orphan_done(task: asyncio.Task) -> None:
+    _ORPHANED.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("an execution whose websocket closed failed: %s", task.exception())
+
+
 def _aborts_queue(result: ExecutionResult, content: dict[str, Any]) -> bool:
     """Whether the execute requests queued behind this one are answered ``aborted``: the kernel
     aborts its queue after a failed non-silent execute with ``stop_on_error`` (the default), and
@@ -302,9 +308,13 @@ class ChannelsHandler(websocket.WebSocketHandler):
         msg_id = str(msg["header"].get("msg_id", ""))
         reply = self.replies[msg_id] = RelayedReply()
 
+        sent = False
+
         def send() -> str:
+            nonlocal sent
             assert self.session is not None
             self.session.send(self.sockets["shell"], msg, buffers=buffers or None)
+            sent = True
             return msg_id
 
         try:
@@ -316,10 +326,13 @@ class ChannelsHandler(websocket.WebSocketHandler):
                 )
             )
             try:
-                return await asyncio.shield(task)  # the websocket may close; the execution goes on
-            except asyncio.CancelledError:
-                _ORPHANED.add(task)
-                task.add_done_callback(_ORPHANED.discard)
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:  # the websocket closed
+                if sent:  # the kernel runs it: let it finish, be recorded and keep its turn
+                    _ORPHANED.add(task)
+                    task.add_done_callback(_orphan_done)
+                else:  # still waiting for its turn: withdrawn, the kernel never sees it
+                    task.cancel()
                 raise
         except SandkernelError as err:  # the session closed under us: say so, the kernel never saw it
             await self._complain(f"execute_request not run: {err}")
