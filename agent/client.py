@@ -34,6 +34,7 @@ from sandkernel.agent.errors import (
     error_for_status,
 )
 from sandkernel.agent.execution import Execution
+from sandkernel.output_text import readable_text
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,8 @@ class AsyncSandkernel:
         """POST execute with NDJSON streaming: ``on_output`` gets each output as it happens."""
         buffer = bytearray()
         result: dict[str, Any] = {}
+        streamed: list[dict[str, Any]] = []
+        failed: list[dict[str, Any]] = []
 
         def on_chunk(chunk: bytes) -> None:
             buffer.extend(chunk)
@@ -186,9 +189,12 @@ class AsyncSandkernel:
                     buffer[:0] = line + b"\n"
                     return
                 if event.get("type") == "output":
+                    streamed.append(event["output"])
                     on_output(event["output"])
                 elif event.get("type") == "result":
                     result.update(event["result"])
+                elif event.get("type") == "error":  # the execution failed after the stream began
+                    failed.append(event)
 
         request = self._request(
             "POST",
@@ -202,9 +208,15 @@ class AsyncSandkernel:
             response = await self._client().fetch(request, raise_error=False)
         except (OSError, HTTPClientError) as err:
             raise self._transport_failure("POST", request.url, err) from err
+        if failed:
+            event = failed[0]
+            raise error_for_status(event.get("status", 500), event.get("message", ""), event.get("error", ""))
         if response.code != 200 or not result:
             failure = _failure(response, "POST", request.url, body=bytes(buffer))
             raise failure or ClientError("the execute stream ended without a result", response.code)
+        # The final line carries only what the stream did not: the result is both, in order.
+        result["outputs"] = streamed + list(result.get("outputs") or [])
+        result.setdefault("text", readable_text(result["outputs"]))
         return result
 
     def _transport_failure(self, method: str, path: str, err: Exception) -> ClientError:

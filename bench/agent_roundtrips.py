@@ -31,11 +31,12 @@ from results_dir import results_path
 
 from sandkernel.agent.loop import AgentConfig
 from sandkernel.agent.offline_api import ScriptedMessagesServer
-from sandkernel.agent.runner import local_gateway, run_task
+from sandkernel.agent.runner import run_task
 from sandkernel.agent.scenarios import SCENARIOS
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.container import WORKSPACE
 from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
+from sandkernel.local_gateway import local_gateway
 
 RESULTS = results_path("agent_roundtrips.json")
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from nbformat.v4 import output_from_msg
 
+from sandkernel.output_text import readable_text
 from sandkernel.truncation import cut_marker  # the one marker (also imported from here by older callers)
 
 OutputCallback = Callable[[dict[str, Any]], Awaitable[None]]
@@ -71,15 +72,7 @@ class ExecutionResult:
     @property
     def text(self) -> str:
         """Everything a person would read: stdout, stderr and text/plain results, in order."""
-        parts = []
-        for output in self.outputs:
-            if output["output_type"] == "stream":
-                parts.append(output["text"])
-            elif output["output_type"] in ("execute_result", "display_data"):
-                plain = output.get("data", {}).get("text/plain")
-                if plain:
-                    parts.append(plain if plain.endswith("\n") else plain + "\n")
-        return "".join(parts)
+        return readable_text(self.outputs)
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
