@@ -220,6 +220,7 @@ async def _run_cells(
     verdicts: list[CellVerdict] = []
     taken: set[str] = set()
     missing_ids = 0
+    lost: tuple[int, str | None] = (0, None)  # the last cell at which the kernel's state was lost, and why
     for position, cell in enumerate(original.cells, start=1):
         if not isinstance(cell, dict):
             notes.append(f"cell {position} is not a cell ({type(cell).__name__}); left out")
@@ -243,8 +244,16 @@ async def _run_cells(
             for upload in uploads:
                 if upload.before_cell == index - 1:
                     await WorkspaceFiles(session.container).write(upload.path, upload.data)
-            result = await session.execute(code, timeout=timeout, source="replay")
-            verdict = judge(index, cell, result, rules, timeout)
+            try:
+                result = await session.execute(code, timeout=timeout, source="replay")
+            except nbformat.ValidationError as error:  # an output the collector could not shape
+                raise SandkernelError(
+                    f"code cell {index}: the kernel sent an output the notebook format rejects "
+                    f"({error.message[:200]}); the replay stopped there"
+                ) from error
+            if result.state_lost and result.state_lost != lost[1]:
+                lost = (index, result.state_lost)
+            verdict = judge(index, cell, result, rules, timeout, lost if lost[0] else None)
             replayed = dict(result_to_cell(code, result, source="replay"))
             replayed["id"] = new_id
             replayed["metadata"] = {**repair.cell_metadata(cell), **replayed["metadata"]}
@@ -269,10 +278,17 @@ def _unrun_cell(code: str, cell: dict[str, Any], new_id: str) -> dict[str, Any]:
 
 
 def judge(
-    index: int, original: dict[str, Any], result: ExecutionResult, rules: list[tuple[str, str]], timeout: float
+    index: int,
+    original: dict[str, Any],
+    result: ExecutionResult,
+    rules: list[tuple[str, str]],
+    timeout: float,
+    lost: tuple[int, str | None] | None = None,
 ) -> CellVerdict:
     """The verdict for code cell ``index``: the replay's death or timeout first (with whether
-    the original transcript recorded the same), else its outputs compared with the original's."""
+    the original transcript recorded the same), else its outputs compared with the original's.
+    ``lost`` (cell, sentence) is the last loss of the kernel's state: a difference after it
+    says so, since a later NameError is then the restart's doing, not the cell's."""
     recorded = original.get("metadata", {}).get("sandkernel", {}) if isinstance(original.get("metadata"), dict) else {}
     recorded_status = recorded.get("status") if isinstance(recorded, dict) else None
     if result.status in (ExecutionStatus.KERNEL_DIED, ExecutionStatus.OOM, ExecutionStatus.TIMEOUT):
@@ -289,8 +305,8 @@ def judge(
             index, verdict, note=note + ("; as in the original" if as_recorded else ""), as_recorded=as_recorded
         )
     verdict = compare_outputs(index, original.get("outputs"), list(result.outputs), rules)
-    if verdict.verdict is not Verdict.SAME and result.state_lost:
-        extra = f"state lost before this cell: {result.state_lost}"
+    if verdict.verdict is not Verdict.SAME and lost is not None:
+        extra = f"kernel state lost at cell {lost[0]}: {lost[1]}"
         verdict = dataclasses.replace(verdict, note=f"{verdict.note}; {extra}" if verdict.note else extra)
     return verdict
 
