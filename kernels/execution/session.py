@@ -16,19 +16,17 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import queue
 import time
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from jupyter_client import AsyncKernelManager
-from jupyter_client.asynchronous.client import AsyncKernelClient
 
-from sandkernel.errors import ArgumentTypeError, ConfigError, KernelStartError, SandkernelError, SessionClosedError
+from sandkernel.errors import ArgumentTypeError, ConfigError, SandkernelError, SessionClosedError
 from sandkernel.kernels.execution.deaths import DeathClassifier
-from sandkernel.kernels.execution.drain import IdleDrain
 from sandkernel.kernels.execution.events import ExecutionRequest, Observers, SessionObserver
+from sandkernel.kernels.execution.kernel import SandboxedKernel
 from sandkernel.kernels.execution.outputs import (
     ExecutionResult,
     ExecutionStatus,
@@ -37,37 +35,16 @@ from sandkernel.kernels.execution.outputs import (
     TimeoutStep,
 )
 from sandkernel.kernels.execution.replies import OwnShellReplies, RelayedReply, ReplySource
-from sandkernel.kernels.execution.transport import MAX_MESSAGE_BYTES, new_client, new_kernel_manager, next_message
 from sandkernel.kernels.execution.variables import list_variables
+from sandkernel.kernels.execution.watch import ExecutionWatch
 from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
 from sandkernel.kernels.sandbox.container import SandboxContainer
-from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 
 log = logging.getLogger(__name__)
 
-# How often a silent execution checks that its kernel is still alive (seconds).
-WATCHDOG_INTERVAL = 0.5
-# How long iopub may lag behind a reply that already arrived before the subscription is taken
-# for cut and renewed (seconds). The kernel publishes outputs from a thread of its own: starved
-# of CPU (another tenant's attack on a 2-core host, gVisor), it can trail the shell reply by
-# seconds, and renewing the subscription then would drop the very outputs that were on the way.
-IOPUB_PROBE_SECONDS = 10.0
-# How long to wait for the execute_reply once the kernel went idle (seconds).
-REPLY_TIMEOUT = 5.0
 # The longest timeout an execution may ask for (seconds).
 MAX_EXECUTE_TIMEOUT = 86400
-
-# Added to an execution whose outputs were cut off with the iopub subscription.
-OUTPUT_LOST_NOTE = {
-    "header": {"msg_type": "stream"},
-    "parent_header": {},
-    "content": {
-        "name": "stderr",
-        "text": f"[sandkernel: output lost: the kernel sent a message over the {MAX_MESSAGE_BYTES // 2**20} MiB "
-        "transport limit; the output channel was reconnected]\n",
-    },
-}
 
 
 def _utcnow() -> str:
@@ -97,21 +74,16 @@ class KernelSession:
     ) -> None:
         # Validate everything that can be validated before a container exists.
         self.profile: Profile = resolve_profile(profile, overrides)
-        self._profile_name = profile
-        self._overrides = dict(overrides or {})
         self.id = session_id or uuid.uuid4().hex
-        self._km = new_kernel_manager(kernel_name_for(self.profile.runtime))
-        self._client: AsyncKernelClient | None = None
+        self._kernel = SandboxedKernel(self.id, self.profile, profile, overrides or {})
         self._lock = asyncio.Lock()
-        self._epoch = 0  # bumped on every restart; a running execute notices it
         self._pending_state_lost: str | None = None
         self._interrupt_requested = False
         self._deaths = DeathClassifier(self.profile.memory_mb)
         self._notes: list[str] = []  # state-loss notes, told to observers after the cell
         self._closed = False
         self.observers = Observers(self.id)
-        self._drain = IdleDrain(self.id, lambda: self._client)
-        self._own_replies = OwnShellReplies(self._read_shell)
+        self._own_replies = OwnShellReplies(self._kernel.read_shell)
 
     @classmethod
     async def start(
@@ -124,7 +96,7 @@ class KernelSession:
         session = cls(profile, overrides, session_id)
         for observer in observers:
             session.add_observer(observer)
-        await session._start_kernel()
+        await session._kernel.start()
         return session
 
     def add_observer(self, observer: SessionObserver) -> None:
@@ -156,8 +128,8 @@ class KernelSession:
         }
 
     async def __aenter__(self) -> KernelSession:
-        if self._client is None:
-            await self._start_kernel()
+        if self._kernel.client is None:
+            await self._kernel.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -167,25 +139,19 @@ class KernelSession:
 
     @property
     def kernel_id(self) -> str:
-        return str(self._km.kernel_id)
+        return self._kernel.kernel_id
 
     @property
     def kernel_manager(self) -> AsyncKernelManager:
-        return self._km
+        return self._kernel.km
 
     @property
     def provisioner(self) -> DockerProvisioner:
-        provisioner = self._km.provisioner
-        if not isinstance(provisioner, DockerProvisioner):
-            raise SessionClosedError(f"session {self.id} has no running kernel")
-        return provisioner
+        return self._kernel.provisioner
 
     @property
     def container(self) -> SandboxContainer:
-        container = self.provisioner.container
-        if container is None:
-            raise SessionClosedError(f"session {self.id} has no container")
-        return container
+        return self._kernel.container
 
     @property
     def busy(self) -> bool:
@@ -194,98 +160,12 @@ class KernelSession:
 
     # -- lifecycle ------------------------------------------------------------------------
 
-    async def _start_kernel(self) -> None:
-        try:
-            await self._km.start_kernel(
-                sandkernel_profile=self._profile_name,
-                sandkernel_overrides=self._overrides,
-                sandkernel_session_id=self.id,
-            )
-            self._client = new_client(self._km)
-            with self._drain.reading():
-                await self._wait_ready()
-        except BaseException:
-            await self._teardown()
-            raise
-        self._drain.start()
-        log.info("session started", extra={"session": self.id, "kernel": self.kernel_id})
-
-    async def _read(self, channel: str, timeout: float) -> dict[str, Any]:
-        """The next verified message on the session's own iopub or shell; raises queue.Empty."""
-        assert self._client is not None
-        return await next_message(self._client, channel, timeout, self.id)
-
-    async def _read_shell(self, timeout: float) -> dict[str, Any]:
-        return await self._read("shell", timeout)
-
-    async def _wait_ready(self) -> None:
-        """Wait until the kernel answers on shell AND its iopub reaches us.
-
-        A SUB socket joins late (more so across gVisor): without the nudge the first
-        execute's ``idle`` status can be lost and the execute would wait for its timeout.
-        """
-        assert self._client is not None
-        deadline = time.monotonic() + self.profile.start_timeout
-        try:
-            await self._client.wait_for_ready(timeout=self.profile.start_timeout)
-        except RuntimeError as err:
-            raise KernelStartError(f"sandboxed kernel did not answer: {err}") from err
-        while time.monotonic() < deadline:
-            if await self._iopub_answers(0.25):
-                return
-        raise KernelStartError(f"the kernel's output channel did not connect within {self.profile.start_timeout:g}s")
-
-    async def _iopub_answers(
-        self, wait: float, msg_id: str | None = None, collector: OutputCollector | None = None
-    ) -> bool:
-        """Send a kernel_info request and wait up to ``wait`` seconds for its status on iopub.
-
-        Messages of a running execution ``msg_id`` that arrive meanwhile go to ``collector``."""
-        assert self._client is not None
-        probe_id = self._client.kernel_info()
-        deadline = time.monotonic() + wait
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                msg = await self._read("iopub", remaining)
-            except queue.Empty:
-                return False
-            parent = msg.get("parent_header", {}).get("msg_id")
-            if parent == probe_id:
-                return True
-            if collector is not None and parent == msg_id and msg["header"]["msg_type"] != "status":
-                await collector.add(msg)
-        return False
-
-    async def _reconnect_iopub(self) -> None:
-        """A fresh client, so a fresh iopub subscription. ZMQ drops a subscriber that receives a
-        message over the transport's size cap and does not bring it back: without this, every
-        later output of the session would be lost. Called only after the running execution's
-        reply was read, so nothing in flight on the old shell socket is lost."""
-        assert self._client is not None
-        log.warning("iopub went silent (a message over the size cap?); reconnecting", extra={"session": self.id})
-        with contextlib.suppress(Exception):
-            self._client.stop_channels()
-        self._client = new_client(self._km)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not await self._iopub_answers(0.25):
-            pass
-
-    async def _teardown(self) -> None:
-        if self._client is not None:
-            self._client.stop_channels()
-        if self._km.provisioner is not None:
-            with contextlib.suppress(SandkernelError, RuntimeError):
-                await self._km.shutdown_kernel(now=True)
-            if isinstance(self._km.provisioner, DockerProvisioner):
-                await self._km.provisioner.cleanup(restart=False)
-
     async def shutdown(self) -> None:
         """Stop the kernel and remove its container and runtime dir. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
-        await self._drain.stop()
-        await self._teardown()
+        await self._kernel.close()
         await self._note_discarded()
         await self.observers.emit("session_closed")
         log.info("session shut down", extra={"session": self.id})
@@ -299,11 +179,11 @@ class KernelSession:
         """
         self._check_open()
         async with self._lock:
-            assert self._client is not None
+            assert self._kernel.client is not None
             await self._note_discarded()
             await self.note("the session's variables were listed (a silent `user_expressions` request)")
-            with self._drain.reading():
-                return await list_variables(self._client, self._read_shell, timeout)
+            with self._kernel.drain.reading():
+                return await list_variables(self._kernel.client, self._kernel.read_shell, timeout)
 
     async def wait_idle(self) -> None:
         """Return once no execution is running (the next queued one may start right after)."""
@@ -319,7 +199,7 @@ class KernelSession:
         """Interrupt the running execution (it ends with status ``interrupted``)."""
         self._check_open()
         self._interrupt_requested = True
-        await self._km.interrupt_kernel()
+        await self._kernel.interrupt()
 
     async def restart(self) -> None:
         """Restart the kernel: memory state is dropped, /workspace files are kept."""
@@ -332,7 +212,7 @@ class KernelSession:
 
     async def _note_discarded(self) -> None:
         """Tell the observers how much output arrived while no execution was running."""
-        messages, size = self._drain.take_discarded()
+        messages, size = self._kernel.drain.take_discarded()
         if messages:
             await self.note(
                 f"output after the cell returned: {messages} messages, {size} bytes discarded "
@@ -346,13 +226,7 @@ class KernelSession:
 
     async def _restart_kernel(self, reason: str) -> TimeoutStep:
         """Restart and report whether the container had to be replaced (workspace lost)."""
-        self._epoch += 1
-        provisioner = self.provisioner
-        provisioner.workspace_lost = False
-        with self._drain.reading():
-            await self._km.restart_kernel(now=True)
-            await self._wait_ready()
-        replaced = provisioner.workspace_lost
+        replaced = await self._kernel.restart()
         if replaced:
             self._deaths.forget_container()
         self._pending_state_lost = reason + (
@@ -392,8 +266,8 @@ class KernelSession:
         limit = self.profile.execute_timeout if timeout is None else check_timeout(timeout)
 
         def send() -> str:
-            assert self._client is not None
-            return self._client.execute(code, allow_stdin=False, stop_on_error=False)
+            assert self._kernel.client is not None
+            return self._kernel.client.execute(code, allow_stdin=False, stop_on_error=False)
 
         return await self._run(code, limit, send, self._own_replies, on_output, tag, source, silent=False)
 
@@ -434,7 +308,7 @@ class KernelSession:
         async with self._lock:
             self._check_open()
             await self._note_discarded()
-            with self._drain.reading():
+            with self._kernel.drain.reading():
                 request, result = await self._execute_locked(
                     code, timeout, send, replies, on_output, tag, source, silent
                 )
@@ -453,28 +327,28 @@ class KernelSession:
         source: str,
         silent: bool,
     ) -> tuple[ExecutionRequest, ExecutionResult]:
-        assert self._client is not None
-        if not await self._km.is_alive():
+        if not await self._kernel.is_alive():
             status = await self._deaths.classify(self.container, None)
             await self._restart_kernel(self._deaths.sentence(status, between_executes=True))
         state_lost, self._pending_state_lost = self._pending_state_lost, None
         oom_before = await self._deaths.baseline(self.container)
         started_at, t0 = _utcnow(), time.monotonic()
-        epoch = self._epoch
+        epoch = self._kernel.epoch
         self._interrupt_requested = False
         msg_id = send()
         request = ExecutionRequest(code, source, msg_id, timeout, tag, silent)
         await self.observers.emit("execution_started", request)
         collector = OutputCollector(self._output_callback(request, on_output))
-        status = await self._collect(msg_id, collector, replies, t0 + timeout, epoch)
+        watch = ExecutionWatch(self._kernel, msg_id, collector, replies, lambda: self._interrupt_requested)
+        status = await watch.until_idle(t0 + timeout, epoch)
         ended_by: TimeoutStep | None = None
         if status is ExecutionStatus.TIMEOUT:
-            ended_by = await self._stop_runaway(msg_id, collector, replies, timeout)
-        elif status is ExecutionStatus.KERNEL_DIED and epoch == self._epoch:
+            ended_by = await self._stop_runaway(watch, timeout)
+        elif status is ExecutionStatus.KERNEL_DIED and epoch == self._kernel.epoch:
             status = await self._deaths.classify(self.container, oom_before)
             await self._restart_kernel(self._deaths.sentence(status, between_executes=False))
         elif status is ExecutionStatus.OK:
-            status = await self._reply_status(msg_id, collector, replies)
+            status = await watch.reply_status()
         # A restart during this execution is reported now and again by the next one.
         state_lost = self._pending_state_lost or state_lost
         result = ExecutionResult(
@@ -504,59 +378,15 @@ class KernelSession:
 
         return deliver
 
-    async def _collect(
-        self, msg_id: str, collector: OutputCollector, replies: ReplySource, deadline: float, epoch: int
-    ) -> ExecutionStatus:
-        """Feed iopub messages of ``msg_id`` to the collector until the kernel is idle.
-
-        Returns OK (idle seen), TIMEOUT (deadline passed) or KERNEL_DIED (watchdog).
-        """
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return ExecutionStatus.TIMEOUT
-            try:
-                msg = await self._read("iopub", min(remaining, WATCHDOG_INTERVAL))
-            except queue.Empty:
-                if epoch != self._epoch or not await self._km.is_alive():
-                    return ExecutionStatus.KERNEL_DIED
-                if await replies.poll(msg_id) is not None:
-                    # The reply is final but iopub never said idle: dropped under flood, or the
-                    # subscription itself was cut (an oversized message). Check, and repair.
-                    if not await self._iopub_answers(IOPUB_PROBE_SECONDS, msg_id, collector):
-                        await self._reconnect_iopub()
-                        await collector.add(OUTPUT_LOST_NOTE)
-                    return ExecutionStatus.OK
-                continue
-            if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                continue
-            if msg["header"]["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
-                return ExecutionStatus.OK
-            await collector.add(msg)
-
-    async def _reply_status(self, msg_id: str, collector: OutputCollector, replies: ReplySource) -> ExecutionStatus:
-        """Read the execute_reply for ``msg_id`` and classify the outcome."""
-        reply = await replies.wait(msg_id, REPLY_TIMEOUT)
-        if reply is not None and reply.get("execution_count") is not None:
-            collector.execution_count = reply["execution_count"]
-        failed = (reply or {}).get("status") == "error" or collector.error is not None
-        if not failed:
-            return ExecutionStatus.OK
-        if self._interrupt_requested and collector.error and collector.error.name == "KeyboardInterrupt":
-            return ExecutionStatus.INTERRUPTED
-        return ExecutionStatus.ERROR
-
-    async def _stop_runaway(
-        self, msg_id: str, collector: OutputCollector, replies: ReplySource, timeout: float
-    ) -> TimeoutStep:
+    async def _stop_runaway(self, watch: ExecutionWatch, timeout: float) -> TimeoutStep:
         """The ladder: interrupt, wait the grace period, restart the kernel, replace the container."""
         grace = self.profile.interrupt_grace
         reason = f"execution exceeded its {timeout:g}s timeout"
         with contextlib.suppress(RuntimeError, SandkernelError):
-            await self._km.interrupt_kernel()
-            epoch = self._epoch
-            if await self._collect(msg_id, collector, replies, time.monotonic() + grace, epoch) is ExecutionStatus.OK:
-                await self._reply_status(msg_id, collector, replies)
+            await self._kernel.interrupt()
+            epoch = self._kernel.epoch
+            if await watch.until_idle(time.monotonic() + grace, epoch) is ExecutionStatus.OK:
+                await watch.reply_status()
                 log.info("timeout ended by interrupt", extra={"session": self.id})
                 return TimeoutStep.INTERRUPT
         try:
@@ -573,12 +403,8 @@ class KernelSession:
 
     async def _replace_kernel(self, reason: str) -> None:
         """Last rung: throw away the kernel manager and container, start from scratch."""
-        self._epoch += 1
-        await self._teardown()
+        await self._kernel.replace()
         self._deaths.forget_container()
-        self._km = new_kernel_manager(self._km.kernel_name)
-        self._client = None
-        await self._start_kernel()
         self._pending_state_lost = reason + "; variables, imports and /workspace files are gone"
         self._notes.append(self._pending_state_lost)
         await self.observers.emit("kernel_restarted", reason, True)

@@ -1,0 +1,180 @@
+"""The host's side of one sandboxed kernel: its manager, the session's own client, the drain.
+
+What a session needs of its kernel and nothing about executions: start it and wait until both
+its shell and its iopub answer, read verified messages, probe and renew a cut iopub
+subscription, restart it, replace it (new manager, new container), tear it down. Every restart
+or replacement bumps :attr:`epoch`, which a running execution compares to notice it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from jupyter_client import AsyncKernelManager
+from jupyter_client.asynchronous.client import AsyncKernelClient
+
+from sandkernel.errors import KernelStartError, SandkernelError, SessionClosedError
+from sandkernel.kernels.execution.drain import IdleDrain
+from sandkernel.kernels.execution.outputs import OutputCollector
+from sandkernel.kernels.execution.transport import new_client, new_kernel_manager, next_message
+from sandkernel.kernels.lifecycle.profiles import Profile
+from sandkernel.kernels.sandbox.container import SandboxContainer
+from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
+from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
+
+log = logging.getLogger(__name__)
+
+# How long a renewed iopub subscription may take to answer (seconds).
+IOPUB_RECONNECT_SECONDS = 10.0
+
+
+class SandboxedKernel:
+    """One kernel in its container, as the session layer drives it."""
+
+    def __init__(self, session_id: str, profile: Profile, profile_name: object, overrides: Mapping[str, Any]) -> None:
+        self.session_id = session_id
+        self.profile = profile
+        self._launch = {
+            "sandkernel_profile": profile_name,
+            "sandkernel_overrides": dict(overrides),
+            "sandkernel_session_id": session_id,
+        }
+        self.km: AsyncKernelManager = new_kernel_manager(kernel_name_for(profile.runtime))
+        self.client: AsyncKernelClient | None = None
+        self.epoch = 0  # bumped on every restart or replacement
+        self.drain = IdleDrain(session_id, lambda: self.client)
+
+    @property
+    def kernel_id(self) -> str:
+        return str(self.km.kernel_id)
+
+    @property
+    def provisioner(self) -> DockerProvisioner:
+        provisioner = self.km.provisioner
+        if not isinstance(provisioner, DockerProvisioner):
+            raise SessionClosedError(f"session {self.session_id} has no running kernel; start a new session")
+        return provisioner
+
+    @property
+    def container(self) -> SandboxContainer:
+        container = self.provisioner.container
+        if container is None:
+            raise SessionClosedError(f"session {self.session_id} has no container; start a new session")
+        return container
+
+    async def start(self) -> None:
+        """Start the kernel and wait until it answers; on failure nothing is left running."""
+        try:
+            await self.km.start_kernel(**self._launch)
+            self.client = new_client(self.km)
+            with self.drain.reading():
+                await self._wait_ready()
+        except BaseException:
+            await self.teardown()
+            raise
+        self.drain.start()
+        log.info("session started", extra={"session": self.session_id, "kernel": self.kernel_id})
+
+    async def read(self, channel: str, timeout: float) -> dict[str, Any]:
+        """The next verified message on our own iopub or shell; raises queue.Empty."""
+        assert self.client is not None
+        return await next_message(self.client, channel, timeout, self.session_id)
+
+    async def read_shell(self, timeout: float) -> dict[str, Any]:
+        return await self.read("shell", timeout)
+
+    async def is_alive(self) -> bool:
+        return bool(await self.km.is_alive())
+
+    async def interrupt(self) -> None:
+        await self.km.interrupt_kernel()
+
+    async def _wait_ready(self) -> None:
+        """Wait until the kernel answers on shell AND its iopub reaches us.
+
+        A SUB socket joins late (more so across gVisor): without the nudge the first
+        execute's ``idle`` status can be lost and the execute would wait for its timeout.
+        """
+        assert self.client is not None
+        deadline = time.monotonic() + self.profile.start_timeout
+        try:
+            await self.client.wait_for_ready(timeout=self.profile.start_timeout)
+        except RuntimeError as err:
+            raise KernelStartError(f"sandboxed kernel did not answer: {err}") from err
+        while time.monotonic() < deadline:
+            if await self.iopub_answers(0.25):
+                return
+        raise KernelStartError(f"the kernel's output channel did not connect within {self.profile.start_timeout:g}s")
+
+    async def iopub_answers(
+        self, wait: float, msg_id: str | None = None, collector: OutputCollector | None = None
+    ) -> bool:
+        """Send a kernel_info request and wait up to ``wait`` seconds for its status on iopub.
+
+        Messages of a running execution ``msg_id`` that arrive meanwhile go to ``collector``."""
+        assert self.client is not None
+        probe_id = self.client.kernel_info()
+        deadline = time.monotonic() + wait
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                msg = await self.read("iopub", remaining)
+            except queue.Empty:
+                return False
+            parent = msg.get("parent_header", {}).get("msg_id")
+            if parent == probe_id:
+                return True
+            if collector is not None and parent == msg_id and msg["header"]["msg_type"] != "status":
+                await collector.add(msg)
+        return False
+
+    async def reconnect_iopub(self) -> None:
+        """A fresh client, so a fresh iopub subscription. ZMQ drops a subscriber that receives a
+        message over the transport's size cap and does not bring it back: without this, every
+        later output of the session would be lost. Called only after the running execution's
+        reply was read, so nothing in flight on the old shell socket is lost."""
+        assert self.client is not None
+        log.warning("iopub went silent (over the size cap?); reconnecting", extra={"session": self.session_id})
+        with contextlib.suppress(Exception):
+            self.client.stop_channels()
+        self.client = new_client(self.km)
+        deadline = time.monotonic() + IOPUB_RECONNECT_SECONDS
+        while time.monotonic() < deadline and not await self.iopub_answers(0.25):
+            pass
+
+    async def restart(self) -> bool:
+        """Restart the kernel; True when the container had to be replaced (workspace lost)."""
+        self.epoch += 1
+        provisioner = self.provisioner
+        provisioner.workspace_lost = False
+        with self.drain.reading():
+            await self.km.restart_kernel(now=True)
+            await self._wait_ready()
+        return provisioner.workspace_lost
+
+    async def replace(self) -> None:
+        """Throw away the kernel manager and container, and start from scratch."""
+        self.epoch += 1
+        await self.teardown()
+        self.km = new_kernel_manager(self.km.kernel_name)
+        self.client = None
+        await self.start()
+
+    async def teardown(self) -> None:
+        """Stop the client and the kernel, and remove the container and its runtime dir."""
+        if self.client is not None:
+            self.client.stop_channels()
+        if self.km.provisioner is not None:
+            with contextlib.suppress(SandkernelError, RuntimeError):
+                await self.km.shutdown_kernel(now=True)
+            if isinstance(self.km.provisioner, DockerProvisioner):
+                await self.km.provisioner.cleanup(restart=False)
+
+    async def close(self) -> None:
+        """Stop the drain, then tear down. Safe to call twice."""
+        await self.drain.stop()
+        await self.teardown()
