@@ -64,3 +64,25 @@ def test_update_and_clear_output():
     assert [o.get("text") for o in c.finished_outputs()] == ["y"]
     c = collect([display({"text/plain": "v1"}, "bar"), display({"text/plain": "v2"}, "bar", "update_display_data")])
     assert c.finished_outputs()[0]["data"] == {"text/plain": "v2"}
+
+
+def test_malformed_kernel_messages_become_valid_outputs():
+    """Kernel output is untrusted: a message missing fields or carrying the wrong types must
+    neither raise in the execute path nor make the transcript invalid nbformat."""
+    import nbformat
+
+    messages = [
+        {"header": {"msg_type": "stream"}, "content": {"name": 7}},
+        {"header": {"msg_type": "display_data"}, "content": {"data": 5, "metadata": "x"}},
+        {"header": {"msg_type": "display_data"}, "content": {"data": {"foo": 12, "application/json": {"a": 1}}}},
+        {"header": {"msg_type": "execute_result"}, "content": {"data": {"text/plain": ["4", "2"]}, "execution_count": "1"}},
+        {"header": {"msg_type": "error"}, "content": {"ename": None, "traceback": "not a list"}},
+    ]
+    c = collect(messages)
+    outputs = [{k: v for k, v in o.items() if not k.startswith("_")} for o in c.finished_outputs()]
+    assert [o["output_type"] for o in outputs] == ["stream", "display_data", "display_data", "execute_result", "error"]
+    assert outputs[2]["data"] == {"foo": "12", "application/json": {"a": 1}}
+    assert outputs[3]["data"]["text/plain"] == "42" and outputs[3]["execution_count"] is None
+    assert c.error is not None and c.error.name == "Error"
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x", outputs=outputs)])
+    nbformat.validate(notebook)
