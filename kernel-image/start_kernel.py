@@ -79,7 +79,10 @@ def join_workspace_when_started() -> None:
 # Messages the kernel queues for each iopub subscriber that reads slower than the code writes.
 # ZMQ's default (1000) lets a flood of 1 MiB chunks pile up a gigabyte in the kernel and end in
 # an OOM kill; past this many, ZMQ drops output instead (the host keeps head and tail anyway).
-IOPUB_SEND_QUEUE = 16
+# Not fewer than 64: ordinary widget code sends bursts (one tqdm.notebook bar is 13 comm_opens
+# and 6 comm_msgs in a row), and at 16 the cell's own print after it was dropped in 13 of 100
+# runs (tests/test_kernel_image.py); 64 x 1 MiB still fits the flood tests' 384 MiB sandbox.
+IOPUB_SEND_QUEUE = 64
 
 
 def bound_iopub_queue() -> None:
