@@ -38,6 +38,15 @@ DEFAULT_RULES: list[tuple[str, str]] = [
 ]
 KNOWN_OUTPUT_TYPES = frozenset({"stream", "execute_result", "display_data", "error"})
 
+# Exit codes of ``sandkernel replay`` and ``sandkernel diff`` (3 is replay's only).
+EXIT_SAME, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_SANDBOX_FAILED = 0, 1, 2, 3
+EXIT_CODES = {
+    EXIT_SAME: "every code cell agrees (same, not run, or a death or timeout the original recorded too)",
+    EXIT_DIFFERENT: "at least one code cell differs (changed, new error, error gone, kernel died, timed out, missing)",
+    EXIT_BAD_INPUT: "bad input: no notebook, not one nbformat reads, not Python, a needed file or setting missing",
+    EXIT_SANDBOX_FAILED: "the sandbox could not run the replay (Docker, the image, the runtime, the kernel)",
+}
+
 
 class Verdict(str, enum.Enum):
     """What became of one code cell. ``missing`` only comes from ``diff`` (the second notebook
@@ -221,4 +230,4 @@ def exit_code(verdicts: Sequence[CellVerdict]) -> int:
     """0 when every code cell agrees with the original (same, not run, or a death/timeout the
     original recorded too), else 1. Bad input (2) and a sandbox that could not run (3) are the
     caller's to report."""
-    return 0 if all(v.reproduced for v in verdicts) else 1
+    return EXIT_SAME if all(v.reproduced for v in verdicts) else EXIT_DIFFERENT

@@ -13,7 +13,7 @@ kernelspec and each cell's status and verdict in its metadata. Files the origina
 uploaded are put back in the workspace before the cell they preceded.
 
 :func:`run_replay_command` is the ``sandkernel replay`` command: it prints the verdicts, a
-summary line and the replay's path, and returns the exit code (:data:`EXIT_CODES`).
+summary line and the replay's path, and returns the exit code (:data:`~sandkernel.notebooks.compare.EXIT_CODES`).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, ker
 from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
 from sandkernel.notebooks import repair
 from sandkernel.notebooks.compare import (
+    EXIT_BAD_INPUT,
+    EXIT_SANDBOX_FAILED,
     CellVerdict,
     Verdict,
     compare_outputs,
@@ -52,13 +54,6 @@ log = logging.getLogger(__name__)
 
 # Seconds one cell may run before the timeout ladder stops it (``sandkernel replay --timeout``).
 DEFAULT_CELL_TIMEOUT = 600.0
-EXIT_SAME, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_SANDBOX_FAILED = 0, 1, 2, 3
-EXIT_CODES = {
-    EXIT_SAME: "every code cell reproduced the original (same, not run, or a death or timeout it recorded too)",
-    EXIT_DIFFERENT: "at least one code cell differs (changed, new error, error gone, kernel died, timed out)",
-    EXIT_BAD_INPUT: "bad input: no notebook, not one nbformat reads, not Python, a needed file or setting missing",
-    EXIT_SANDBOX_FAILED: "the sandbox could not run the replay (Docker, the image, the runtime, the kernel)",
-}
 # What an original transcript's cell status must be for a replay's death or timeout to agree.
 RECORDED_AS = {Verdict.KERNEL_DIED: {"kernel_died", "oom"}, Verdict.TIMED_OUT: {"timeout"}}
 
@@ -94,18 +89,22 @@ async def replay(
 ) -> ReplayOutcome:
     """Replay the notebook at ``path`` (its first ``until`` code cells; all by default).
 
-    ``runtime`` is runc, runsc or auto (None: $SANDKERNEL_RUNTIME, else auto); ``timeout`` is
-    per cell, in seconds. Raises :class:`ConfigError` for bad input (nothing was started) and
-    other :class:`SandkernelError`\\ s when the sandbox fails; never for what the cells do."""
+    ``runtime`` is runc, runsc or auto; None means the runtime the transcript recorded
+    (``metadata.sandkernel.runtime``, so a session replays as it ran), else $SANDKERNEL_RUNTIME,
+    else auto (gVisor where registered). ``timeout`` is per cell, in seconds. Raises
+    :class:`ConfigError` for bad input (before any sandbox starts) and other
+    :class:`SandkernelError`\\ s when the sandbox fails; never for what the cells do."""
     if until is not None and (isinstance(until, bool) or not isinstance(until, int) or until < 0):
         raise ConfigError(f"--until must be a number of code cells, 0 or more, not {until!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= 86400:
+        raise ConfigError(f"--timeout must be seconds per cell, above 0 and at most 86400, not {timeout!r}")
     try:
         rules = load_rules(rules_file)
     except (OSError, ValueError) as err:
         raise ConfigError(f"cannot use the rules file {rules_file}: {err}") from err
     original, notes = repair.load_notebook(path)
     uploads = _uploads_of(original, files or [], notes)
-    chosen = (await choose_default_runtime(runtime)).value
+    chosen = (await choose_default_runtime(runtime or _recorded_runtime(original))).value
     async with await KernelSession.start(profile=profile, overrides={"runtime": chosen}) as session:
         cells, verdicts = await _run_cells(session, original, uploads, until, timeout, rules, notes)
         sandbox = session.describe()
@@ -118,6 +117,13 @@ async def replay(
     except OSError as error:
         raise ConfigError(f"cannot write the replay {target}: {error}") from error
     return ReplayOutcome(target, verdicts, notes, chosen)
+
+
+def _recorded_runtime(notebook: nbformat.NotebookNode) -> str | None:
+    """The runtime a sandkernel transcript says its session ran on, if it names a known one."""
+    recorded = notebook.metadata.get("sandkernel")
+    runtime = recorded.get("runtime") if isinstance(recorded, dict) else None
+    return runtime if runtime in KERNEL_NAMES.values() else None
 
 
 def replay_notebook(
@@ -145,14 +151,15 @@ def run_replay_command(
     runtime: str | None = None,
     profile: str | None = None,
     rules_file: str | None = None,
-    timeout: float = DEFAULT_CELL_TIMEOUT,
+    timeout: float | None = None,
     files: list[str] | None = None,
     out: TextIO | None = None,
     err: TextIO | None = None,
 ) -> int:
     """``sandkernel replay``: print the notes, each cell's verdict, the summary and the replay's
-    path to ``out``, problems to ``err``; return an exit code of :data:`EXIT_CODES`."""
+    path to ``out``, problems to ``err``; return an exit code of :data:`~sandkernel.notebooks.compare.EXIT_CODES`."""
     out, err = out or sys.stdout, err or sys.stderr
+    timeout = DEFAULT_CELL_TIMEOUT if timeout is None else timeout
     try:
         outcome = asyncio.run(
             replay(Path(notebook), until, runtime, profile, rules_file, timeout, [Path(f) for f in files or []])
@@ -244,13 +251,7 @@ async def _run_cells(
             for upload in uploads:
                 if upload.before_cell == index - 1:
                     await WorkspaceFiles(session.container).write(upload.path, upload.data)
-            try:
-                result = await session.execute(code, timeout=timeout, source="replay")
-            except nbformat.ValidationError as error:  # an output the collector could not shape
-                raise SandkernelError(
-                    f"code cell {index}: the kernel sent an output the notebook format rejects "
-                    f"({error.message[:200]}); the replay stopped there"
-                ) from error
+            result = await session.execute(code, timeout=timeout, source="replay")
             if result.state_lost and result.state_lost != lost[1]:
                 lost = (index, result.state_lost)
             verdict = judge(index, cell, result, rules, timeout, lost if lost[0] else None)

@@ -202,13 +202,20 @@ async def test_sigkill_of_the_gateway_leaves_a_valid_notebook(tmp_path):
 
 @pytest.mark.parametrize("name", ["sales-demo.ipynb", "error-recovery.ipynb"])
 def test_examples_replay_the_same(tmp_path, name):
+    """Through the CLI with no --runtime: the transcript's own (runc) is used."""
     copy = tmp_path / name
     shutil.copy(EXAMPLES / name, copy)
     proc = run_cli("replay", str(copy))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "code cells the same" in proc.stdout and "changed" not in proc.stdout
+    cells = len([c for c in nbformat.read(copy, as_version=4).cells if c.cell_type == "code"])
+    assert f"{cells} of {cells} code cells the same" in proc.stdout and "changed" not in proc.stdout
+    assert "Could not destroy zmq context" not in proc.stderr, proc.stderr
     replayed = nbformat.read(tmp_path / name.replace(".ipynb", ".replay.ipynb"), as_version=4)
     nbformat.validate(replayed)
+    assert replayed.metadata.sandkernel.runtime == "runc"
+    assert [c.metadata["sandkernel"]["replay_verdict"] for c in replayed.cells if c.cell_type == "code"] == [
+        "same"
+    ] * cells
 
 
 def test_a_changed_cell_is_reported_with_a_diff(tmp_path):
@@ -218,10 +225,10 @@ def test_a_changed_cell_is_reported_with_a_diff(tmp_path):
     stream["text"] = stream["text"].replace("total:", "grand total:")
     path = tmp_path / "edited.ipynb"
     nbformat.write(nb, path)
-    proc = run_cli("replay", str(path), "--until", "4")
+    proc = run_cli("replay", str(path), "--until", "4", "--runtime", "runc")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "cell 4: changed" in proc.stdout and "-grand total:" in proc.stdout and "+total:" in proc.stdout
-    assert "cell 1: same" in proc.stdout
+    assert "cell 1: same" in proc.stdout and "3 of 4 code cells the same (1 changed)" in proc.stdout
     diff = run_cli("diff", str(EXAMPLES / "error-recovery.ipynb"), str(path))
     assert diff.returncode == 1 and "cell 4: changed" in diff.stdout
     same = run_cli("diff", str(EXAMPLES / "error-recovery.ipynb"), str(EXAMPLES / "error-recovery.ipynb"))
@@ -232,6 +239,11 @@ def test_bad_notebook_paths_get_clear_errors(tmp_path):
     proc = run_cli("replay", str(tmp_path / "missing.ipynb"))
     assert proc.returncode == 2 and "no notebook at" in proc.stderr
     assert os.path.exists(EXAMPLES / "sales-demo.ipynb")
+    garbage = tmp_path / "garbage.ipynb"
+    garbage.write_text("{not json")
+    proc = run_cli("replay", str(garbage))
+    assert proc.returncode == 2 and "is not a notebook nbformat can read" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "garbage.replay.ipynb").exists()
 
 
 def test_replay_restores_uploads_and_asks_for_files_too_large_to_embed(tmp_path):
@@ -243,10 +255,10 @@ def test_replay_restores_uploads_and_asks_for_files_too_large_to_embed(tmp_path)
     del entry["base64"]  # as for an upload over the embedding limit
     path = tmp_path / "big-input.ipynb"
     nbformat.write(nb, path)
-    proc = run_cli("replay", str(path))
+    proc = run_cli("replay", str(path), "--runtime", "runc")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "needs the file sales.csv" in proc.stderr and "pass it with --file" in proc.stderr
     [csv_path] = make_sales_files(tmp_path)
-    proc = run_cli("replay", str(path), "--file", str(csv_path))
+    proc = run_cli("replay", str(path), "--file", str(csv_path), "--runtime", "runc")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3 of 3 code cells the same" in proc.stdout

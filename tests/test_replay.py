@@ -20,12 +20,8 @@ import nbformat
 import pytest
 from nbformat import v3
 
-from sandkernel.notebooks.replay import (
-    EXIT_BAD_INPUT,
-    EXIT_DIFFERENT,
-    EXIT_SAME,
-    run_replay_command,
-)
+from sandkernel.notebooks.compare import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_SAME
+from sandkernel.notebooks.replay import run_replay_command
 
 from .conftest import require_runtime
 
@@ -115,14 +111,9 @@ def test_public_notebook_with_odd_metadata_replays_to_a_valid_notebook(tmp_path)
     assert replayed.metadata.sandkernel.replay["of"] == "squares.ipynb"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernels/execution/outputs.py OutputCollector._record: nbformat's output_from_msg raises "
-    "NotebookValidationError for a kernel's malformed output, out of session.execute (reported to the lead)",
-)
 def test_an_output_the_schema_rejects_does_not_stop_the_replay(tmp_path):
-    """Kernel output is untrusted: text/plain that is not text must become a note in the cell,
-    and the replay go on and stay valid."""
+    """Kernel output is untrusted: text/plain that is not text (it raised NotebookValidationError
+    out of session.execute until the collector coerced it) leaves the replay going and valid."""
     nb = public_notebook(
         [
             code(1, "from IPython.display import publish_display_data\npublish_display_data({'text/plain': 5})", []),
@@ -333,6 +324,10 @@ def test_bad_arguments_are_refused(tmp_path):
     assert replay(tmp_path / "missing.ipynb")[0] == EXIT_BAD_INPUT
     code_, _, stderr, _ = replay(path, until=-1)
     assert code_ == EXIT_BAD_INPUT and "--until must be" in stderr
+    code_, _, stderr, _ = replay(path, timeout=0)
+    assert code_ == EXIT_BAD_INPUT and "--timeout must be seconds per cell" in stderr
+    code_, _, stderr, _ = replay(path, profile="enormous")
+    assert code_ == EXIT_BAD_INPUT and "unknown profile 'enormous'" in stderr
     rules = tmp_path / "rules.json"
     rules.write_text('[["(unclosed", "x"]]')
     code_, _, stderr, _ = replay(path, rules_file=str(rules))
