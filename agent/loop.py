@@ -16,12 +16,13 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
-
-import anthropic
+from typing import TYPE_CHECKING, Any
 
 from sandkernel.agent.client import AsyncSession
 from sandkernel.agent.tools import FINAL_ANSWER, TOOLS, ToolOutcome, run_tool
+
+if TYPE_CHECKING:  # anthropic takes ~1.7 s to import: only the caller that makes a client pays it
+    import anthropic
 
 log = logging.getLogger(__name__)
 
