@@ -27,6 +27,13 @@ from typing import Any
 import nbformat
 
 from sandkernel.mime import IMAGE_MIME_TYPES, is_image
+from sandkernel.notebooks.exit_codes import (  # noqa: F401 (re-exported for callers)
+    EXIT_BAD_INPUT,
+    EXIT_CODES,
+    EXIT_DIFFERENT,
+    EXIT_SAME,
+    EXIT_SANDBOX_FAILED,
+)
 
 DEFAULT_RULES: list[tuple[str, str]] = [
     (r"\x1b\[[0-9;]*m", ""),  # ANSI colours in tracebacks
@@ -37,16 +44,6 @@ DEFAULT_RULES: list[tuple[str, str]] = [
     (r"Cell In\[\d+\]", "Cell In[<N>]"),
 ]
 KNOWN_OUTPUT_TYPES = frozenset({"stream", "execute_result", "display_data", "error"})
-
-# Exit codes of ``sandkernel replay`` and ``sandkernel diff`` (3 is replay's only).
-EXIT_SAME, EXIT_DIFFERENT, EXIT_BAD_INPUT, EXIT_SANDBOX_FAILED = 0, 1, 2, 3
-EXIT_CODES = {
-    EXIT_SAME: "every code cell agrees (same, not run, or a death or timeout the original recorded too)",
-    EXIT_DIFFERENT: "at least one code cell differs (changed, new error, error gone, kernel died, timed out, missing)",
-    EXIT_BAD_INPUT: "bad input: no notebook, not one nbformat reads, not Python, a needed file or setting missing",
-    EXIT_SANDBOX_FAILED: "the sandbox could not run the replay (Docker, the image, the runtime, the kernel)",
-}
-
 
 class Verdict(str, enum.Enum):
     """What became of one code cell. ``missing`` only comes from ``diff`` (the second notebook

@@ -47,36 +47,33 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_replay(args: argparse.Namespace) -> int:
-    from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
-    from sandkernel.notebooks.compare import format_report
-    from sandkernel.notebooks.replay import replay_notebook
+    from sandkernel.notebooks.replay import run_replay_command
 
-    path = Path(args.notebook)
-    if not path.is_file():
-        print(f"sandkernel: no notebook at {path}", file=sys.stderr)
-        return 2
-    kernel = kernel_name_for(args.runtime)
-    target, verdicts = replay_notebook(
-        path, until=args.until, kernel_name=kernel, rules_file=args.rules, files=[Path(f) for f in args.file]
+    return run_replay_command(
+        args.notebook,
+        until=args.until,
+        runtime=args.runtime,
+        profile=args.profile,
+        rules_file=args.rules,
+        timeout=args.timeout,
+        files=args.file,
     )
-    print(format_report(verdicts))
-    print(f"replayed notebook: {target}")
-    return 0 if all(v.verdict == "same" for v in verdicts) else 1
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    import nbformat
+    from sandkernel.errors import ConfigError
+    from sandkernel.notebooks.compare import compare_notebooks, exit_code, format_report, load_rules
+    from sandkernel.notebooks.repair import load_notebook
 
-    from sandkernel.notebooks.compare import compare_notebooks, format_report, load_rules
-
-    for name in (args.first, args.second):
-        if not Path(name).is_file():
-            print(f"sandkernel: no notebook at {name}", file=sys.stderr)
-            return 2
-    a, b = (nbformat.read(name, as_version=4) for name in (args.first, args.second))
-    verdicts = compare_notebooks(a, b, load_rules(args.rules))
+    try:
+        a, b = (load_notebook(Path(name))[0] for name in (args.first, args.second))
+        rules = load_rules(args.rules)
+    except ConfigError as err:
+        print(f"sandkernel: {err}", file=sys.stderr)
+        return 2
+    verdicts = compare_notebooks(a, b, rules)
     print(format_report(verdicts))
-    return 0 if all(v.verdict == "same" for v in verdicts) else 1
+    return exit_code(verdicts)
 
 
 def _cmd_attach(args: argparse.Namespace) -> int:
@@ -199,10 +196,38 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
 
-    replay = sub.add_parser("replay", help="re-run a transcript in a fresh sandbox and compare, cell by cell")
-    replay.add_argument("notebook", help="the .ipynb transcript to replay")
-    replay.add_argument("--until", type=int, default=None, help="replay only the first N code cells")
-    replay.add_argument("--runtime", choices=["runc", "runsc"], default="runc", help="container runtime")
+    from sandkernel.notebooks.exit_codes import EXIT_CODES
+
+    exit_codes = "exit codes:\n" + "\n".join(f"  {code}  {meaning}" for code, meaning in EXIT_CODES.items())
+    replay = sub.add_parser(
+        "replay",
+        help="re-run a notebook in a fresh sandbox and give each code cell a verdict",
+        description="Run each code cell of NOTEBOOK (a sandkernel transcript or any notebook nbformat reads) in a "
+        "fresh sandbox through the session's execute, and compare its outputs with the notebook's. Verdicts: same, "
+        "changed, new error, error gone, kernel died, timed out, not run. Writes NAME.replay.ipynb beside it.",
+        epilog=exit_codes,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay.add_argument("notebook", help="the .ipynb to replay")
+    replay.add_argument(
+        "--until", type=int, default=None, metavar="N", help="run only the first N code cells (the rest: not run)"
+    )
+    replay.add_argument(
+        "--runtime",
+        choices=RUNTIME_CHOICES,
+        default=None,
+        help="container runtime (default: the one the transcript recorded, else $SANDKERNEL_RUNTIME, else auto: "
+        "gVisor where runsc is registered, else runc)",
+    )
+    replay.add_argument("--profile", default=None, help="resource profile: default, small or large (default: default)")
+    replay.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="per-cell limit: a cell still running is interrupted, then its kernel restarted, and judged "
+        "'timed out' (default 600)",
+    )
     replay.add_argument("--rules", default=None, help='JSON [["regex", "replacement"], ...] for volatile text')
     replay.add_argument(
         "--file",
@@ -213,7 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     replay.set_defaults(func=_cmd_replay)
 
-    diff = sub.add_parser("diff", help="compare two transcripts cell by cell")
+    diff = sub.add_parser(
+        "diff",
+        help="compare two notebooks cell by cell",
+        epilog=exit_codes,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     diff.add_argument("first")
     diff.add_argument("second")
     diff.add_argument("--rules", default=None, help='JSON [["regex", "replacement"], ...] for volatile text')

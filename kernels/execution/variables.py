@@ -1,9 +1,9 @@
 """A cheap listing of a kernel's user namespace: name, type, size, shape.
 
 Evaluated as a silent ``user_expressions`` request (no output, no execution count). The code
-that walks the namespace ships in the kernel image (``sandkernel_variables``, on an image-owned
-path the workspace cannot shadow) when the image has it; older images get the same listing
-from an inline expression.
+that walks the namespace ships in the kernel image (``kernel-image/sandkernel_variables.py``,
+root-owned, imported by the launcher before user code); images without it (an operator's own)
+get the same listing from an inline expression.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.replies import ShellReader
 
-# Evaluated in the kernel: one JSON string, no side effects, bounded length.
-VARIABLES_EXPRESSION = (
+# The listing for images without the module (same JSON): one string, no side effects, bounded.
+INLINE_EXPRESSION = (
     "(lambda ns, hidden, json=__import__('json'), sys=__import__('sys'): json.dumps(["
     "{'name': k, 'type': type(v).__module__ + '.' + type(v).__qualname__"
     " if type(v).__module__ != 'builtins' else type(v).__qualname__,"
@@ -30,6 +30,12 @@ VARIABLES_EXPRESSION = (
     " for k, v in list(ns.items())[:2000] if not k.startswith('_') and k not in hidden"
     " and type(v).__name__ not in ('module', 'function', 'builtin_function_or_method', 'type')]))"
     "(get_ipython().user_ns, get_ipython().user_ns_hidden)"
+)
+# Evaluated in the kernel: the image's module, looked up in sys.modules where start_kernel.py put
+# it before any user code ran (never imported by name: a planted /workspace file could answer).
+VARIABLES_EXPRESSION = (
+    "(lambda m: m.listing(get_ipython()) if m is not None else " + INLINE_EXPRESSION + ")"
+    "(__import__('sys').modules.get('sandkernel_variables'))"
 )
 
 
