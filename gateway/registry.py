@@ -205,6 +205,7 @@ class SessionRegistry:
             m
             for m in self._sessions.values()
             if m.execution_state != "busy"
+            and not m.session.busy  # an execution is running or queued, by any door
             and (
                 (idle_timeout is not None and now - m.active_mono > idle_timeout)
                 or (max_lifetime is not None and now - m.created_mono > max_lifetime)

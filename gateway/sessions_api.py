@@ -27,6 +27,7 @@ from sandkernel.gateway.base import ApiError, BaseHandler, error_reply
 from sandkernel.gateway.budget import OutputBudget, apply_budget
 from sandkernel.gateway.registry import ManagedSession, TooManySessionsError
 from sandkernel.kernels.execution.outputs import ExecutionResult
+from sandkernel.output_text import readable_text
 
 KEEPALIVE_SECONDS = 10.0
 MAX_CODE_BYTES = 1024 * 1024
@@ -149,15 +150,6 @@ class StreamBudget:
         }
 
 
-def reply_text(outputs: list[dict[str, Any]]) -> str:
-    """The ``text`` view of a reply: streams and text/plain results, errors left out."""
-    return "".join(
-        o["text"] if o["output_type"] == "stream" else o.get("data", {}).get("text/plain", "") + "\n"
-        for o in outputs
-        if o["output_type"] != "error"
-    )
-
-
 class ExecuteHandler(SessionScoped):
     """POST {code, timeout?} → the result; with ``?stream=1`` (or Accept: application/x-ndjson)
     an NDJSON stream (see the module docstring). A streaming client that disconnects interrupts
@@ -178,15 +170,12 @@ class ExecuteHandler(SessionScoped):
         streaming = self.get_query_argument("stream", "") in ("1", "true") or "application/x-ndjson" in (
             self.request.headers.get("Accept") or ""
         )
-        managed.touch("busy")
-        try:
-            if streaming:
-                await self._stream(managed, code, timeout, tag)
-            else:
-                result = await managed.session.execute(code, timeout=timeout, tag=tag, source="session_api")
-                self.write_json(self._reply(result))
-        finally:
-            managed.touch("idle")
+        managed.touch()  # busy / idle follow the execution itself (gateway/session_observers.py)
+        if streaming:
+            await self._stream(managed, code, timeout, tag)
+        else:
+            result = await managed.session.execute(code, timeout=timeout, tag=tag, source="session_api")
+            self.write_json(self._reply(result))
 
     def _reply(self, result: ExecutionResult) -> dict[str, Any]:
         data = result.to_dict()
@@ -195,7 +184,7 @@ class ExecuteHandler(SessionScoped):
             data["truncation"]["truncated"] = True
         if data["truncation"]["truncated"]:
             self.metrics.record_reply_truncated()
-        data["text"] = reply_text(data["outputs"])
+        data["text"] = readable_text(data["outputs"])
         return data
 
     def _summary(self, result: ExecutionResult, budget: StreamBudget) -> dict[str, Any]:

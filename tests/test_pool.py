@@ -14,9 +14,11 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 from .gateway_fixtures import start_gateway, stop_gateway
 
 
-def docker_containers():
-    """This test process's sandboxes (another suite may share the engine)."""
-    return default_engine().client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={owner_label()}"})
+def docker_containers(session_id: str | None = None):
+    """This test process's sandboxes (another suite may share the engine), optionally one session's.
+    Sparse: a full listing inspects each container and fails on one removed in between."""
+    labels = [f"{OWNER_LABEL}={owner_label()}"] + ([f"sandkernel.session={session_id}"] if session_id else [])
+    return default_engine().client.containers.list(all=True, sparse=True, filters={"label": labels})
 
 
 async def pool_size(gateway) -> int:
@@ -44,11 +46,11 @@ async def test_sessions_come_warm_fresh_and_are_never_reused(tmp_path):
         nb = nbformat.read(first["path"], as_version=4)
         assert nb.metadata["sandkernel"]["warm_pool"] is True and nb.metadata["sandkernel"]["session_id"] == first["id"]
         await wait_for_pool(gateway, 2)  # refilled in the background
-        first_containers = [c.id for c in docker_containers() if c.labels.get("sandkernel.session") == first["id"]]
+        first_containers = [c.id for c in docker_containers(first["id"])]
         assert (await gateway.request("DELETE", f"/api/sessions/{first['id']}"))[0] == 204
         code, second = await gateway.request("POST", "/api/sessions", {})
         assert code == 201 and second["id"] != first["id"]
-        second_containers = [c.id for c in docker_containers() if c.labels.get("sandkernel.session") == second["id"]]
+        second_containers = [c.id for c in docker_containers(second["id"])]
         assert second_containers and not set(second_containers) & set(first_containers)
         assert not [c for c in docker_containers() if c.id in first_containers], "a used sandbox went back to the pool"
         # Other profiles start cold; pooled sandboxes count toward the total (1 live + 2 pooled = 3).

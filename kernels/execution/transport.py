@@ -9,6 +9,7 @@ logged here, never raised into an execution.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -37,6 +38,8 @@ RECEIVE_QUEUE_MESSAGES = 64
 # ZMQ is decoding), 192 MiB, even when nobody reads; past it, the kernel's own (memory-limited)
 # send queue fills and then drops. Ours is drained between executes, so in practice it holds one.
 IOPUB_RECEIVE_QUEUE = 2
+# How much longer than its timeout one read may wait for a message its poll saw (seconds).
+RECEIVE_GRACE_SECONDS = 1.0
 # iopub message types that carry output (counted in the "output after the cell returned" note).
 OUTPUT_MSG_TYPES = frozenset({"stream", "display_data", "update_display_data", "execute_result", "error"})
 
@@ -89,8 +92,14 @@ async def next_message(client: AsyncKernelClient, channel: str, timeout: float, 
     get = client.get_iopub_msg if channel == "iopub" else client.get_shell_msg
     deadline = time.monotonic() + timeout
     while True:
+        remaining = max(deadline - time.monotonic(), 0)
         try:
-            return await get(timeout=max(deadline - time.monotonic(), 0))
+            # jupyter_client polls for the timeout, then receives without one: if another reader
+            # of the socket took the message the poll saw (a restart's readiness probe beside a
+            # running execute), that receive would wait forever. Every read is bounded.
+            return await asyncio.wait_for(get(timeout=remaining), remaining + RECEIVE_GRACE_SECONDS)
+        except asyncio.TimeoutError:
+            raise queue.Empty from None
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
             log.warning(
                 "dropped a %s message that failed verification: %s",

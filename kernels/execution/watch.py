@@ -63,6 +63,11 @@ class ExecutionWatch:
         Returns OK (idle seen), TIMEOUT (``deadline``, monotonic, passed) or KERNEL_DIED (the
         kernel is dead, or was restarted since ``epoch``)."""
         while True:
+            if epoch != self.kernel.epoch:
+                # Restarted under us (a restart request does not wait for the execute lock): leave
+                # iopub to the restart's readiness probe at once, or this loop would consume the
+                # probe's answers, as it consumes every message, until the restart timed out.
+                return ExecutionStatus.KERNEL_DIED
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return ExecutionStatus.TIMEOUT

@@ -65,7 +65,12 @@ MAX_RUNTIME_BASE_BYTES = 64 << 20
 
 # The only outputs a canary execute may show besides its result: its own kernel's warnings.
 # Anything else (another tenant's output, a gateway notice) means an attack reached the canary.
-KNOWN_KERNEL_WARNINGS: tuple[re.Pattern[str], ...] = ()
+KNOWN_KERNEL_WARNINGS: tuple[re.Pattern[str], ...] = (
+    # IPython's output cache fills after 1000 results (a long arena's canary gets there).
+    re.compile(r".*/IPython/core/displayhook\.py:\d+: UserWarning: Output cache limit \(currently \d+ entries\) hit\."),
+    re.compile(r"Flushing oldest \d+ entries\."),
+    re.compile(r"\s*warn\('Output cache limit \(currently \{sz\} entries\) hit\.\\n'"),
+)
 
 
 def unexpected_outputs(outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
