@@ -60,7 +60,7 @@ _ORPHANED: set[asyncio.Task] = set()
 def _orphan_done(task: asyncio.Task) -> None:
     _ORPHANED.discard(task)
     if not task.cancelled() and task.exception() is not None:
-        log.warning("an execution whose websocket closed failed: %s", task.exception())
+        log.warning("an execution whose websocket closed failed: %r", task.exception())
 
 
 def _aborts_queue(result: ExecutionResult, content: dict[str, Any]) -> bool:

@@ -54,6 +54,15 @@ async def wait_for_cell(gw, session, source: str, attempts: int = 600) -> dict:
     raise AssertionError(f"no cell for {source!r} in the transcript")
 
 
+async def wait_for_cells(gw, session, count: int, attempts: int = 600) -> None:
+    """Until the transcript holds ``count`` code cells."""
+    for _ in range(attempts):
+        if len(await code_cells(gw, session)) >= count:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the transcript never held {count} code cells")
+
+
 def _without_counts(outputs: list[dict]) -> list[dict]:
     return [{k: v for k, v in output.items() if k != "execution_count"} for output in outputs]
 
@@ -73,6 +82,7 @@ async def test_websocket_execute_is_recorded_like_the_session_api(gw, session):
         ws.close()
     assert reply["content"]["status"] == "ok"
     assert [m["content"].get("text") for m in iopub if m["msg_type"] == "stream"] == ["hello\n"]
+    await wait_for_cells(gw, session, 2)  # the client may see the reply before the cell is written
     api_cell, ws_cell = (await code_cells(gw, session))[-2:]
     assert api_cell["source"] == ws_cell["source"] == code
     assert _without_counts(api_cell["outputs"]) == _without_counts(ws_cell["outputs"])
@@ -95,6 +105,7 @@ async def test_websocket_executes_queue_behind_other_doors(gw, session):
     finally:
         ws.close()
     assert (await api)[1]["status"] == "ok" and reply["content"]["status"] == "ok"
+    await wait_for_cells(gw, session, 2)
     api_cell, ws_cell = (await code_cells(gw, session))[-2:]
     assert api_cell["source"] == api_code
     api_info, ws_info = api_cell["metadata"]["sandkernel"], ws_cell["metadata"]["sandkernel"]
@@ -191,6 +202,7 @@ async def test_a_failed_execute_aborts_the_queue_behind_it(gw, session):
         assert reply["content"]["status"] == "ok"
     finally:
         ws.close()
+    await wait_for_cell(gw, session, "print('ran_b' in globals(), 'ran_c' in globals())")
     sources = [cell["source"] for cell in await code_cells(gw, session)]
     assert "ran_b = True" not in sources and "ran_c = True" not in sources
     assert sources[-1] == "print('ran_b' in globals(), 'ran_c' in globals())"

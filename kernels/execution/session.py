@@ -308,10 +308,15 @@ class KernelSession:
         async with self._lock:
             self._check_open()
             await self._note_discarded()
-            with self._kernel.drain.reading():
-                request, result = await self._execute_locked(
-                    code, timeout, send, replies, on_output, tag, source, silent
-                )
+            try:
+                with self._kernel.drain.reading():
+                    request, result = await self._execute_locked(
+                        code, timeout, send, replies, on_output, tag, source, silent
+                    )
+            except Exception as err:
+                if self._closed:  # shut down under the execution: its sockets closed, say so plainly
+                    raise SessionClosedError(f"session {self.id} was shut down during the execution") from err
+                raise
             await self.observers.emit("execution_finished", request, result)
             await self._flush_notes()
             return result
