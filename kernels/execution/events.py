@@ -80,9 +80,6 @@ class Observers:
     def __bool__(self) -> bool:
         return bool(self._observers)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(list(self._observers))
-
     async def emit(self, event: str, *args: Any) -> None:
         """Await ``event`` on every observer; one that raises is logged, never propagated."""
         for observer in list(self._observers):

@@ -37,14 +37,14 @@ from sandkernel.kernels.execution.outputs import (
 from sandkernel.kernels.execution.replies import OwnShellReplies, RelayedReply, ReplySource
 from sandkernel.kernels.execution.variables import list_variables
 from sandkernel.kernels.execution.watch import ExecutionWatch
-from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
+from sandkernel.kernels.lifecycle.profiles import NUMERIC_RANGES, Profile, resolve_profile
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 
 log = logging.getLogger(__name__)
 
-# The longest timeout an execution may ask for (seconds).
-MAX_EXECUTE_TIMEOUT = 86400
+# The longest timeout an execution may ask for (seconds): the profile setting's own ceiling.
+MAX_EXECUTE_TIMEOUT = NUMERIC_RANGES["execute_timeout"][1]
 
 
 def _utcnow() -> str:
@@ -54,7 +54,7 @@ def _utcnow() -> str:
 def check_timeout(timeout: object) -> float:
     """A timeout a caller asked for, as float seconds; ConfigError names the allowed range."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_EXECUTE_TIMEOUT:
-        raise ConfigError(f"timeout must be a number of seconds between 0 and {MAX_EXECUTE_TIMEOUT}, not {timeout!r}")
+        raise ConfigError(f"timeout must be a number of seconds between 0 and {MAX_EXECUTE_TIMEOUT:g}, not {timeout!r}")
     return float(timeout)
 
 
