@@ -1,0 +1,52 @@
+"""Where sandkernel keeps what must outlive its process: the session catalog, workspace disks.
+
+One place decides it: the path the gateway was given (``--state-dir``, applied with
+:func:`use_state_dir` before any session starts), else ``SANDKERNEL_STATE_DIR``, else
+/var/lib/sandkernel for root and ``$XDG_STATE_HOME/sandkernel`` (~/.local/state) for others.
+The directory is made 0700 and must belong to this user: tenants' files (workspace disk
+images) and the catalog (which holds every kernel's HMAC key) live under it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from sandkernel.errors import ConfigError
+
+_chosen: Path | None = None
+
+
+def use_state_dir(path: str | os.PathLike[str] | None) -> None:
+    """Make ``path`` this process's state dir (None: back to the default)."""
+    global _chosen
+    _chosen = Path(path).absolute() if path is not None else None
+
+
+def default_state_dir() -> Path:
+    if os.environ.get("SANDKERNEL_STATE_DIR"):
+        return Path(os.environ["SANDKERNEL_STATE_DIR"]).absolute()
+    if os.geteuid() == 0:
+        return Path("/var/lib/sandkernel")
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "sandkernel"
+
+
+def state_dir(subdir: str = "") -> Path:
+    """The state dir (or a named subdirectory of it), created 0700 and checked to be ours.
+
+    A path that exists but is not a real directory of this user's (a symlink, another user's
+    directory) is refused with a ConfigError that says which path to fix."""
+    root = _chosen or default_state_dir()
+    path = root / subdir if subdir else root
+    for directory in (root, path) if subdir else (root,):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise ConfigError(
+                f"state dir {directory} is not a directory owned by this user; fix it or choose another --state-dir"
+            )
+        if stat.S_IMODE(st.st_mode) != 0o700:
+            os.chmod(directory, 0o700)
+    return path
