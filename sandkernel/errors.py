@@ -109,3 +109,20 @@ class ImageBuildError(SandkernelError):
 
 class ArgumentTypeError(ConfigError, TypeError):
     """An argument of the wrong type (e.g. code that is not a string)."""
+
+
+class SandboxLostError(SandkernelError):
+    """A session's sandbox died or was removed while no gateway was attached to it (the reason
+    says how: exit code, OOM kill, removed). The session stays listed, in state ``lost``,
+    until it is deleted; its workspace disk is kept until then."""
+
+    status = 410
+    code = "sandbox_lost"
+
+
+class AdoptionRefusedError(SandkernelError):
+    """A recorded sandbox is not what the catalog says (labels, image, runtime dir or sockets
+    differ): the gateway refuses to talk to it and leaves it alone for an operator to look at."""
+
+    status = 409
+    code = "adoption_refused"

@@ -31,14 +31,19 @@ class ExecutionStatus(str, enum.Enum):
     INTERRUPTED = "interrupted"
     KERNEL_DIED = "kernel_died"
     OOM = "oom"
+    # The gateway stopped (restart, upgrade) while the code ran: the caller got what was produced
+    # so far; the code itself kept running in the kernel, and the next gateway records its end.
+    DETACHED = "detached"
 
 
 class TimeoutStep(str, enum.Enum):
-    """Which rung of the timeout ladder stopped the code."""
+    """What ended an execution before its code finished: a rung of the timeout ladder, or the
+    gateway letting go of the session as it stopped (``ended_by: "gateway_restart"``)."""
 
     INTERRUPT = "interrupt"
     RESTART = "restart"
     KILL = "kill"
+    GATEWAY_RESTART = "gateway_restart"
 
 
 @dataclasses.dataclass(frozen=True)
