@@ -9,7 +9,9 @@ Every setting of a :class:`Profile` belongs to one of two owners:
 - **tenant-narrowable** (:data:`TENANT_SETTINGS`): resource limits, timeouts and disk sizes, each
   up to the profile's ceiling; the runtime, among those the profile lets tenants pick (gVisor is
   always allowed, runc only where the operator lists it); and the network, only ever narrower
-  than what the profile or the operator's egress policy grants.
+  than what the profile or the operator's egress policy grants; and the workspace storage
+  (``disk`` or ``memory``), either way: a memory workspace costs only the tenant's own memory
+  limit, a disk one only up to its ``workspace_mb`` ceiling of the host's disk.
 
 A request for an operator-owned setting, a runtime the profile does not offer, or more network
 than granted raises :class:`SettingNotPermittedError` (HTTP 403); a value over a ceiling raises
@@ -51,7 +53,7 @@ LIMIT_SETTINGS = (
     "execute_timeout",
     "interrupt_grace",
 )
-TENANT_SETTINGS = frozenset({*LIMIT_SETTINGS, "runtime", "network"})
+TENANT_SETTINGS = frozenset({*LIMIT_SETTINGS, "runtime", "network", "workspace_storage"})
 
 # What a tenant may raise a limit to when the operator set no ceiling: the built-in "large"
 # profile's sizes and generous but finite times. A profile whose own value is higher keeps it
@@ -263,7 +265,7 @@ class ProfileCatalog:
                         f"runtime {checked.value} is not offered by profile {profile.name!r}; "
                         f"it offers {offered} (the operator decides, in the profiles file)"
                     )
-            else:
+            elif key in LIMIT_SETTINGS:
                 ceiling = ceilings.limits[key]
                 if checked > ceiling:
                     low = NUMERIC_RANGES[key][0]

@@ -28,6 +28,13 @@ class Runtime(str, enum.Enum):
     RUNSC = "runsc"  # gVisor
 
 
+class WorkspaceStorage(str, enum.Enum):
+    """What backs a sandbox's /workspace (see kernels/sandbox/workspace_disk.py)."""
+
+    DISK = "disk"  # its own ext4 image: a hard quota, kept across container replacement; needs root
+    MEMORY = "memory"  # a tmpfs: charged to the sandbox's memory limit, gone with the container
+
+
 @dataclasses.dataclass(frozen=True)
 class Profile:
     """Limits and isolation settings for one kernel container.
@@ -43,6 +50,7 @@ class Profile:
     pids: int = 256
     tmp_mb: int = 256
     workspace_mb: int = 1024
+    workspace_storage: WorkspaceStorage = WorkspaceStorage.DISK
     nofile: int = 1024
     fsize_mb: int = 1024
     start_timeout: float = 60.0
@@ -57,6 +65,7 @@ class Profile:
         see) leaves out host paths and the operator's environment (:data:`HOST_DETAILS`)."""
         data = dataclasses.asdict(self)
         data["runtime"] = self.runtime.value
+        data["workspace_storage"] = self.workspace_storage.value
         data["env"] = dict(self.env)
         data["network"] = self.network.to_dict() if self.network else "none"
         if public:
@@ -103,6 +112,12 @@ def check_setting(name: str, value: Any) -> Any:
             return Runtime(value)
         except ValueError:
             raise ConfigError(f"runtime must be one of {[r.value for r in Runtime]}, not {value!r}") from None
+    if name == "workspace_storage":
+        try:
+            return WorkspaceStorage(value)
+        except ValueError:
+            allowed = [s.value for s in WorkspaceStorage]
+            raise ConfigError(f"workspace_storage must be one of {allowed}, not {str(value)[:64]!r}") from None
     if name in NUMERIC_RANGES:
         low, high = NUMERIC_RANGES[name]
         integral = name not in ("cpus", "start_timeout", "execute_timeout", "interrupt_grace")

@@ -3,10 +3,11 @@
 The container outlives kernel restarts. Its PID 1 is ``catatonit -P`` (an init in pause mode)
 and each kernel is a ``docker exec`` of the image's launcher as the sandbox user. A restart
 runs ``kill -KILL -1`` as that user, which ends every process the user's code left behind
-(daemons included) but not PID 1, so the container and its /workspace tmpfs survive: restart
-keeps workspace files and drops memory state. Only when that fails (a fork bomb can leave no
-pid for the exec) is the whole container replaced, and the caller is told the workspace went
-with it.
+(daemons included) but not PID 1, so the container and its /workspace survive: restart keeps
+workspace files and drops memory state. Only when that fails (a fork bomb can leave no pid for
+the exec) is the whole container replaced. /workspace is the session's disk image (bind-mounted
+from the host, see workspace_disk.py), which outlives the container, or with
+``workspace_storage: "memory"`` a tmpfs, which goes with it (the caller is told).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from docker.types import LogConfig, Ulimit
 from sandkernel.errors import KernelStartError
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.egress.proxy import CONTAINER_EGRESS_DIR, RELAY_PORT, SOCKET_NAME
-from sandkernel.kernels.lifecycle.profiles import Profile, Runtime
+from sandkernel.kernels.lifecycle.profiles import Profile, Runtime, WorkspaceStorage
 from sandkernel.kernels.lifecycle.reaper import (
     KERNEL_LABEL,
     OWNER_LABEL,
@@ -67,6 +68,9 @@ class ContainerSpec:
     runtime_dir: RuntimeDir
     uid: int  # the sandbox's own host uid (sandbox_uids.UidAllocator: unique on this host)
     egress_dir: Path | None = None  # the session's egress proxy socket lives here (allowlist policies)
+    # The host mount point of the session's workspace disk (workspace_storage "disk"), bound at
+    # /workspace; None for a tmpfs workspace.
+    workspace_mount: Path | None = None
 
     @property
     def user(self) -> str:
@@ -78,6 +82,16 @@ class ContainerSpec:
         p = self.profile
         mib = 1024 * 1024
         volumes = {str(self.runtime_dir.path): {"bind": CONTAINER_DIR, "mode": "rw"}}
+        tmpfs = {"/tmp": f"rw,nosuid,nodev,noexec,size={p.tmp_mb}m,mode=1777"}
+        if p.workspace_storage is WorkspaceStorage.DISK:
+            if self.workspace_mount is None:
+                raise KernelStartError("a disk workspace was asked for but none was mounted for the session")
+            # Docker's default bind propagation (rprivate): later host mounts never reach the sandbox.
+            volumes[str(self.workspace_mount)] = {"bind": WORKSPACE, "mode": "rw"}
+        else:
+            tmpfs[WORKSPACE] = (
+                f"rw,nosuid,nodev,exec,size={p.workspace_mb}m,uid={self.uid},gid={SANDBOX_GID},mode=0700"
+            )
         # No passwd entry exists for the per-sandbox uid: name the user for getpass and friends.
         environment = {"USER": "sandbox", "LOGNAME": "sandbox", **p.env}
         if p.wheelhouse:
@@ -101,10 +115,7 @@ class ContainerSpec:
             "cap_drop": ["ALL"],
             "security_opt": ["no-new-privileges:true", seccomp_security_opt()],
             "ipc_mode": "private",
-            "tmpfs": {
-                "/tmp": f"rw,nosuid,nodev,noexec,size={p.tmp_mb}m,mode=1777",
-                WORKSPACE: f"rw,nosuid,nodev,exec,size={p.workspace_mb}m,uid={self.uid},gid={SANDBOX_GID},mode=0700",
-            },
+            "tmpfs": tmpfs,
             "volumes": volumes,
             "mem_limit": p.memory_mb * mib,
             "memswap_limit": p.memory_mb * mib,  # equal to the memory limit: no swap

@@ -7,8 +7,10 @@ send_signal/terminate/kill → cleanup. The kernel talks ZMQ over ipc sockets in
 dir (see runtime_dir.py), so no port is ever published and the container has no network.
 
 Extra keyword arguments a caller may pass to ``KernelManager.start_kernel``:
-``sandkernel_profile`` (profile name), ``sandkernel_overrides`` (mapping of profile settings)
-and ``sandkernel_session_id`` (label value; defaults to the kernel id).
+``sandkernel_profile`` (profile name), ``sandkernel_overrides`` (mapping of profile settings),
+``sandkernel_session_id`` (label value; defaults to the kernel id) and ``sandkernel_workspace``
+(what :meth:`DockerProvisioner.hand_over_workspace` returned: the session's disk and uid, kept
+when the whole kernel manager is replaced).
 The host environment is never forwarded into the container: only ``Profile.env`` is.
 """
 
@@ -25,13 +27,14 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerBase
 from traitlets import Unicode
 
-from sandkernel.errors import KernelStartError
+from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError
 from sandkernel.kernels.egress.proxy import EgressProxy
-from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
+from sandkernel.kernels.lifecycle.profiles import Profile, WorkspaceStorage, resolve_profile
 from sandkernel.kernels.sandbox.container import LAUNCHER, SANDBOX_GID, ContainerSpec, SandboxContainer
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
 from sandkernel.kernels.sandbox.uids import UidAllocator
+from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support
 
 EXEC_POLL_INTERVAL = 0.25
 log = logging.getLogger(__name__)
@@ -50,7 +53,11 @@ class DockerProvisioner(KernelProvisionerBase):
     session_id: str = ""
     image_id: str = ""
     uid: int | None = None  # the sandbox's host uid, reserved until _release
-    # Set when the ladder had to replace the whole container: /workspace was lost with it.
+    # The session's /workspace disk (workspace_storage "disk"), made before the first container
+    # and kept until _release: a replaced container gets the same one.
+    workspace_disk: WorkspaceDisk | None = None
+    # Set when a launch had to replace the whole container AND /workspace went with it (a tmpfs
+    # workspace); a disk workspace survives the replacement, so it stays False.
     workspace_lost: bool = False
 
     @property
@@ -65,15 +72,22 @@ class DockerProvisioner(KernelProvisionerBase):
         profile_name = kwargs.pop("sandkernel_profile", None) or self.profile_name
         overrides = dict(kwargs.pop("sandkernel_overrides", None) or {})
         session_id = kwargs.pop("sandkernel_session_id", None)
+        handed_over = kwargs.pop("sandkernel_workspace", None)
         if self.profile is None:
             if self.runtime:
                 overrides.setdefault("runtime", self.runtime)
             profile = resolve_profile(profile_name, overrides)
+            if profile.workspace_storage is WorkspaceStorage.DISK:
+                supported, why = await asyncio.to_thread(disk_support)
+                if not supported:
+                    raise ConfigError(f"cannot give this session a disk workspace: {why}")
             engine = default_engine()
             await engine.require_runtime(profile.runtime.value)
             self.image_id = await engine.image_id(profile.image)
             self.profile = profile
             self.session_id = str(session_id or self.kernel_id)
+            if handed_over is not None:
+                await self._take_over_workspace(handed_over)
             self.runtime_dir = await asyncio.to_thread(RuntimeDir.create)
             if profile.network is not None:  # allowlist: the session's proxy, before any container
                 self.egress = EgressProxy(profile.network, self.session_id, self.runtime_dir.egress_dir)
@@ -98,7 +112,7 @@ class DockerProvisioner(KernelProvisionerBase):
             if self.container is not None and not await self.container.is_running():
                 await self.container.remove()
                 self.container = None
-                self.workspace_lost = True
+                self.workspace_lost = self.workspace_disk is None
             if self.container is None:
                 await self._start_container()
             key = self.connection_info["key"]
@@ -113,7 +127,7 @@ class DockerProvisioner(KernelProvisionerBase):
                 log.warning("runtime dir full; replacing the container", extra={"session": self.session_id})
                 await self.container.remove()
                 self.container = None
-                self.workspace_lost = True
+                self.workspace_lost = self.workspace_disk is None
                 await self._start_container()
                 await asyncio.to_thread(self.runtime_dir.prepare, info, SANDBOX_GID)
             await self.container.exec_kernel()
@@ -126,13 +140,52 @@ class DockerProvisioner(KernelProvisionerBase):
         return self.connection_info
 
     async def _start_container(self) -> None:
-        """Create and start the session's container (its uid is kept if it is a replacement)."""
+        """Create and start the session's container (its uid and workspace disk are kept if it
+        is a replacement). The disk is made and mounted on the host before the container exists,
+        so the bind mount finds it (mounts made later would not propagate into the sandbox)."""
         assert self.profile is not None and self.runtime_dir is not None
         egress_dir = self.egress.directory if self.egress else None
         if self.uid is None:  # kept when the container is replaced: one uid per session
             self.uid = await asyncio.to_thread(UidAllocator(default_engine()).allocate)
-        spec = ContainerSpec(self.profile, self.session_id, str(self.kernel_id), self.runtime_dir, self.uid, egress_dir)
+        mount = None
+        if self.profile.workspace_storage is WorkspaceStorage.DISK:
+            if self.workspace_disk is None:
+                self.workspace_disk = await asyncio.to_thread(
+                    WorkspaceDisk.create, self.session_id, self.profile.workspace_mb, self.uid, SANDBOX_GID
+                )
+            else:
+                await asyncio.to_thread(self.workspace_disk.ensure_mounted)
+            mount = self.workspace_disk.mount_point
+        spec = ContainerSpec(
+            self.profile, self.session_id, str(self.kernel_id), self.runtime_dir, self.uid, egress_dir, mount
+        )
         self.container = await SandboxContainer.start(default_engine(), spec)
+
+    async def _take_over_workspace(self, handed_over: Any) -> None:
+        """Adopt the disk and uid a previous provisioner of this session handed over (see
+        :meth:`hand_over_workspace`); they must be this session's and match the profile."""
+        assert self.profile is not None
+        if not isinstance(handed_over, dict) or not isinstance(handed_over.get("uid"), int):
+            raise AdoptionRefusedError("sandkernel_workspace must be what hand_over_workspace() returned")
+        disk = WorkspaceDisk.from_dict(handed_over.get("disk"))
+        if disk.session_id != self.session_id or disk.uid != handed_over["uid"]:
+            raise AdoptionRefusedError(f"the workspace handed over is not session {self.session_id}'s")
+        if self.profile.workspace_storage is not WorkspaceStorage.DISK:
+            raise AdoptionRefusedError("a disk workspace was handed over to a session with a memory workspace")
+        await asyncio.to_thread(disk.ensure_mounted)
+        self.uid, self.workspace_disk = handed_over["uid"], disk
+
+    def hand_over_workspace(self) -> dict[str, Any] | None:
+        """Keep the disk workspace (and the uid that owns its files) for the next provisioner
+        of this session, when the whole kernel manager is replaced (the ladder's last rung):
+        cleanup then leaves both alone. Pass the result as ``sandkernel_workspace`` to the next
+        ``start_kernel``. None for a tmpfs workspace: nothing survives the container."""
+        if self.workspace_disk is None or self.uid is None:
+            return None
+        handed = {"disk": self.workspace_disk.to_dict(), "uid": self.uid}
+        self.workspace_disk = None
+        self.uid = None  # the reservation stays: the next provisioner of this process takes it
+        return handed
 
     async def _wait_for_sockets(self) -> None:
         assert self.container is not None and self.runtime_dir is not None and self.profile is not None
@@ -205,6 +258,9 @@ class DockerProvisioner(KernelProvisionerBase):
             self.egress = None
         if self.runtime_dir is not None:
             await asyncio.to_thread(self.runtime_dir.remove)
+        if self.workspace_disk is not None:  # after the container: nothing holds the mount now
+            await asyncio.to_thread(self.workspace_disk.remove)
+            self.workspace_disk = None
         if self.uid is not None:
             await asyncio.to_thread(UidAllocator(default_engine()).release, self.uid)
             self.uid = None
@@ -222,5 +278,6 @@ class DockerProvisioner(KernelProvisionerBase):
             container_id=self.container.id if self.container else None,
             runtime_dir=str(self.runtime_dir.path) if self.runtime_dir else None,
             profile=self.profile.to_dict() if self.profile else None,
+            workspace_disk=self.workspace_disk.to_dict() if self.workspace_disk else None,
         )
         return info
