@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime as dt
 import hashlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,42 @@ class TranscriptRecorder:
         self._changed = asyncio.Event()
         self._written_cond = asyncio.Condition()
         self._writer: asyncio.Task | None = None
+
+    @classmethod
+    def reopen(
+        cls, path: Path, metadata: dict[str, Any] | None = None, max_bytes: int = MAX_TRANSCRIPT_BYTES
+    ) -> TranscriptRecorder:
+        """The recorder of a transcript a previous gateway process wrote (a restart): its cells
+        are kept and later ones appended to the same file, within the same byte cap.
+
+        Blocking (reads the file): call from a thread. A file that is missing, not a regular
+        file of ours, or not a notebook is not trusted: it is moved aside (``.unreadable-<time>``)
+        and the session's record starts again at the same path, saying so in its metadata."""
+        recorder = cls(path, metadata or {}, max_bytes)
+        try:
+            notebook = _read_own_notebook(path)
+        except FileNotFoundError:
+            recorder.update_metadata(transcript_restarted="the previous transcript file was missing")
+            return recorder
+        except (OSError, ValueError) as err:
+            aside = path.with_name(f"{path.name}.unreadable-{int(time.time())}")
+            with contextlib.suppress(OSError):
+                os.rename(path, aside)
+            recorder.update_metadata(
+                transcript_restarted=f"the previous file could not be read ({err}); kept as {aside.name}"
+            )
+            return recorder
+        recorder.notebook = notebook
+        recorder.notebook.metadata.setdefault("sandkernel", {}).update(metadata or {})
+        for cell in notebook.cells:
+            text = json.dumps(cell, sort_keys=True, indent=1, ensure_ascii=False)
+            recorder._cells_json.append(text)
+            recorder._cells_bytes += len(text) + 2
+        inputs = notebook.metadata["sandkernel"].get("inputs", [])
+        recorder._inputs_bytes = sum(len(i.get("base64", "")) for i in inputs if isinstance(i, dict))
+        cap = notebook.metadata["sandkernel"].get("transcript_cap") or {}
+        recorder._cells_not_recorded = int(cap.get("cells_not_recorded", 0)) if isinstance(cap, dict) else 0
+        return recorder
 
     async def start(self) -> None:
         """Create the file (empty notebook) and the writer task."""
@@ -204,6 +242,23 @@ class TranscriptRecorder:
 
     def delete(self) -> None:
         self.path.unlink(missing_ok=True)
+
+
+def _read_own_notebook(path: Path) -> nbformat.NotebookNode:
+    """A transcript this gateway wrote: a regular file (never followed through a link) of this
+    user's, within the cap, that parses as a version 4 notebook. ValueError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            raise ValueError("not a regular file of this user's")
+        data = f.read(MAX_TRANSCRIPT_BYTES * 2 + 1)
+    if len(data) > MAX_TRANSCRIPT_BYTES * 2:
+        raise ValueError("larger than any transcript sandkernel writes")
+    notebook = nbformat.reads(data.decode(), as_version=4)
+    if not isinstance(notebook.metadata.get("sandkernel"), dict):
+        raise ValueError("not a sandkernel transcript")
+    return notebook
 
 
 def _estimate(cell: nbformat.NotebookNode) -> int:

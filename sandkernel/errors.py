@@ -103,6 +103,14 @@ class SessionClosedError(SandkernelError):
     code = "session_closed"
 
 
+class SessionDetachedError(SessionClosedError):
+    """The gateway is restarting and has let go of the session, which keeps running: the request
+    was not run; send it again once the gateway is back (a few seconds)."""
+
+    status = 503
+    code = "gateway_restarting"
+
+
 class ImageBuildError(SandkernelError):
     """Building the kernel image (or its base) failed."""
 

@@ -87,7 +87,10 @@ class EgressProxy:
         os.chmod(self.socket_path, 0o666)  # the sandbox's uid connects; the directory stays root's
         log.info("egress proxy up", extra={"session": self.session_id, "allow": list(self.policy.allow)})
 
-    async def close(self) -> None:
+    async def close(self, keep_directory: bool = False) -> None:
+        """Stop serving and remove the socket; ``keep_directory`` when the sandbox lives on (a
+        gateway restart): its container's bind mount names this very directory, so the next
+        process's proxy must bind its socket in it, not in a new one made at the same path."""
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -95,8 +98,9 @@ class EgressProxy:
             task.cancel()
         with contextlib.suppress(FileNotFoundError):
             self.socket_path.unlink()
-        with contextlib.suppress(OSError):
-            self.directory.rmdir()
+        if not keep_directory:
+            with contextlib.suppress(OSError):
+                self.directory.rmdir()
 
     def summary(self) -> dict[str, Any]:
         """Counts per host and verdict, for the notebook's metadata."""

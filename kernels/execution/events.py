@@ -35,6 +35,12 @@ class ExecutionRequest:
     timeout: float
     tag: str | None = None
     silent: bool = False
+    started_at: str = ""  # ISO 8601, UTC
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON for the session catalog: what a later process needs to settle it (see
+        KernelSession.resume)."""
+        return dataclasses.asdict(self)
 
 
 class SessionObserver:

@@ -8,6 +8,7 @@ or replacement bumps :attr:`epoch`, which a running execution compares to notice
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import queue
@@ -19,6 +20,7 @@ from jupyter_client import AsyncKernelManager
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandkernel.errors import KernelStartError, SandkernelError, SessionClosedError
+from sandkernel.kernels.durable.adoption import reattach
 from sandkernel.kernels.execution.drain import IdleDrain
 from sandkernel.kernels.execution.outputs import OutputCollector
 from sandkernel.kernels.execution.transport import new_client, new_kernel_manager, next_message
@@ -31,12 +33,22 @@ log = logging.getLogger(__name__)
 
 # How long a renewed iopub subscription may take to answer (seconds).
 IOPUB_RECONNECT_SECONDS = 10.0
+# How long a re-adopted kernel may take to answer on control (seconds): it is already running.
+ADOPT_TIMEOUT = 15.0
 
 
 class SandboxedKernel:
     """One kernel in its container, as the session layer drives it."""
 
-    def __init__(self, session_id: str, profile: Profile, profile_name: object, overrides: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        profile: Profile,
+        profile_name: object,
+        overrides: Mapping[str, Any],
+        km: AsyncKernelManager | None = None,
+    ) -> None:
+        """``km``: a kernel manager already connected to a running sandbox (re-adoption)."""
         self.session_id = session_id
         self.profile = profile
         self._launch = {
@@ -44,7 +56,7 @@ class SandboxedKernel:
             "sandkernel_overrides": dict(overrides),
             "sandkernel_session_id": session_id,
         }
-        self.km: AsyncKernelManager = new_kernel_manager(kernel_name_for(profile.runtime))
+        self.km: AsyncKernelManager = km or new_kernel_manager(kernel_name_for(profile.runtime))
         self.client: AsyncKernelClient | None = None
         self.epoch = 0  # bumped on every restart or replacement
         self.drain = IdleDrain(session_id, lambda: self.client)
@@ -80,6 +92,36 @@ class SandboxedKernel:
         self.drain.start()
         log.info("session started", extra={"session": self.session_id, "kernel": self.kernel_id})
 
+    @classmethod
+    async def adopt(cls, session_id: str, state: dict[str, Any]) -> SandboxedKernel:
+        """The kernel of a sandbox a previous process started, checked and connected again (see
+        kernels/durable/adoption.py). It may be busy with code that process left running: only
+        the control channel is asked to answer, and iopub to carry that answer's status."""
+        km = await reattach(session_id, state)
+        provisioner = km.provisioner
+        assert isinstance(provisioner, DockerProvisioner) and provisioner.profile is not None
+        kernel = cls(session_id, provisioner.profile, provisioner.profile, {}, km=km)
+        try:
+            kernel.client = new_client(km)
+            with kernel.drain.reading():
+                await kernel._wait_attached()
+        except BaseException:
+            await kernel.detach()
+            raise
+        kernel.drain.start()
+        log.info("session re-adopted", extra={"session": session_id, "kernel": kernel.kernel_id})
+        return kernel
+
+    async def _wait_attached(self) -> None:
+        """Until the adopted kernel answers on control and its iopub reaches us."""
+        deadline = time.monotonic() + min(self.profile.start_timeout, ADOPT_TIMEOUT)
+        while time.monotonic() < deadline:
+            if await self.iopub_answers(0.5, on_control=True):
+                return
+            if not await self.is_alive():
+                return  # dead kernel: the next execute restarts it, as after any death
+        raise KernelStartError(f"the re-adopted kernel did not answer within {ADOPT_TIMEOUT:g}s")
+
     async def read(self, channel: str, timeout: float) -> dict[str, Any]:
         """The next verified message on our own iopub or shell; raises queue.Empty."""
         assert self.client is not None
@@ -112,13 +154,24 @@ class SandboxedKernel:
         raise KernelStartError(f"the kernel's output channel did not connect within {self.profile.start_timeout:g}s")
 
     async def iopub_answers(
-        self, wait: float, msg_id: str | None = None, collector: OutputCollector | None = None
+        self,
+        wait: float,
+        msg_id: str | None = None,
+        collector: OutputCollector | None = None,
+        on_control: bool = False,
     ) -> bool:
         """Send a kernel_info request and wait up to ``wait`` seconds for its status on iopub.
 
-        Messages of a running execution ``msg_id`` that arrive meanwhile go to ``collector``."""
+        Messages of a running execution ``msg_id`` that arrive meanwhile go to ``collector``.
+        ``on_control``: ask on the control channel, which a kernel busy running code still
+        answers (its reply is read and dropped here)."""
         assert self.client is not None
-        probe_id = self.client.kernel_info()
+        if on_control:
+            request = self.client.session.msg("kernel_info_request")
+            self.client.control_channel.send(request)
+            probe_id = request["header"]["msg_id"]
+        else:
+            probe_id = self.client.kernel_info()
         deadline = time.monotonic() + wait
         while (remaining := deadline - time.monotonic()) > 0:
             try:
@@ -127,6 +180,9 @@ class SandboxedKernel:
                 return False
             parent = msg.get("parent_header", {}).get("msg_id")
             if parent == probe_id:
+                if on_control:
+                    with contextlib.suppress(queue.Empty, asyncio.TimeoutError):
+                        await asyncio.wait_for(self.client.get_control_msg(timeout=1), 2)
                 return True
             if collector is not None and parent == msg_id and msg["header"]["msg_type"] != "status":
                 await collector.add(msg)
@@ -173,6 +229,18 @@ class SandboxedKernel:
                 await self.km.shutdown_kernel(now=True)
             if isinstance(self.km.provisioner, DockerProvisioner):
                 await self.km.provisioner.cleanup(restart=False)
+
+    async def detach(self) -> None:
+        """Let go of the sandbox without ending it (the gateway stops; the next one re-adopts):
+        stop the drain and our client, close the egress proxy's socket, and leave the container,
+        its runtime dir, its workspace disk and its uid as they are."""
+        await self.drain.stop()
+        if self.client is not None:
+            self.client.stop_channels()
+        self.km._close_control_socket()
+        provisioner = self.km.provisioner
+        if isinstance(provisioner, DockerProvisioner) and provisioner.egress is not None:
+            await provisioner.egress.close(keep_directory=True)  # the container's mount names it
 
     async def close(self) -> None:
         """Stop the drain, then tear down. Safe to call twice."""

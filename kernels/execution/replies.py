@@ -82,3 +82,26 @@ class RelayedReply:
             return await asyncio.wait_for(asyncio.shield(self._future), timeout)
         except asyncio.TimeoutError:
             return None
+
+
+class OrphanReply:
+    """The end of an execution a previous process sent (a gateway restart): its reply went to
+    that process's socket and is lost, so a kernel_info request sent on our own shell behind it
+    stands in (the kernel answers requests in order). ``ended_unseen`` says the stand-in came
+    before iopub showed the execution's end: it had already ended while no one watched."""
+
+    def __init__(self, read_shell: ShellReader) -> None:
+        self.probe_id: str | None = None
+        self.ended_unseen = False
+        self._own = OwnShellReplies(read_shell)
+
+    async def poll(self, msg_id: str) -> dict[str, Any] | None:
+        if self.probe_id is None or await self._own.poll(self.probe_id) is None:
+            return None
+        self.ended_unseen = True
+        return {}
+
+    async def wait(self, msg_id: str, timeout: float) -> dict[str, Any] | None:
+        if self.probe_id is None or await self._own.wait(self.probe_id, timeout) is None:
+            return None
+        return {}  # no status nor count: the outputs say whether it failed

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime as dt
 import logging
 import time
@@ -23,7 +24,15 @@ from typing import Any
 
 from jupyter_client import AsyncKernelManager
 
-from sandkernel.errors import ArgumentTypeError, ConfigError, SandkernelError, SessionClosedError
+from sandkernel.errors import (
+    ArgumentTypeError,
+    ConfigError,
+    SandkernelError,
+    SessionClosedError,
+    SessionDetachedError,
+)
+from sandkernel.kernels.durable.adoption import discard as discard_sandbox
+from sandkernel.kernels.durable.adoption import durable_state
 from sandkernel.kernels.execution.deaths import DeathClassifier
 from sandkernel.kernels.execution.events import ExecutionRequest, Observers, SessionObserver
 from sandkernel.kernels.execution.kernel import SandboxedKernel
@@ -34,7 +43,7 @@ from sandkernel.kernels.execution.outputs import (
     OutputCollector,
     TimeoutStep,
 )
-from sandkernel.kernels.execution.replies import OwnShellReplies, RelayedReply, ReplySource
+from sandkernel.kernels.execution.replies import OrphanReply, OwnShellReplies, RelayedReply, ReplySource
 from sandkernel.kernels.execution.variables import list_variables
 from sandkernel.kernels.execution.watch import ExecutionWatch
 from sandkernel.kernels.lifecycle.profiles import NUMERIC_RANGES, Profile, resolve_profile
@@ -71,17 +80,22 @@ class KernelSession:
         profile: str | Profile | None = None,
         overrides: Mapping[str, Any] | None = None,
         session_id: str | None = None,
+        kernel: SandboxedKernel | None = None,
     ) -> None:
+        """``kernel``: an adopted kernel (see :meth:`adopt`); otherwise one is started by :meth:`start`."""
         # Validate everything that can be validated before a container exists.
-        self.profile: Profile = resolve_profile(profile, overrides)
-        self.id = session_id or uuid.uuid4().hex
-        self._kernel = SandboxedKernel(self.id, self.profile, profile, overrides or {})
+        self.profile: Profile = kernel.profile if kernel else resolve_profile(profile, overrides)
+        self.id = kernel.session_id if kernel else session_id or uuid.uuid4().hex
+        self._kernel = kernel or SandboxedKernel(self.id, self.profile, profile, overrides or {})
         self._lock = asyncio.Lock()
         self._pending_state_lost: str | None = None
         self._interrupt_requested = False
         self._deaths = DeathClassifier(self.profile.memory_mb)
         self._notes: list[str] = []  # state-loss notes, told to observers after the cell
         self._closed = False
+        self._detaching = False  # the gateway is letting go: the running execution returns now
+        self._running: ExecutionRequest | None = None
+        self._orphan_task: asyncio.Task | None = None  # an execution a previous process left running
         self.observers = Observers(self.id)
         self._own_replies = OwnShellReplies(self._kernel.read_shell)
 
@@ -98,6 +112,93 @@ class KernelSession:
             session.add_observer(observer)
         await session._kernel.start()
         return session
+
+    @classmethod
+    async def adopt(cls, session_id: str, state: dict[str, Any]) -> KernelSession:
+        """The session of a sandbox a previous process started, from its :meth:`durable_state`.
+
+        Connects after the checks of kernels/durable/adoption.py and emits nothing: attach the
+        observers, then call :meth:`resume`. Raises SandboxLostError (the container died or was
+        removed; :meth:`discard` clears what is left) or AdoptionRefusedError (not what was
+        recorded; left alone)."""
+        return cls(kernel=await SandboxedKernel.adopt(session_id, state))
+
+    @staticmethod
+    async def discard(session_id: str, state: dict[str, Any]) -> None:
+        """Remove what is left of a recorded sandbox that will not be adopted (lost, or deleted
+        while lost): its container if still there, runtime dir, workspace disk, uid."""
+        await discard_sandbox(session_id, state)
+
+    def durable_state(self) -> dict[str, Any]:
+        """What a later process needs to re-adopt this sandbox (JSON; holds the kernel's key:
+        store it where only the operator can read it)."""
+        return durable_state(self.provisioner, self._kernel.km)
+
+    @property
+    def running_request(self) -> ExecutionRequest | None:
+        """The execution in flight, if any (the gateway records it, to settle after a restart)."""
+        return self._running
+
+    async def resume(self, running: Mapping[str, Any] | None = None, detached_at: str | None = None) -> None:
+        """Carry on after a gap with no process attached (an adopted session, observers attached).
+
+        Notes the gap. ``running`` is the execution a previous process recorded as in flight
+        (:class:`ExecutionRequest` fields plus ``started_at``): it may still be running. It is
+        then settled as an execution of its own, holding the execute lock, so later executes
+        queue behind it as they would have: outputs from now on are collected, its remaining time
+        and the timeout ladder apply, and it is recorded with what is known of its end."""
+        since = f"from {detached_at} " if detached_at else ""
+        await self.note(
+            f"the gateway restarted: no gateway was attached {since}until {_utcnow()}; "
+            "output the kernel produced meanwhile is missing, not recorded"
+        )
+        if running is not None:
+            holding = asyncio.Event()
+            task = asyncio.create_task(self._settle_orphan(dict(running), holding))
+            self._orphan_task = task
+            await holding.wait()
+
+    async def _settle_orphan(self, running: dict[str, Any], holding: asyncio.Event) -> None:
+        """See :meth:`resume`: the recorded execution, watched to its end from the shell probe."""
+        msg_id = str(running.get("msg_id") or "")
+        code = str(running.get("code") or "")
+        timeout = float(running.get("timeout") or self.profile.execute_timeout)
+        started_at = str(running.get("started_at") or "")
+        try:
+            elapsed = (dt.datetime.now(dt.timezone.utc) - dt.datetime.fromisoformat(started_at)).total_seconds()
+        except ValueError:
+            elapsed = 0.0
+        replies = OrphanReply(self._kernel.read_shell)
+
+        def probe() -> str:
+            assert self._kernel.client is not None
+            replies.probe_id = self._kernel.client.kernel_info()  # answered once the orphan ends
+            return msg_id
+
+        def settled(result: ExecutionResult) -> ExecutionResult:
+            if replies.ended_unseen:  # it ended before we could watch: nothing of its end is known
+                return dataclasses.replace(
+                    result, status=ExecutionStatus.DETACHED, ended_by=TimeoutStep.GATEWAY_RESTART, started_at=started_at
+                )
+            return dataclasses.replace(result, started_at=started_at or result.started_at)
+
+        try:
+            await self._run(
+                code,
+                max(timeout - elapsed, 0.05),
+                probe,
+                replies,
+                None,
+                running.get("tag"),
+                str(running.get("source") or "python"),
+                silent=bool(running.get("silent")),
+                holding=holding,
+                settle=settled,
+            )
+        except SandkernelError as err:
+            log.warning("could not settle the execution left running: %s", err, extra={"session": self.id})
+        finally:
+            holding.set()
 
     def add_observer(self, observer: SessionObserver) -> None:
         """Hear this session's events from now on (at start, or when a pooled session is handed out)."""
@@ -159,6 +260,26 @@ class KernelSession:
         return self._lock.locked()
 
     # -- lifecycle ------------------------------------------------------------------------
+
+    async def cut_running(self) -> None:
+        """The gateway stops: the running execution returns now, status ``detached`` (ended_by
+        ``gateway_restart``) with the outputs so far; its code keeps running in the kernel, and
+        executes queued behind it are refused with SessionDetachedError (503: retry)."""
+        self._detaching = True
+
+    async def detach(self, grace: float = 5.0) -> None:
+        """Let go of the sandbox and leave it running for the next process to re-adopt. A running
+        execution is cut (:meth:`cut_running`); waits up to ``grace`` seconds for it to return."""
+        if self._closed:
+            return
+        self._detaching = True
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.wait_idle(), grace)
+        self._closed = True
+        await self.note(f"the gateway stopped at {_utcnow()}; the sandbox keeps running for the next one")
+        await self._kernel.detach()
+        await self.observers.emit("session_closed")
+        log.info("session detached", extra={"session": self.id})
 
     async def shutdown(self) -> None:
         """Stop the kernel and remove its container and runtime dir. Safe to call twice."""
@@ -239,6 +360,10 @@ class KernelSession:
         return TimeoutStep.KILL if replaced else TimeoutStep.RESTART
 
     def _check_open(self) -> None:
+        if self._detaching:
+            raise SessionDetachedError(
+                f"the gateway is restarting; session {self.id} keeps running: retry in a few seconds"
+            )
         if self._closed:
             raise SessionClosedError(f"session {self.id} is shut down; start a new session")
 
@@ -303,9 +428,15 @@ class KernelSession:
         tag: str | None,
         source: str,
         silent: bool,
+        holding: asyncio.Event | None = None,
+        settle: Callable[[ExecutionResult], ExecutionResult] | None = None,
     ) -> ExecutionResult:
+        """``holding`` is set once the lock is held; ``settle`` adjusts the result before the
+        observers hear of it (an execution left running by a previous process)."""
         self._check_open()
         async with self._lock:
+            if holding is not None:
+                holding.set()
             self._check_open()
             await self._note_discarded()
             try:
@@ -317,6 +448,10 @@ class KernelSession:
                 if self._closed:  # shut down under the execution: its sockets closed, say so plainly
                     raise SessionClosedError(f"session {self.id} was shut down during the execution") from err
                 raise
+            finally:
+                self._running = None
+            if settle is not None:
+                result = settle(result)
             await self.observers.emit("execution_finished", request, result)
             await self._flush_notes()
             return result
@@ -341,13 +476,18 @@ class KernelSession:
         epoch = self._kernel.epoch
         self._interrupt_requested = False
         msg_id = send()
-        request = ExecutionRequest(code, source, msg_id, timeout, tag, silent)
+        request = ExecutionRequest(code, source, msg_id, timeout, tag, silent, started_at)
+        self._running = request
         await self.observers.emit("execution_started", request)
         collector = OutputCollector(self._output_callback(request, on_output))
-        watch = ExecutionWatch(self._kernel, msg_id, collector, replies, lambda: self._interrupt_requested)
+        watch = ExecutionWatch(
+            self._kernel, msg_id, collector, replies, lambda: self._interrupt_requested, lambda: self._detaching
+        )
         status = await watch.until_idle(t0 + timeout, epoch)
         ended_by: TimeoutStep | None = None
-        if status is ExecutionStatus.TIMEOUT:
+        if status is ExecutionStatus.DETACHED:
+            ended_by = TimeoutStep.GATEWAY_RESTART
+        elif status is ExecutionStatus.TIMEOUT:
             ended_by = await self._stop_runaway(watch, timeout)
         elif status is ExecutionStatus.KERNEL_DIED and epoch == self._kernel.epoch:
             status = await self._deaths.classify(self.container, oom_before)

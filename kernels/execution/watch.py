@@ -50,19 +50,24 @@ class ExecutionWatch:
         collector: OutputCollector,
         replies: ReplySource,
         interrupt_requested: Callable[[], bool],
+        detached: Callable[[], bool] = lambda: False,
     ) -> None:
+        """``detached`` says the gateway is letting go of the session: the watch ends at once."""
         self.kernel = kernel
         self.msg_id = msg_id
         self.collector = collector
         self.replies = replies
         self._interrupt_requested = interrupt_requested
+        self._detached = detached
 
     async def until_idle(self, deadline: float, epoch: int) -> ExecutionStatus:
         """Feed the execution's iopub messages to the collector until the kernel is idle.
 
-        Returns OK (idle seen), TIMEOUT (``deadline``, monotonic, passed) or KERNEL_DIED (the
-        kernel is dead, or was restarted since ``epoch``)."""
+        Returns OK (idle seen), TIMEOUT (``deadline``, monotonic, passed), KERNEL_DIED (the
+        kernel is dead, or was restarted since ``epoch``) or DETACHED (the gateway let go)."""
         while True:
+            if self._detached():
+                return ExecutionStatus.DETACHED
             if epoch != self.kernel.epoch:
                 # Restarted under us (a restart request does not wait for the execute lock): leave
                 # iopub to the restart's readiness probe at once, or this loop would consume the

@@ -135,9 +135,7 @@ class RuntimeDir:
         Raises ConfigError when the host user may not hand the dir to that group.
         """
         os.chmod(self.path, 0o700)
-        info = {key: connection_info[key] for key in ("key", "signature_scheme")}
-        info.update(PORTS, transport="ipc", ip=f"{CONTAINER_DIR}/{SOCKET_PREFIX}")
-        wanted = {name: json.dumps(content).encode() for name, content in host_files(info).items()}
+        wanted = self._host_file_bytes(connection_info)
         kept = {
             n for n, data in wanted.items() if self._written.get(n) == data and self._is_host_file(self.path / n, data)
         }
@@ -162,6 +160,31 @@ class RuntimeDir:
                 ) from err
         os.chmod(self.path, START_MODE)
 
+    @staticmethod
+    def _host_file_bytes(connection_info: dict) -> dict[str, bytes]:
+        """The exact bytes of the files the host writes for a kernel with this key."""
+        info = {key: connection_info[key] for key in ("key", "signature_scheme")}
+        info.update(PORTS, transport="ipc", ip=f"{CONTAINER_DIR}/{SOCKET_PREFIX}")
+        return {name: json.dumps(content).encode() for name, content in host_files(info).items()}
+
+    @classmethod
+    def reattach(cls, path: Path, connection_info: dict) -> RuntimeDir:
+        """The runtime dir of a kernel a previous process started (a gateway restart), checked
+        as :meth:`lock` checks a fresh one: locked, exactly the five sockets (not symlinks) and
+        the host's two files, byte for byte. Raises TransportError; an unexpected entry is
+        reported, not removed (the sandbox is left alone for an operator to look at)."""
+        runtime_dir = cls(path)
+        runtime_dir._written = cls._host_file_bytes(connection_info)
+        st = os.lstat(path)
+        if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) != LOCKED_MODE:
+            raise TransportError(f"runtime dir {path} is not locked as the host left it")
+        expected = {p.name for p in runtime_dir.socket_paths()} | set(runtime_dir._written)
+        extra = sorted(name for name in os.listdir(path) if name not in expected)
+        if extra:
+            raise TransportError(f"runtime dir {path} holds unexpected entries ({', '.join(extra)})")
+        runtime_dir._verify_entries()
+        return runtime_dir
+
     def sockets_ready(self) -> bool:
         """Whether the kernel has bound all five sockets (checked with lstat, never followed)."""
         return all(os.path.lexists(p) for p in self.socket_paths())
@@ -181,11 +204,18 @@ class RuntimeDir:
             remove_entry(self.path / name)
         if extra:
             raise TransportError(f"the kernel left unexpected entries in its runtime dir ({', '.join(extra)}); removed")
+        self._verify_entries()
+
+    def _verify_entries(self) -> None:
+        """The host's files are the ones it wrote, and each socket is a socket (lstat only)."""
         for name, data in self._written.items():
             if not self._is_host_file(self.path / name, data):
                 raise TransportError(f"{self.path / name} is not the file the host wrote; refusing to connect")
         for path in self.socket_paths():
-            entry = os.lstat(path)
+            try:
+                entry = os.lstat(path)
+            except FileNotFoundError:
+                raise TransportError(f"kernel socket {path} is missing; refusing to connect") from None
             if not stat.S_ISSOCK(entry.st_mode):
                 kind = "a symlink" if stat.S_ISLNK(entry.st_mode) else "not a socket"
                 raise TransportError(f"kernel socket {path} is {kind}; refusing to connect to it")

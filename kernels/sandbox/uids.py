@@ -121,6 +121,17 @@ class UidAllocator:
         finally:
             os.close(fd)  # releases the lock
 
+    def claim(self, uid: int) -> None:
+        """Reserve ``uid`` for this process: a sandbox it re-adopted after a restart of the gateway
+        (the reservation of the process that made it died with it)."""
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(self.directory / ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            (self.directory / str(int(uid))).write_text(owner_label())
+        finally:
+            os.close(fd)
+
     def release(self, uid: int) -> None:
         """Drop this process's reservation (after the uid's container is removed)."""
         path = self.directory / str(int(uid))
