@@ -1,0 +1,12 @@
+"""Durable sessions: what lets a sandbox outlive the gateway process that started it.
+
+``records``: what is kept about one sandbox (:class:`SandboxRecord`); ``store``: the session
+catalog that keeps records in a file under the state dir (:func:`open_store`, the
+:class:`SessionStore` interface, :class:`StoreError`, :data:`SCHEMA_VERSION` and migrations);
+``adoption``: reconnecting a later process to the recorded sandboxes.
+"""
+
+from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.durable.store import SCHEMA_VERSION, SessionStore, StoreError, open_store
+
+__all__ = ["SCHEMA_VERSION", "SandboxKind", "SandboxRecord", "SandboxState", "SessionStore", "StoreError", "open_store"]

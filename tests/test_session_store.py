@@ -1,0 +1,322 @@
+"""The session catalog (kernels/durable/store.py): records survive the process that wrote them,
+the file keeps the kernels' keys to its owner, and a damaged or newer catalog is refused without
+a byte of it changing. Pure tier: a real SQLite file and real processes, no Docker."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from sandkernel.kernels.durable import SCHEMA_VERSION, SandboxRecord, StoreError, open_store
+from sandkernel.kernels.durable.records import SandboxKind, SandboxState
+from sandkernel.kernels.durable.store import MIGRATIONS, default_catalog_path
+from sandkernel.kernels.sandbox.state_dir import use_state_dir
+
+
+def record(session_id: str, **fields) -> SandboxRecord:
+    kernel = {"container_id": "c" * 64, "connection": {"key": f"hmac-{session_id}", "shell_port": 5}}
+    return SandboxRecord(session_id=session_id, kind=fields.pop("kind", "session"), kernel=kernel, **fields)
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def listing(directory: Path) -> dict[str, str]:
+    return {p.name: digest(p) for p in sorted(directory.iterdir())}
+
+
+async def filled_catalog(path: Path, count: int = 3) -> list[SandboxRecord]:
+    store = open_store(path)
+    records = [record(f"s{i}", tenant="alice", gateway={"kernel_name": "python3", "n": i}) for i in range(count)]
+    for r in records:
+        await store.put(r)
+    await store.close()
+    return records
+
+
+async def test_records_round_trip_update_and_remove(tmp_path):
+    store = open_store(tmp_path / "catalog.sqlite3")
+    try:
+        first = record("a", tenant="alice", gateway={"created": 1.5, "metadata": {"x": [1, 2]}})
+        pooled = record("b", kind="pool")
+        await store.put(first)
+        await store.put(pooled)
+        loaded = {r.session_id: r for r in await store.load()}
+        assert loaded["a"].kernel == first.kernel and loaded["a"].gateway == first.gateway
+        assert loaded["a"].tenant == "alice" and loaded["a"].state is SandboxState.RUNNING and loaded["a"].running is None
+        assert loaded["b"].kind is SandboxKind.POOL and loaded["b"].tenant is None
+        assert loaded["a"].created_at == first.created_at
+
+        running = {"code": "import time; time.sleep(60)", "started_at": 12.5}
+        await store.update("a", running=running, gateway={"last_activity": 9.0})
+        (a,) = [r for r in await store.load() if r.session_id == "a"]
+        assert a.running == running and a.gateway == {"last_activity": 9.0} and a.kernel == first.kernel
+        assert a.updated_at >= a.created_at
+        await store.update("a", state="lost", lost_reason="exit code 137 (OOM killed)", running=None)
+        (a,) = [r for r in await store.load() if r.session_id == "a"]
+        assert (a.state, a.lost_reason, a.running) == (SandboxState.LOST, "exit code 137 (OOM killed)", None)
+
+        await store.put(record("b", kind="session", tenant="bob"))  # a pooled sandbox handed out: replaced
+        (b,) = [r for r in await store.load() if r.session_id == "b"]
+        assert b.kind is SandboxKind.SESSION and b.tenant == "bob"
+
+        await store.remove("a")
+        await store.remove("a")  # already gone: not an error
+        await store.update("a", state="lost")  # a late update never brings a removed record back
+        assert [r.session_id for r in await store.load()] == ["b"]
+        with pytest.raises(TypeError, match="cannot change"):
+            await store.update("b", kind="pool")
+        with pytest.raises(ValueError):
+            await store.update("b", state="zombie")
+        with pytest.raises(ValueError):
+            SandboxRecord("c", kind="spare", kernel={})
+    finally:
+        await store.close()
+    with pytest.raises(StoreError, match="closed"):
+        await store.load()
+    reopened = open_store(tmp_path / "catalog.sqlite3")
+    try:
+        assert [(r.session_id, r.tenant) for r in await reopened.load()] == [("b", "bob")]
+    finally:
+        await reopened.close()
+
+
+async def test_catalog_and_its_journal_are_the_owners_alone(tmp_path):
+    use_state_dir(tmp_path / "state")
+    try:
+        store = open_store()
+        path = default_catalog_path()
+        assert path == tmp_path / "state" / "catalog.sqlite3"
+        try:
+            await store.put(record("a"))
+            files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.parent.iterdir()}
+            assert files == {"catalog.sqlite3": 0o600, "catalog.sqlite3-wal": 0o600, "catalog.sqlite3-shm": 0o600}
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        finally:
+            await store.close()
+    finally:
+        use_state_dir(None)
+
+
+async def test_a_catalog_readable_by_others_is_narrowed_and_a_symlink_refused(tmp_path):
+    path = tmp_path / "catalog.sqlite3"
+    await filled_catalog(path)
+    os.chmod(path, 0o644)
+    store = open_store(path)
+    await store.close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+    target = tmp_path / "elsewhere"
+    target.write_text("not yours")
+    link = tmp_path / "link" / "catalog.sqlite3"
+    link.parent.mkdir()
+    link.symlink_to(target)
+    with pytest.raises(StoreError, match="not a regular file owned by this user"):
+        open_store(link)
+    assert target.read_text() == "not yours"
+
+
+CHILD = """
+import asyncio, sys
+from sandkernel.kernels.durable import SandboxRecord, open_store
+
+async def main():
+    store = open_store(sys.argv[1])
+    i = 0
+    while True:
+        sid = f"s{i:05d}"
+        await store.put(SandboxRecord(sid, "session", {"key": sid * 40}, gateway={"blob": "x" * 2000}))
+        if i % 2:
+            await store.update(f"s{i - 1:05d}", state="lost", lost_reason="r" + sid)
+        print(sid, flush=True)
+        i += 1
+
+asyncio.run(main())
+"""
+
+
+def test_every_write_that_returned_survives_kill_9(tmp_path):
+    path = tmp_path / "catalog.sqlite3"
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        seen = [child.stdout.readline().strip() for _ in range(200)]  # the child is still writing
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        seen += child.stdout.read().split()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == -signal.SIGKILL and len(seen) >= 200
+
+    async def load():
+        store = open_store(path)  # also checks the file's integrity first
+        try:
+            return {r.session_id: r for r in await store.load()}
+        finally:
+            await store.close()
+
+    records = asyncio.run(load())
+    assert set(seen) <= set(records), f"writes lost: {sorted(set(seen) - set(records))[:5]}"
+    for sid in seen:
+        n = int(sid[1:])
+        if n % 2 == 0 and f"s{n + 1:05d}" in seen:  # its update returned before that id was printed
+            assert records[sid].state is SandboxState.LOST and records[sid].lost_reason == f"rs{n + 1:05d}"
+
+
+def corrupt_not_sqlite(path: Path) -> None:
+    path.write_bytes(b"PK\x03\x04 this is a zip file, not a catalog" * 100)
+
+
+def corrupt_truncated(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def corrupt_page_overwritten(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    page = 4096
+    data[2 * page : 3 * page] = b"\xa5" * page  # the b-tree page after the schema and meta
+    path.write_bytes(bytes(data))
+
+
+def corrupt_foreign_database(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE photos (name TEXT)")
+    conn.commit()
+    conn.close()
+
+
+@pytest.mark.parametrize(
+    "damage", [corrupt_not_sqlite, corrupt_truncated, corrupt_page_overwritten, corrupt_foreign_database]
+)
+async def test_a_damaged_catalog_is_refused_and_left_byte_identical(tmp_path, damage):
+    path = tmp_path / "catalog.sqlite3"
+    if damage is corrupt_foreign_database:
+        path.touch(mode=0o600)
+    else:
+        await filled_catalog(path, count=40)  # several pages, so a truncation cuts through the records
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.sqlite3"]  # checkpointed on close
+    damage(path)
+    before = listing(tmp_path)
+    with pytest.raises(StoreError) as caught:
+        open_store(path)
+    message = str(caught.value)
+    assert str(path) in message and "Nothing was changed or deleted" in message and "Move it aside" in message
+    assert listing(tmp_path) == before
+
+
+async def test_a_catalog_from_a_newer_version_is_refused_and_left_alone(tmp_path):
+    path = tmp_path / "catalog.sqlite3"
+    await filled_catalog(path)
+    conn = sqlite3.connect(path)
+    conn.executemany(
+        "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)",
+        [("schema_version", str(SCHEMA_VERSION + 1)), ("migrated_by", "9.4.0")],
+    )
+    conn.commit()
+    conn.close()
+    before = listing(tmp_path)
+    with pytest.raises(StoreError) as caught:
+        open_store(path)
+    message = str(caught.value)
+    assert f"schema version {SCHEMA_VERSION + 1}, written by sandkernel 9.4.0" in message
+    assert "Nothing was changed or deleted" in message and str(path) in message
+    assert listing(tmp_path) == before
+
+
+def schema(path: Path) -> tuple[str, list[str]]:
+    conn = sqlite3.connect(path)
+    try:
+        version = conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()[0]
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(sandboxes)")]
+        return version, columns
+    finally:
+        conn.close()
+
+
+async def test_migrations_run_in_order_in_one_transaction(tmp_path):
+    """A file at version 1 opened by code at version 3 gets steps 2 and 3; a failing step rolls
+    every step back; a missing step is refused. (A test-only registry: version 1 is the first.)"""
+    path = tmp_path / "catalog.sqlite3"
+    records = await filled_catalog(path)
+    assert schema(path)[0] == "1"
+
+    def backfill(conn: sqlite3.Connection) -> None:
+        conn.execute("UPDATE sandboxes SET note = 'from ' || kind")
+
+    failing = {**MIGRATIONS, 2: ("ALTER TABLE sandboxes ADD COLUMN note TEXT",), 3: ("THIS IS NOT SQL",)}
+    with pytest.raises(StoreError, match="rolled back, nothing was changed"):
+        open_store(path, migrations=failing, schema_version=3)
+    version, columns = schema(path)
+    assert version == "1" and "note" not in columns
+
+    with pytest.raises(StoreError, match="no migration to version 2"):
+        open_store(path, migrations=MIGRATIONS, schema_version=2)
+    assert schema(path)[0] == "1"
+
+    working = {**MIGRATIONS, 2: ("ALTER TABLE sandboxes ADD COLUMN note TEXT",), 3: backfill}
+    store = open_store(path, migrations=working, schema_version=3)
+    try:
+        assert [r.session_id for r in await store.load()] == [r.session_id for r in records]
+    finally:
+        await store.close()
+    version, columns = schema(path)
+    assert version == "3" and "note" in columns
+    conn = sqlite3.connect(path)
+    assert {row[0] for row in conn.execute("SELECT note FROM sandboxes")} == {"from session"}
+    conn.close()
+    with pytest.raises(StoreError, match="schema version 3"):  # and this version's code now refuses it
+        open_store(path)
+
+
+async def test_an_empty_file_is_a_new_catalog(tmp_path):
+    """Version 0 is an empty file (created 0600 before SQLite wrote to it): step 1 makes the tables."""
+    path = tmp_path / "catalog.sqlite3"
+    path.touch(mode=0o600)
+    store = open_store(path)
+    try:
+        await store.put(record("a"))
+        assert [r.session_id for r in await store.load()] == ["a"]
+    finally:
+        await store.close()
+    assert schema(path)[0] == str(SCHEMA_VERSION)
+
+
+async def test_sqlite_runs_on_one_worker_thread_never_the_loop(tmp_path):
+    store = open_store(tmp_path / "catalog.sqlite3")
+    threads: set[int] = set()
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(
+        store._executor, lambda: store._conn.set_trace_callback(lambda _sql: threads.add(threading.get_ident()))
+    )
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    try:
+        for i in range(100):
+            await store.put(record(f"s{i}"))
+            await store.update(f"s{i}", state="lost")
+        assert len(await store.load()) == 100
+    finally:
+        task.cancel()
+        await store.close()
+    assert len(threads) == 1 and threading.get_ident() not in threads
+    assert ticks >= 100, "the loop ran other tasks while the catalog wrote"
