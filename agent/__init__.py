@@ -17,12 +17,14 @@ from sandkernel.agent.errors import (
     ExecutionInterruptedError,
     ExecutionTimeoutError,
     GatewayError,
+    GatewayRestarted,
     GatewayUnreachableError,
     KernelDiedError,
     LimitExceededError,
     NotFoundError,
     OutOfMemoryError,
     RequestTimeoutError,
+    SandboxLostError,
 )
 from sandkernel.agent.execution import Execution, ExecutionError, Image
 from sandkernel.agent.sync_client import Sandkernel, Session
@@ -41,6 +43,7 @@ __all__ = [
     "ExecutionInterruptedError",
     "ExecutionTimeoutError",
     "GatewayError",
+    "GatewayRestarted",
     "GatewayUnreachableError",
     "Image",
     "KernelDiedError",
@@ -48,6 +51,7 @@ __all__ = [
     "NotFoundError",
     "OutOfMemoryError",
     "RequestTimeoutError",
+    "SandboxLostError",
     "Sandkernel",
     "Session",
 ]

@@ -53,6 +53,8 @@ class ProgressPrinter:
         elif kind == "tool_end":
             mark = "✓" if data["status"] == "ok" else "✗"
             self.line(f"  {mark} {data['status']} in {data['seconds']:.2f}s")
+        elif kind == "gateway_restart":
+            self.line("  ! the gateway restarted during this step: the model was told it may not have finished")
         elif kind == "replan":
             self.line(f"  ! {data['count']} similar failures ({data['failure']}): asked the model to re-plan")
         elif kind == "done":

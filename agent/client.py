@@ -6,10 +6,18 @@
             print(result.text, result.status, result.duration)
 
 Why tornado's HTTP client: tornado is already a core dependency (the gateway), and its
-``streaming_callback`` reads the NDJSON execute stream as it arrives. Idempotent calls (GET,
-PUT, DELETE, interrupt) are retried with exponential backoff on connection errors and 502/503/504;
-calls that start work (create, execute, restart) are never retried, since a retry could run
-the code twice. The sync twins live in :mod:`sandkernel.agent.sync_client`.
+``streaming_callback`` reads the NDJSON execute stream as it arrives. Every call opens its own
+connection (no keep-alive pool, no websocket), so nothing has to reconnect after a restart.
+
+Riding through a gateway restart (the gateway keeps its sessions across one): idempotent calls
+(GET, PUT, DELETE, interrupt) are retried with exponential backoff on a refused or dropped
+connection and on 502/503/504 for up to ``restart_wait`` seconds, long enough for a gateway to
+come back and re-adopt its sessions. Calls that start work (create, execute, restart, markdown)
+are retried only when the connection was refused, i.e. the request never left this process;
+once sent they are never sent again, since a retry could run the code twice. An execute that
+loses its gateway raises :class:`~sandkernel.agent.errors.GatewayRestarted` after waiting for
+the gateway to answer again, so the next call works. The sync twins live in
+:mod:`sandkernel.agent.sync_client`.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import contextlib
 import json
 import logging
 import os
+import random
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -29,11 +39,12 @@ from tornado.simple_httpclient import HTTPTimeoutError
 
 from sandkernel.agent.errors import (
     ClientError,
+    GatewayRestarted,
     GatewayUnreachableError,
     RequestTimeoutError,
     error_for_status,
 )
-from sandkernel.agent.execution import Execution
+from sandkernel.agent.execution import Execution, restart_message
 from sandkernel.output_text import readable_text
 
 log = logging.getLogger(__name__)
@@ -41,6 +52,7 @@ log = logging.getLogger(__name__)
 DEFAULT_URL = "http://127.0.0.1:8888"
 RETRYABLE_STATUSES = (502, 503, 504)
 OutputCallback = Callable[[dict[str, Any]], Any]
+FailureOf = Callable[[HTTPResponse], "ClientError | None"]
 
 
 class AsyncSandkernel:
@@ -48,6 +60,9 @@ class AsyncSandkernel:
 
     ``url`` and ``token`` default to ``SANDKERNEL_URL`` and ``SANDKERNEL_TOKEN``.
     ``request_timeout`` bounds calls other than ``run`` (whose bound follows its own timeout).
+    ``restart_wait`` is how long a retried call keeps trying (and how long an execute that lost
+    its gateway waits for it to answer again); retries back off from ``backoff`` seconds,
+    doubling up to ``max_backoff``; ``max_retries`` (None: no count, only the time bound) caps them.
     """
 
     def __init__(
@@ -56,14 +71,18 @@ class AsyncSandkernel:
         token: str | None = None,
         *,
         request_timeout: float = 120.0,
-        max_retries: int = 4,
+        restart_wait: float = 60.0,
+        max_retries: int | None = None,
         backoff: float = 0.25,
+        max_backoff: float = 2.0,
     ) -> None:
         self.url = (url or os.environ.get("SANDKERNEL_URL") or DEFAULT_URL).rstrip("/")
         self.token = token or os.environ.get("SANDKERNEL_TOKEN")
         self.request_timeout = request_timeout
+        self.restart_wait = restart_wait
         self.max_retries = max_retries
         self.backoff = backoff
+        self.max_backoff = max_backoff
         self._http: AsyncHTTPClient | None = None
 
     async def __aenter__(self) -> AsyncSandkernel:
@@ -111,6 +130,22 @@ class AsyncSandkernel:
     async def health(self) -> dict[str, Any]:
         return await self.request("GET", "/api/health")
 
+    async def wait_until_up(self, timeout: float | None = None) -> bool:
+        """Whether the gateway answers its health check within ``timeout`` (default
+        ``restart_wait``), polling with the same backoff as a retried call."""
+        try:
+            await self._fetch(
+                lambda: self._request("GET", "/api/health", None, 10),
+                "GET",
+                "/api/health",
+                True,
+                lambda response: _failure(response, "GET", "/api/health"),
+                self.restart_wait if timeout is None else timeout,
+            )
+            return True
+        except ClientError:
+            return False
+
     # -- HTTP -----------------------------------------------------------------------------
 
     def _client(self) -> AsyncHTTPClient:
@@ -150,24 +185,56 @@ class AsyncSandkernel:
             idempotent = method in ("GET", "PUT", "DELETE", "HEAD")
         body = raw if raw is not None else (json.dumps(json_body).encode() if json_body is not None else None)
         headers = {"Content-Type": "application/json"} if raw is None and body is not None else {}
-        attempts = 1 + (self.max_retries if idempotent else 0)
-        for attempt in range(attempts):
+        response = await self._fetch(
+            lambda: self._request(method, path, body, timeout, headers=headers),
+            method,
+            path,
+            idempotent,
+            lambda response: _failure(response, method, path),
+        )
+        return _parse(response) if parse else response.body
+
+    async def _fetch(
+        self,
+        make: Callable[[], HTTPRequest],
+        method: str,
+        path: str,
+        idempotent: bool,
+        failure_of: FailureOf,
+        wait: float | None = None,
+    ) -> HTTPResponse:
+        """Send a request (``make`` builds a fresh one per attempt), retrying what is safe to
+        retry (see the module docstring) until ``wait`` (default ``restart_wait``) has passed."""
+        deadline = time.monotonic() + (self.restart_wait if wait is None else wait)
+        attempt = 0
+        while True:
             try:
-                response = await self._client().fetch(
-                    self._request(method, path, body, timeout, headers=headers), raise_error=False
-                )
-                failure = _failure(response, method, path)
+                response = await self._client().fetch(make(), raise_error=False)
+                failure = failure_of(response)
             except (OSError, HTTPClientError) as err:  # refused, dropped, timed out: no HTTP answer
-                failure = self._transport_failure(method, path, err)
+                failure = self._transport_failure(method, path, err, idempotent)
             if failure is None:
-                return _parse(response) if parse else response.body
-            retryable = isinstance(failure, GatewayUnreachableError) or failure.status in RETRYABLE_STATUSES
-            if not retryable or attempt == attempts - 1:
+                return response
+            never_sent = isinstance(failure, GatewayUnreachableError) and not failure.sent
+            retryable = never_sent or (
+                idempotent and (isinstance(failure, GatewayUnreachableError) or failure.status in RETRYABLE_STATUSES)
+            )
+            # jitter: the clients of one restarted gateway do not all come back in the same instant
+            delay = min(self.max_backoff, self.backoff * 2**attempt) * random.uniform(0.8, 1.0)
+            out_of_tries = self.max_retries is not None and attempt >= self.max_retries
+            if not retryable or out_of_tries or time.monotonic() + delay > deadline:
                 raise failure
-            delay = self.backoff * 2**attempt
             log.info("retrying %s %s in %.2fs: %s", method, path, delay, failure)
             await asyncio.sleep(delay)
-        raise AssertionError("unreachable")
+            attempt += 1
+
+    async def gateway_restarted(self, how: str, execution: Execution | None = None) -> GatewayRestarted:
+        """The outcome of an execute that lost its gateway (``how``: connection_lost |
+        gateway_restart), after waiting up to ``restart_wait`` for the gateway to answer again."""
+        began = time.monotonic()
+        came_back = await self.wait_until_up()
+        log.warning("an execute lost its gateway (%s); gateway back: %s", how, came_back)
+        return GatewayRestarted(restart_message(how, came_back, time.monotonic() - began), execution, came_back)
 
     async def stream_execute(
         self, session_id: str, body: dict[str, Any], on_output: OutputCallback, timeout: float
@@ -196,33 +263,57 @@ class AsyncSandkernel:
                 elif event.get("type") == "error":  # the execution failed after the stream began
                     failed.append(event)
 
-        request = self._request(
-            "POST",
-            f"/api/sessions/{quote(session_id)}/execute?stream=1",
-            json.dumps(body).encode(),
-            timeout,
-            headers={"Content-Type": "application/json", "Accept": "application/x-ndjson"},
-            streaming_callback=on_chunk,
-        )
-        try:
-            response = await self._client().fetch(request, raise_error=False)
-        except (OSError, HTTPClientError) as err:
-            raise self._transport_failure("POST", request.url, err) from err
+        path = f"/api/sessions/{quote(session_id)}/execute?stream=1"
+        began = time.monotonic()
+
+        def make() -> HTTPRequest:
+            return self._request(
+                "POST",
+                path,
+                json.dumps(body).encode(),
+                timeout,
+                headers={"Content-Type": "application/json", "Accept": "application/x-ndjson"},
+                streaming_callback=on_chunk,
+            )
+
+        def lost() -> Execution:  # what the caller saw before the cut
+            return Execution(
+                status="detached",
+                outputs=list(streamed),
+                execution_count=None,
+                duration=time.monotonic() - began,
+                text=readable_text(streamed),
+                ended_by="connection_lost",
+            )
+
+        try:  # a refused connection is retried (nothing was sent); the HTTP status is judged below
+            response: HTTPResponse | None = await self._fetch(make, "POST", path, False, lambda response: None)
+        except GatewayUnreachableError as err:
+            if not err.sent:
+                raise
+            if not result and not failed:  # no outcome arrived whole: how far the code got is unknown
+                raise await self.gateway_restarted("connection_lost", lost()) from err
+            response = None  # the outcome arrived, then the connection dropped: the outcome stands
+        if response is not None and response.code == 200 and not result and not failed:
+            raise await self.gateway_restarted("connection_lost", lost())  # the stream ended without its result
         if failed:
             event = failed[0]
             raise error_for_status(event.get("status", 500), event.get("message", ""), event.get("error", ""))
-        if response.code != 200 or not result:
-            failure = _failure(response, "POST", request.url, body=bytes(buffer))
+        if not result and response is not None:
+            failure = _failure(response, "POST", path, body=bytes(buffer))
             raise failure or ClientError("the execute stream ended without a result", response.code)
         # The final line carries only what the stream did not: the result is both, in order.
         result["outputs"] = streamed + list(result.get("outputs") or [])
         result.setdefault("text", readable_text(result["outputs"]))
         return result
 
-    def _transport_failure(self, method: str, path: str, err: Exception) -> ClientError:
+    def _transport_failure(self, method: str, path: str, err: Exception, idempotent: bool = True) -> ClientError:
         if isinstance(err, HTTPTimeoutError):
             return RequestTimeoutError(f"{method} {path}: no answer from {self.url} within the request timeout")
-        return GatewayUnreachableError(f"cannot reach the sandkernel gateway at {self.url}: {err}")
+        if isinstance(err, ConnectionRefusedError):  # nothing listening: the request never left
+            return GatewayUnreachableError(f"cannot reach the sandkernel gateway at {self.url}: {err}", sent=False)
+        unknown = "" if idempotent else f"; {method} {path} was sent, whether it took effect is unknown"
+        return GatewayUnreachableError(f"lost the connection to the sandkernel gateway at {self.url}: {err}{unknown}")
 
 
 class AsyncSession:
@@ -273,6 +364,11 @@ class AsyncSession:
         ``on_error`` the error output). ``tag`` is recorded in the transcript cell (e.g. a
         tool-use id). An exception in the code is ``result.error``, not raised, unless
         ``check=True``; timeouts, kernel deaths and OOM kills are statuses likewise.
+
+        Raises :class:`~sandkernel.agent.errors.GatewayRestarted` when the gateway went away
+        before the result (the connection dropped, or the gateway let go of the execution as it
+        stopped: status ``detached``), after waiting for it to answer again: the code may or may
+        not have run to completion, and it is never sent twice.
         """
         body: dict[str, Any] = {"code": code}
         if timeout is not None:
@@ -285,10 +381,17 @@ class AsyncSession:
             dispatch = _dispatcher(*callbacks)
             reply = await self.client.stream_execute(self.id, body, dispatch, request_timeout)
         else:
-            reply = await self.client.request(
-                "POST", self._path("/execute"), body, idempotent=False, timeout=request_timeout
-            )
+            try:
+                reply = await self.client.request(
+                    "POST", self._path("/execute"), body, idempotent=False, timeout=request_timeout
+                )
+            except GatewayUnreachableError as err:
+                if not err.sent:  # refused until restart_wait passed: the code never reached a gateway
+                    raise
+                raise await self.client.gateway_restarted("connection_lost") from err
         execution = Execution.from_reply(reply)
+        if execution.status == "detached":  # cut by a stopping gateway; the code may still be running
+            raise await self.client.gateway_restarted(execution.ended_by or "gateway_restart", execution)
         return execution.raise_for_status() if check else execution
 
     async def interrupt(self) -> None:

@@ -52,7 +52,36 @@ class GatewayError(ClientError):
 
 
 class GatewayUnreachableError(ClientError, ConnectionError):
-    """No connection to the gateway (after the retries allowed for the call)."""
+    """No connection to the gateway (after the retries allowed for the call). ``sent`` is False
+    when the connection was refused, so the request never reached a gateway (safe to send again)."""
+
+    def __init__(self, message: str, sent: bool = True) -> None:
+        super().__init__(message)
+        self.sent = sent
+
+
+class SandboxLostError(NotFoundError):
+    """410: the session's sandbox died while no gateway was attached to it (the message says
+    why: exit code, OOM kill, removed by hand); the session is listed as ``lost``, not usable."""
+
+
+class GatewayRestarted(ClientError):
+    """An execute's gateway went away before its result: the connection dropped (a crash, a
+    ``kill -9``), or the gateway let go of the execution as it stopped (status ``detached``).
+
+    Why an exception and not a status like a timeout: nothing says how far the code got. It may
+    have run to completion, part way, or (if it was still queued) not at all, and it may still
+    be running in the kernel; the client never sends it again by itself. Check the session's
+    state (a variable, a file the code writes) before running it again. ``execution`` holds the
+    outputs seen before the cut (None when the reply was not streamed); ``came_back`` says
+    whether the gateway answered again within the client's ``restart_wait``, so the next call
+    can go ahead.
+    """
+
+    def __init__(self, message: str, execution: Execution | None = None, came_back: bool = True) -> None:
+        super().__init__(message, 0, "gateway_restart")
+        self.execution = execution
+        self.came_back = came_back
 
 
 class RequestTimeoutError(ClientError, TimeoutError):
@@ -93,6 +122,7 @@ STATUS_ERRORS: dict[int, type[ClientError]] = {
     403: AuthenticationError,
     404: NotFoundError,
     409: ConflictError,
+    410: SandboxLostError,
     413: LimitExceededError,
     422: BadRequestError,
     429: LimitExceededError,

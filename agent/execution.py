@@ -10,7 +10,7 @@ import base64
 import dataclasses
 from typing import Any
 
-from sandkernel.agent.errors import EXECUTION_ERRORS
+from sandkernel.agent.errors import EXECUTION_ERRORS, GatewayRestarted
 from sandkernel.mime import IMAGE_MIME_TYPES, is_base64
 
 
@@ -36,7 +36,7 @@ class Image:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    status: str  # ok | error | timeout | interrupted | kernel_died | oom
+    status: str  # ok | error | timeout | interrupted | kernel_died | oom | detached (see GatewayRestarted)
     outputs: list[dict[str, Any]]
     execution_count: int | None
     duration: float
@@ -108,5 +108,25 @@ class Execution:
         """Raise the :mod:`~sandkernel.agent.errors` exception for a non-ok status; else return self."""
         if self.ok:
             return self
+        if self.status == "detached":  # the gateway let go of it as it stopped: outcome unknown
+            raise GatewayRestarted(restart_message(self.ended_by or "gateway_restart"), self)
         detail = str(self.error) if self.error else (self.state_lost or self.status)
         raise EXECUTION_ERRORS.get(self.status, EXECUTION_ERRORS["error"])(f"execution {self.status}: {detail}", self)
+
+
+def restart_message(how: str, came_back: bool = True, waited: float = 0.0) -> str:
+    """What a :class:`GatewayRestarted` says; one sentence for every way an execute loses its gateway."""
+    cause = {
+        "gateway_restart": "the gateway let go of this execution as it stopped",
+        "connection_lost": "the connection to the gateway dropped before the result",
+    }.get(how, how)
+    back = (
+        "the gateway is answering again"
+        if came_back
+        else f"the gateway did not answer again within {waited:.0f} s (restart_wait)"
+    )
+    return (
+        f"gateway restarted during this execute ({cause}): the code may or may not have run to "
+        "completion, and may still be running in the kernel; do not assume it ran once or not at "
+        f"all: check the session's state before running it again ({back})"
+    )

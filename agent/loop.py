@@ -8,10 +8,16 @@ Why these rules: an agent that hits the same failure again and again (no network
 package) burns turns; after ``replan_after`` similar failures in a row the tool result carries a
 note asking the model to step back and re-plan (or report that the sandbox cannot do it), and
 after ``give_up_after`` the loop stops as ``stuck``. Turns, tokens and wall time are capped.
+
+A gateway restart during a step is not the model's failure and not the end of the run: the
+tool result says the step may not have finished (check before re-running), the transcript gets
+a note, and the loop goes on (the client has waited for the gateway to answer again). A sandbox
+the restarted gateway could not keep (``SandboxLostError``) ends the run as ``sandbox_lost``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -19,7 +25,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sandkernel.agent.client import AsyncSession
-from sandkernel.agent.tools import FINAL_ANSWER, TOOLS, ToolOutcome, run_tool
+from sandkernel.agent.errors import ClientError, SandboxLostError
+from sandkernel.agent.tools import FINAL_ANSWER, GATEWAY_RESTARTED, TOOLS, ToolOutcome, run_tool
 
 if TYPE_CHECKING:  # anthropic takes ~1.7 s to import: only the caller that makes a client pays it
     import anthropic
@@ -68,7 +75,8 @@ class ToolCall:
 
 @dataclasses.dataclass
 class AgentRun:
-    """How a run ended. ``stop`` is answer | end_turn | max_turns | max_tokens | max_seconds | stuck."""
+    """How a run ended. ``stop`` is answer | end_turn | max_turns | max_tokens | max_seconds | stuck |
+    sandbox_lost. ``gateway_restarts`` counts steps whose gateway went away under them."""
 
     answer: str
     stop: str
@@ -78,6 +86,7 @@ class AgentRun:
     output_tokens: int = 0
     seconds: float = 0.0
     replans: int = 0
+    gateway_restarts: int = 0
 
 
 Progress = Callable[[str, dict[str, Any]], None]
@@ -121,9 +130,18 @@ class ClaudeAgent:
             return await stream.get_final_message()
 
     async def run(self, task: str) -> AgentRun:
-        config = self.config
         started = time.monotonic()
         run = AgentRun(answer="", stop="max_turns")
+        try:
+            await self._run(task, run, started)
+        except SandboxLostError as lost:  # the gateway came back without this session's sandbox
+            run.stop, run.answer = "sandbox_lost", f"Stopped: the sandbox was lost ({lost.message})."
+        run.seconds = time.monotonic() - started
+        self.progress("done", {"run": run})
+        return run
+
+    async def _run(self, task: str, run: AgentRun, started: float) -> None:
+        config = self.config
         messages: list[dict[str, Any]] = [{"role": "user", "content": task}]
         await self.session.add_markdown(f"## Task\n\n{task}")
         last_failure: str | None = None
@@ -179,9 +197,6 @@ class ClaudeAgent:
                 )
                 self.progress("replan", {"failure": last_failure, "count": repeats})
             messages.append({"role": "user", "content": results})
-        run.seconds = time.monotonic() - started
-        self.progress("done", {"run": run})
-        return run
 
     def _limit_hit(self, run: AgentRun, started: float) -> str | None:
         if run.turns >= self.config.max_turns:
@@ -199,4 +214,12 @@ class ClaudeAgent:
         seconds = time.monotonic() - began
         run.tool_calls.append(ToolCall(use["id"], use["name"], outcome.status, seconds, use["input"]))
         self.progress("tool_end", {"id": use["id"], "name": use["name"], "status": outcome.status, "seconds": seconds})
+        if outcome.status == GATEWAY_RESTARTED:
+            run.gateway_restarts += 1
+            self.progress("gateway_restart", {"id": use["id"], "name": use["name"]})
+            with contextlib.suppress(ClientError):  # a note in the transcript is not worth ending the run
+                await self.session.add_markdown(
+                    f"> **sandkernel:** the gateway restarted during tool call `{use['id']}`; "
+                    "the step may not have finished (the model was told to check before re-running)."
+                )
         return outcome

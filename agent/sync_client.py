@@ -86,6 +86,10 @@ class Sandkernel:
     def health(self) -> dict[str, Any]:
         return self._loop.call(self._async.health())
 
+    def wait_until_up(self, timeout: float | None = None) -> bool:
+        """See :meth:`AsyncSandkernel.wait_until_up`."""
+        return self._loop.call(self._async.wait_until_up(timeout))
+
 
 class Session:
     """Blocking view of an :class:`~sandkernel.agent.client.AsyncSession`."""
@@ -120,7 +124,8 @@ class Session:
         return self._client._loop.call(coro)
 
     def run(self, code: str, timeout: float | None = None, **options: Any) -> Execution:
-        """See :meth:`AsyncSession.run` (callbacks run on the client's loop thread)."""
+        """See :meth:`AsyncSession.run` (callbacks run on the client's loop thread; a gateway
+        restart raises :class:`~sandkernel.agent.errors.GatewayRestarted` here likewise)."""
         return self._call(self._async.run(code, timeout, **options))
 
     def interrupt(self) -> None:

@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from sandkernel.agent.client import AsyncSession
+from sandkernel.agent.errors import GatewayRestarted
 from sandkernel.agent.execution import Execution
 from sandkernel.agent.images import image_block
 from sandkernel.truncation import clip_text, cut_marker
@@ -21,6 +22,14 @@ from sandkernel.truncation import clip_text, cut_marker
 MAX_RESULT_BYTES = 16 * 1024
 MAX_IMAGES_PER_RESULT = 4
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+GATEWAY_RESTARTED = "gateway_restarted"  # a tool call's status when its gateway went away mid-step
+RESTART_NOTE = (
+    "[sandkernel] The sandbox gateway restarted during this step, so this step may not have finished: "
+    "the code may have run completely, partly, or not at all, and it may still be running in the kernel. "
+    "The session's variables and files normally survive a gateway restart. Do not assume the step ran "
+    "once or not at all: before running it again, check the state it should have left (for example "
+    "whether a variable exists or a file was written)."
+)
 
 TOOLS: list[dict[str, Any]] = [
     {
@@ -129,8 +138,22 @@ async def run_tool(
         return ToolOutcome(_result(tool_use_id, "run_python needs non-empty 'code'", True), "error", "empty code")
     timeout = tool_input.get("timeout") if name == "run_python" else None
     timeout = float(timeout) if isinstance(timeout, int | float) and timeout > 0 else default_timeout
-    execution = await session.run(code_for(name, tool_input), timeout=timeout, tag=tool_use_id)
+    try:
+        execution = await session.run(code_for(name, tool_input), timeout=timeout, tag=tool_use_id)
+    except GatewayRestarted as restarted:
+        return ToolOutcome(restart_block(tool_use_id, restarted), GATEWAY_RESTARTED, None, restarted.execution)
     return ToolOutcome(result_block(tool_use_id, execution), execution.status, failure_signature(execution), execution)
+
+
+def restart_block(tool_use_id: str, restarted: GatewayRestarted) -> dict[str, Any]:
+    """The tool_result for a step whose gateway went away: what it printed before, then why it
+    may be incomplete. Not a failure of the model's approach (the re-plan counter ignores it)."""
+    seen = ANSI.sub("", restarted.execution.text).strip() if restarted.execution else ""
+    note = RESTART_NOTE
+    if not restarted.came_back:
+        note += " The gateway has not answered again yet: the next call may fail too."
+    text = f"Output before the restart:\n{seen}\n\n{note}" if seen else note
+    return _result(tool_use_id, clip_text(text, MAX_RESULT_BYTES, why="to fit the tool result").text, True)
 
 
 def failure_signature(execution: Execution) -> str | None:
