@@ -17,7 +17,7 @@ from typing import Any
 
 from tornado import web
 
-from sandkernel.errors import SandkernelError
+from sandkernel.errors import SandkernelError, SessionClosedError
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
@@ -26,6 +26,9 @@ from sandkernel.gateway.settings import GatewaySettings
 log = logging.getLogger(__name__)
 
 INTERNAL_ERROR = (500, "internal_error", "the gateway hit an unexpected error; it has been logged")
+# What a request gets while the gateway is stopping (its sessions go on in the next process).
+RESTARTING_MESSAGE = "the gateway is restarting; retry"
+RETRY_AFTER_SECONDS = 2
 
 
 class ApiError(web.HTTPError):
@@ -35,6 +38,11 @@ class ApiError(web.HTTPError):
         super().__init__(status, reason=HTTPStatus(status).phrase)
         self.message = message
         self.code = code or _phrase_code(status)
+
+
+def restarting_error() -> ApiError:
+    """The 503 a request gets while the gateway stops: the next process will serve it."""
+    return ApiError(503, RESTARTING_MESSAGE, "restarting")
 
 
 def _phrase_code(status: int) -> str:
@@ -105,6 +113,8 @@ class BaseHandler(web.RequestHandler):
     gateway_settings: GatewaySettings
     metrics: GatewayMetrics
     tenant: str
+    served_while_stopping = False  # health, metrics and the API document answer to the end
+    _counted = False
 
     def initialize(
         self, registry: SessionRegistry, auth: TokenAuth | None, settings: GatewaySettings, metrics: GatewayMetrics
@@ -121,10 +131,27 @@ class BaseHandler(web.RequestHandler):
             stream.set_nodelay(True)
         self._chunks: list[bytes] = []
         self._received = 0
+        if self.registry is not None and not self.served_while_stopping:
+            if self.registry.stopping:
+                raise restarting_error()
+            self.registry.request_started()
+            self._counted = True
         self.tenant = self.authenticate()
         declared = self.request.headers.get("Content-Length")
         if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes", "too_large")
+
+    def on_finish(self) -> None:
+        self._uncount()
+
+    def on_connection_close(self) -> None:
+        self._uncount()
+        super().on_connection_close()
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.registry.request_ended()
 
     def data_received(self, chunk: bytes) -> None:
         self._received += len(chunk)
@@ -159,7 +186,14 @@ class BaseHandler(web.RequestHandler):
 
     def _handle_request_exception(self, e: BaseException) -> None:
         """Tornado sends every exception a handler raises here; a SandkernelError gets its own
-        status (tornado would make it a 500) and the same JSON as any other error."""
+        status (tornado would make it a 500) and the same JSON as any other error. A session
+        closed under a request because the gateway is stopping is a 503 (retry: the next process
+        has it), not a 404."""
+        if isinstance(e, SessionClosedError) and self.registry is not None and self.registry.stopping:
+            if not self._finished:
+                restarting = restarting_error()
+                self.send_error(503, exc_info=(type(restarting), restarting, None))
+            return
         if isinstance(e, SandkernelError):
             self.log_exception(type(e), e, e.__traceback__)
             if not self._finished:
@@ -174,6 +208,8 @@ class BaseHandler(web.RequestHandler):
             message = code.replace("_", " ")
         else:
             _, code, message = error_reply(exc)
+        if code == "restarting":
+            self.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps({"error": code, "message": message}))
 

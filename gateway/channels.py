@@ -34,7 +34,7 @@ from tornado import websocket
 
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import ApiError, authenticate_request, error_reply
+from sandkernel.gateway.base import ApiError, authenticate_request, error_reply, restarting_error
 from sandkernel.gateway.inflight import InFlight, ledger_of
 from sandkernel.gateway.registry import ManagedSession, SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
@@ -113,6 +113,9 @@ class ChannelsHandler(websocket.WebSocketHandler):
             self._refuse(*error_reply(err))
             return
         self.tenant = tenant
+        if self.registry.stopping:  # the next gateway process will serve this kernel
+            self._refuse(*error_reply(restarting_error()))
+            return
         try:
             self.managed = self.registry.by_kernel(tenant, kernel_id)
         except LookupError:
@@ -167,6 +170,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.tasks.append(asyncio.create_task(self._nudge()))
         self.tasks.append(asyncio.create_task(self._watch_iopub(self.sockets["iopub"])))
         self.tasks.append(asyncio.create_task(self._send_shell()))
+        self.registry.websockets.add(self)  # closed with 1012 when the gateway restarts
 
     async def _nudge(self, timeout: float = NUDGE_TIMEOUT) -> bool:
         """Hold client messages until our iopub subscription is live; True when it is.
@@ -295,6 +299,10 @@ class ChannelsHandler(websocket.WebSocketHandler):
                 self.session.send(self.sockets["shell"], msg, buffers=buffers or None)
                 continue
             content = msg.get("content") if isinstance(msg.get("content"), dict) else {}
+            if self.registry.stopping:  # not sent: the client re-runs it on the next gateway
+                await self._complain(f"execute_request not run: {restarting_error().message}")
+                self._answer_aborted(msg)
+                continue
             result = await self._run_relayed(msg, buffers, content)
             if result is not None and _aborts_queue(result, content):
                 await self._abort_queued_executes()
@@ -384,6 +392,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
             await self.write_message(json.dumps({"channel": "gateway", "error": "bad_message", "message": message}))
 
     def on_close(self) -> None:
+        self.registry.websockets.discard(self)
         if self.inflight is not None:
             self.inflight.forget_all()
         for reply in self.replies.values():

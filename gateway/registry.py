@@ -3,11 +3,18 @@
 A Jupyter "kernel" started through /api/kernels and an agent "session" started through
 /api/sessions are the same thing here: a :class:`KernelSession`. Lookups take the caller's
 tenant, and another tenant's session is reported exactly like a missing one.
+
+Every session is written to the session catalog (kernels/durable/store.py) before it is handed
+out, kept current by a catalog observer (session_observers.py) and removed from it when it is
+deleted, so a later gateway process can adopt it (gateway/adoption.py). A recorded sandbox that
+died while no gateway was attached stays listed as a :class:`LostSession` (state ``lost``, with
+the reason) until its tenant deletes it: its work is gone, and that must be said, not hidden.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import datetime as dt
 import logging
@@ -16,10 +23,12 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from sandkernel.errors import ConfigError, KernelNotFoundError
+from sandkernel.errors import ConfigError, KernelNotFoundError, SandboxLostError
 from sandkernel.gateway.metrics import GatewayMetrics
-from sandkernel.gateway.session_observers import observe
+from sandkernel.gateway.session_observers import CatalogWriter, observe
 from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
 from sandkernel.kernels.lifecycle.pool import WarmPool
@@ -38,6 +47,20 @@ class TooManySessionsError(ConfigError):
 
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def seconds_since(timestamp: str | None) -> float:
+    """Seconds between an ISO 8601 timestamp (``_now()``'s form) and now; 0 for none or a bad one
+    (a clock that went back counts as no time)."""
+    if not isinstance(timestamp, str):
+        return 0.0
+    try:
+        then = dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
+    except ValueError:
+        return 0.0
+    if then.tzinfo is None:
+        then = then.replace(tzinfo=dt.timezone.utc)
+    return max(0.0, (dt.datetime.now(dt.timezone.utc) - then).total_seconds())
 
 
 @dataclasses.dataclass
@@ -97,11 +120,85 @@ class ManagedSession:
             "created": self.created,
             "profile": self.session.profile.to_dict(public=True),
             "metadata": self.metadata,
+            "state": SandboxState.RUNNING.value,
+        }
+
+    def gateway_record(self, **extra: Any) -> dict[str, Any]:
+        """The registry's part of the session's catalog record: what a later gateway needs to list
+        it as this one did (the tenant and the kernel's state are fields of their own)."""
+        return {
+            "created": self.created,
+            "metadata": self.metadata,
+            "kernel_name": self.kernel_name,
+            "origin": self.origin,
+            "transcript": str(self.recorder.path) if self.recorder else None,
+            "last_activity": self.last_activity,
+            **extra,
         }
 
 
+@dataclasses.dataclass
+class LostSession:
+    """A recorded session whose sandbox a restarted gateway could not adopt: it died or was
+    removed while no gateway was attached (or, ``refused``, it was not what the record says and
+    is left alone for the operator). Listed with its reason until its tenant deletes it; every
+    other call on it is a 410 that says so."""
+
+    record: SandboxRecord
+    reason: str
+    refused: bool = False
+
+    @property
+    def id(self) -> str:
+        return self.record.session_id
+
+    @property
+    def tenant(self) -> str:
+        return self.record.tenant or ""
+
+    def error(self) -> SandboxLostError:
+        return SandboxLostError(
+            f"session {self.id}'s sandbox is lost: {self.reason}. Its variables and files are gone; "
+            f"delete it (DELETE /api/sessions/{self.id}) and start a new session"
+        )
+
+    def session_model(self) -> dict[str, Any]:
+        """The session model of a live session, with state ``lost`` and the reason; its kernel is
+        ``dead``."""
+        gateway = self.record.gateway
+        metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
+        return {
+            "id": self.id,
+            "path": gateway.get("transcript"),
+            "name": metadata.get("name", ""),
+            "type": "notebook",
+            "kernel": {
+                "id": self.record.kernel.get("kernel_id"),
+                "name": gateway.get("kernel_name"),
+                "last_activity": gateway.get("last_activity"),
+                "execution_state": "dead",
+                "connections": 0,
+            },
+            "created": gateway.get("created"),
+            "profile": _public_profile(self.record.kernel.get("profile")),
+            "metadata": metadata,
+            "state": SandboxState.LOST.value,
+            "lost_reason": self.reason,
+        }
+
+
+def _public_profile(recorded: Any) -> dict[str, Any]:
+    """The public view of a recorded profile ({} when the record's cannot be read back)."""
+    from sandkernel.kernels.durable.adoption import profile_from_record
+
+    try:
+        return profile_from_record(recorded).to_dict(public=True)
+    except Exception:  # a record a newer or older gateway wrote: listing it must still work
+        return {}
+
+
 class SessionRegistry:
-    """Owns every live session of the gateway."""
+    """Owns every session of the gateway: live ones, and lost ones until they are deleted."""
 
     def __init__(
         self,
@@ -109,17 +206,33 @@ class SessionRegistry:
         catalog: ProfileCatalog | None = None,
         pool: WarmPool | None = None,
         metrics: GatewayMetrics | None = None,
+        store: SessionStore | None = None,
     ) -> None:
         """``settings`` gives the limits (sessions per tenant and in all, idle timeout, lifetime)
         and the notebook directory; ``catalog`` what tenants may ask for (built-in profiles when
-        None); ``pool`` the warm sandboxes, if any; ``metrics`` the gateway's counters."""
+        None); ``pool`` the warm sandboxes, if any; ``metrics`` the gateway's counters; ``store``
+        the session catalog every session is recorded in (None: sessions are not durable)."""
         self.settings = settings
         self.metrics = metrics or GatewayMetrics()
         self.pool = pool
         self.catalog = catalog or ProfileCatalog.load()
+        self.store = store
+        self.writer = CatalogWriter(store) if store is not None else None
         self._sessions: dict[str, ManagedSession] = {}
+        self._lost: dict[str, LostSession] = {}
         self._pending: dict[str, int] = {}
         self._closing: set[asyncio.Task] = set()
+        self.stopping = False  # the gateway is shutting down: new requests get 503 (base.py)
+        self.requests_in_flight = 0  # HTTP requests being served (the shutdown lets them answer)
+        self._no_requests = asyncio.Event()
+        self._no_requests.set()
+        self.websockets: set[Any] = set()  # open kernel websockets (closed 1012 on a restart)
+
+    def _count(self, tenant: str) -> int:
+        """A tenant's sessions: live, lost (their workspace is kept until deleted) and starting."""
+        live = sum(1 for s in self._sessions.values() if s.tenant == tenant)
+        lost = sum(1 for s in self._lost.values() if s.tenant == tenant)
+        return live + lost + self._pending.get(tenant, 0)
 
     async def create(
         self,
@@ -130,15 +243,16 @@ class SessionRegistry:
         origin: str = "session_api",
     ) -> ManagedSession:
         """Start a session for ``tenant``: the named profile with the ``limits`` the tenant asked
-        for, checked against the operator's catalog (ConfigError / SettingNotPermittedError)."""
+        for, checked against the operator's catalog (ConfigError / SettingNotPermittedError).
+        It is recorded in the session catalog before it is returned (a StoreError removes it)."""
         chosen = self.catalog.for_tenant(profile, limits)
-        count = sum(1 for s in self._sessions.values() if s.tenant == tenant) + self._pending.get(tenant, 0)
-        if count >= self.settings.max_sessions:
+        if self._count(tenant) >= self.settings.max_sessions:
             raise TooManySessionsError(
                 f"session limit reached ({self.settings.max_sessions} per token); delete a session first"
             )
         reserved = self.pool.size if self.pool else 0  # pooled sandboxes count toward the limit
-        if len(self._sessions) + sum(self._pending.values()) + reserved >= self.settings.max_sessions_total:
+        in_all = len(self._sessions) + len(self._lost) + sum(self._pending.values()) + reserved
+        if in_all >= self.settings.max_sessions_total:
             raise TooManySessionsError(
                 f"the gateway is at its limit of {self.settings.max_sessions_total} sessions; try again later"
             )
@@ -153,52 +267,132 @@ class SessionRegistry:
             if session is None:
                 session = await KernelSession.start(profile=chosen, session_id=session_id)
             await attach_transcript(session, recorder)
+            kernel_name = kernel_name_for(session.profile.runtime)
+            managed = ManagedSession(
+                session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin, recorder=recorder
+            )
+            await self._record(managed)
         finally:
             self._pending[tenant] -= 1
-        kernel_name = kernel_name_for(session.profile.runtime)
-        managed = ManagedSession(
-            session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin, recorder=recorder
-        )
-        observe(managed, self.metrics)
+        observe(managed, self.metrics, self.writer)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})
         return managed
 
+    async def _record(self, managed: ManagedSession) -> None:
+        """Write a new session to the catalog (replacing its pool record, if it was pooled);
+        a failure removes the session: one that a restart would lose is not handed out."""
+        if self.store is None:
+            return
+        record = SandboxRecord(
+            managed.id,
+            SandboxKind.SESSION,
+            managed.session.durable_state(),
+            tenant=managed.tenant,
+            gateway=managed.gateway_record(),
+        )
+        try:
+            await self.store.put(record)
+        except BaseException:
+            await asyncio.shield(managed.session.shutdown())
+            raise
+
+    def add_adopted(self, managed: ManagedSession) -> None:
+        """A session a previous gateway process made, adopted at start-up (gateway/adoption.py)."""
+        observe(managed, self.metrics, self.writer)
+        self._sessions[managed.id] = managed
+
+    def add_lost(self, lost: LostSession) -> None:
+        """A recorded session whose sandbox could not be adopted: listed as ``lost`` until deleted."""
+        self._lost[lost.id] = lost
+
     def get(self, tenant: str, session_id: str) -> ManagedSession:
+        """The tenant's live session (404 for another tenant's or none; 410 for a lost one)."""
         managed = self._sessions.get(session_id)
-        if managed is None or managed.tenant != tenant:
-            raise KernelNotFoundError(f"no session {session_id!r}")
-        return managed
+        if managed is not None and managed.tenant == tenant:
+            return managed
+        lost = self._lost.get(session_id)
+        if lost is not None and lost.tenant == tenant:
+            raise lost.error()
+        raise KernelNotFoundError(f"no session {session_id!r}")
+
+    def find(self, tenant: str, session_id: str) -> ManagedSession | LostSession:
+        """The tenant's session, live or lost (what GET and DELETE of a session see)."""
+        lost = self._lost.get(session_id)
+        if lost is not None and lost.tenant == tenant:
+            return lost
+        return self.get(tenant, session_id)
 
     def by_kernel(self, tenant: str, kernel_id: str) -> ManagedSession:
         # A session's kernel id changes when the ladder replaces its container: look it up live.
+        # Lost sessions have no kernel: the kernel API does not know them (JupyterLab then offers
+        # to start another kernel, which is what the user has to do).
         for managed in self._sessions.values():
             if managed.session.kernel_id == kernel_id and managed.tenant == tenant:
                 return managed
         raise KernelNotFoundError(f"no kernel {kernel_id!r}")
 
     def list(self, tenant: str) -> list[ManagedSession]:
+        """The tenant's live sessions (the kernel API's listing)."""
         return [s for s in self._sessions.values() if s.tenant == tenant]
 
+    def models(self, tenant: str) -> list[dict[str, Any]]:
+        """The session models of the tenant's sessions, live and lost (GET /api/sessions)."""
+        models = [s.session_model() for s in self.list(tenant)]
+        models += [s.session_model() for s in self._lost.values() if s.tenant == tenant]
+        return models
+
     async def delete(self, tenant: str, session_id: str, keep_notebook: bool = True) -> None:
-        """Forget the session and remove its container. The removal is shielded: a cancelled
-        caller (a culler stopped mid-way, a client gone) never leaves a container behind,
-        and :meth:`shutdown_all` waits for removals still under way."""
-        managed = self.get(tenant, session_id)
-        self._sessions.pop(session_id, None)
-        task = asyncio.create_task(managed.session.shutdown())
+        """Forget the session, remove its container and its catalog record. The removal is
+        shielded: a cancelled caller (a culler stopped mid-way, a client gone) never leaves a
+        container behind, and :meth:`shutdown_all` waits for removals still under way. A lost
+        session's leftovers are discarded (a refused one's are left for the operator); its
+        transcript is kept."""
+        found = self.find(tenant, session_id)
+        if isinstance(found, LostSession):
+            self._lost.pop(session_id, None)
+            task = asyncio.create_task(self._discard(found))
+        else:
+            self._sessions.pop(session_id, None)
+            task = asyncio.create_task(self._remove(found))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         await asyncio.shield(task)
-        if not keep_notebook and managed.recorder is not None:
-            managed.recorder.delete()
+        if not keep_notebook and isinstance(found, ManagedSession) and found.recorder is not None:
+            found.recorder.delete()
+
+    async def _remove(self, managed: ManagedSession) -> None:
+        await managed.session.shutdown()
+        await self.forget_record(managed.id)
+
+    async def _discard(self, lost: LostSession) -> None:
+        if lost.refused:
+            log.warning(
+                "session deleted; its sandbox was refused at adoption and is left for the operator "
+                "(container %s, runtime dir %s)",
+                lost.record.kernel.get("container_id"),
+                lost.record.kernel.get("runtime_dir"),
+                extra={"session": lost.id, "tenant": lost.tenant},
+            )
+        else:
+            await KernelSession.discard(lost.id, lost.record.kernel)
+        await self.forget_record(lost.id)
+
+    async def forget_record(self, session_id: str) -> None:
+        if self.store is None:
+            return
+        try:
+            await self.store.remove(session_id)
+        except Exception as err:  # the sandbox is gone; a stale record is reported lost next start
+            log.warning("could not remove the session's catalog record: %s", err, extra={"session": session_id})
 
     def __len__(self) -> int:
         return len(self._sessions)
 
     async def cull(self) -> list[str]:
         """Delete sessions idle longer than ``idle_timeout`` or older than ``max_lifetime``
-        (busy ones are left to finish). Returns the culled ids."""
+        (busy ones are left to finish). Returns the culled ids. Lost sessions are not culled:
+        they stay listed until their tenant has seen and deleted them."""
         now = time.monotonic()
         idle_timeout, max_lifetime = self.settings.idle_timeout, self.settings.max_lifetime
         doomed = [
@@ -216,6 +410,8 @@ class SessionRegistry:
             await self.delete(managed.tenant, managed.id)
         return [m.id for m in doomed]
 
+    # -- stopping ---------------------------------------------------------------------------
+
     async def interrupt_busy(self, grace: float) -> None:
         """Interrupt every running execution and give them ``grace`` seconds to return."""
         busy = [m for m in self._sessions.values() if m.execution_state == "busy"]
@@ -223,10 +419,63 @@ class SessionRegistry:
         if busy:
             await asyncio.wait([asyncio.create_task(m.session.wait_idle()) for m in busy], timeout=grace)
 
-    async def shutdown_all(self) -> None:
+    async def settle(self, grace: float) -> list[ManagedSession]:
+        """Wait up to ``grace`` seconds for running (and already queued) executions to finish;
+        the sessions still busy after it."""
+        deadline = time.monotonic() + grace
+        while busy := [m for m in self._sessions.values() if m.session.busy]:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return busy
+            waiters = [asyncio.create_task(m.session.wait_idle()) for m in busy]
+            _, pending = await asyncio.wait(waiters, timeout=left)
+            for waiter in pending:
+                waiter.cancel()
+        return []
+
+    def request_started(self) -> None:
+        self.requests_in_flight += 1
+        self._no_requests.clear()
+
+    def request_ended(self) -> None:
+        self.requests_in_flight -= 1
+        if self.requests_in_flight <= 0:
+            self._no_requests.set()
+
+    async def requests_done(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the HTTP requests being served to answer."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._no_requests.wait(), timeout)
+
+    async def detach_all(self) -> None:
+        """Let go of every session, leaving its container running and its record in the catalog
+        (with ``gateway.detached_at``), for the next gateway process to adopt."""
         sessions = list(self._sessions.values())
         self._sessions.clear()
+        detached_at = _now()
+        results = await asyncio.gather(*(m.session.detach() for m in sessions), return_exceptions=True)
+        for managed, outcome in zip(sessions, results, strict=True):
+            if isinstance(outcome, BaseException):
+                log.warning("detaching a session failed: %s", outcome, extra={"session": managed.id})
+            if self.writer is not None:
+                self.writer.update(managed.id, gateway=managed.gateway_record(detached_at=detached_at))
+            if managed.recorder is not None:
+                await managed.recorder.close()
+        if self.pool is not None:
+            await self.pool.detach()
+        await asyncio.gather(*self._closing, return_exceptions=True)
+
+    async def shutdown_all(self) -> None:
+        """Remove every session's container and record (``--on-exit delete``): lost ones too."""
+        sessions = list(self._sessions.values())
+        lost = list(self._lost.values())
+        self._sessions.clear()
+        self._lost.clear()
         pool_closed = self.pool.close() if self.pool else asyncio.sleep(0)
         await asyncio.gather(
-            *(s.session.shutdown() for s in sessions), *self._closing, pool_closed, return_exceptions=True
+            *(self._remove(s) for s in sessions),
+            *(self._discard(s) for s in lost),
+            *self._closing,
+            pool_closed,
+            return_exceptions=True,
         )

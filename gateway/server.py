@@ -1,11 +1,14 @@
 """``sandkernel serve``: the tornado application and its lifecycle.
 
 :class:`Gateway` is one running gateway: built from a :class:`GatewaySettings` (the only place the
-operator's choices live), it reaps containers orphaned by a crashed predecessor, binds (127.0.0.1 by
-default), culls idle sessions, and on :meth:`Gateway.stop` interrupts running executions, lets them
-answer and removes every container. :func:`serve` runs one until SIGINT/SIGTERM, printing the URL
-and the token; tests, the agent CLI's local gateway and the benchmarks start one in their own
-event loop.
+operator's choices live), it opens the session catalog in its state dir, adopts every sandbox
+recorded there (gateway/adoption.py), reaps the containers the catalog does not hold, then binds
+(127.0.0.1 by default) and culls idle sessions. :meth:`Gateway.stop` either lets go of the
+sandboxes (``--on-exit keep``, the default: running executions get ``shutdown_grace`` seconds to
+finish, then are cut as ``detached``; the containers keep running and stay recorded for the next
+process) or removes them all (``--on-exit delete``). :func:`serve` runs one until SIGINT/SIGTERM,
+printing the URL and the token; tests, the agent CLI's local gateway and the benchmarks start one
+in their own event loop.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import contextlib
 import json
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +27,7 @@ from tornado import httpserver, web
 
 from sandkernel import __version__
 from sandkernel.errors import ConfigError, SandkernelError
+from sandkernel.gateway.adoption import AdoptionReport, adopt_all
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.channels import ChannelsHandler
@@ -47,10 +52,12 @@ from sandkernel.gateway.sessions_api import (
     SessionsHandler,
 )
 from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.kernels.durable.store import SessionStore, open_store
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_runtime
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.reaper import reap
+from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
 from sandkernel.notebooks.recorder import default_notebook_dir
 
 log = logging.getLogger(__name__)
@@ -59,16 +66,23 @@ OPENAPI_PATH = Path(__file__).with_name("openapi.json")
 # Websocket frames larger than this are refused by tornado (bytes).
 WEBSOCKET_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 WEBSOCKET_PING_SECONDS = 30
+# RFC 6455 "service restart": Jupyter clients reconnect after it.
+CLOSE_SERVICE_RESTART = 1012
+# Seconds the HTTP requests answering cut executions get to send their results on shutdown.
+ANSWER_SECONDS = 5.0
 
 
 class HealthHandler(BaseHandler):
+    served_while_stopping = True
+
     def authenticate(self) -> str:
         return "anonymous"  # for load balancers and probes
 
     def get(self) -> None:
         """Status and version for anyone; session and pool counts only with a valid token (how
         busy a gateway is tells an outsider when to strike, and how many tenants it serves)."""
-        health: dict[str, Any] = {"status": "ok", "version": __version__}
+        status = "stopping" if self.registry.stopping else "ok"
+        health: dict[str, Any] = {"status": status, "version": __version__}
         header = self.request.headers.get("Authorization")
         if self.auth is None or (header and self.auth.tenant_for(header) is not None):
             pool = self.registry.pool
@@ -77,6 +91,8 @@ class HealthHandler(BaseHandler):
 
 
 class MetricsHandler(BaseHandler):
+    served_while_stopping = True
+
     def authenticate(self) -> str:
         return "anonymous"  # aggregate numbers only, no tenant labels
 
@@ -87,6 +103,8 @@ class MetricsHandler(BaseHandler):
 
 
 class OpenApiHandler(BaseHandler):
+    served_while_stopping = True
+
     def authenticate(self) -> str:
         return "anonymous"  # the API description is public
 
@@ -187,11 +205,15 @@ class Gateway:
         server: httpserver.HTTPServer,
         shown_token: str | None,
         default_runtime: str,
+        store: SessionStore,
+        adoption: AdoptionReport,
     ) -> None:
         self.settings = settings
         self.default_runtime = default_runtime  # what "auto" (or the operator) chose
         self.registry = registry
         self.shown_token = shown_token  # the single token to print (None with a tokens file)
+        self.store = store
+        self.adoption = adoption  # what start-up found in the catalog
         self._server = server
         self._culler = asyncio.create_task(_cull_forever(registry, settings.cull_interval))
         self._stopped = False
@@ -203,39 +225,86 @@ class Gateway:
     @classmethod
     async def start(cls, settings: GatewaySettings) -> Gateway:
         """Read the operator's files (tokens, profiles, egress policy: ConfigError on a bad one),
-        reap orphaned containers, start the warm pool and listen on ``settings.ip:port``."""
+        open the session catalog (StoreError on one that cannot be used: nothing is adopted,
+        reaped or deleted then), adopt the sandboxes it records, reap the containers it does not,
+        start the warm pool and only then listen on ``settings.ip:port``."""
+        use_state_dir(settings.state_dir)  # before anything touches the state dir
         auth, shown_token = TokenAuth.from_sources(settings.token, settings.tokens_file)
         auth.allow_query_token = settings.allow_token_in_url
         runtime = await choose_default_runtime(settings.default_runtime)
         catalog = ProfileCatalog.load(settings.profiles_file, runtime, load_egress_policy(settings.egress_policy_file))
-        report = await reap()
-        if report.removed:
-            log.info("reaped orphaned containers", extra={"count": len(report.removed)})
-        pool = WarmPool(settings.pool_size, catalog.profile("default")) if settings.pool_size > 0 else None
-        registry = SessionRegistry(settings, catalog, pool, GatewayMetrics())
-        server = httpserver.HTTPServer(
-            make_app(registry, settings, auth, registry.metrics),
-            max_body_size=MAX_BODY_BYTES * 2,
-            idle_connection_timeout=settings.header_timeout,
-            body_timeout=settings.body_timeout,
-        )
-        server.listen(settings.port, address=settings.ip)
+        store = await asyncio.to_thread(open_store)
+        try:
+            default = catalog.profile("default")
+            pool = WarmPool(settings.pool_size, default, store=store) if settings.pool_size > 0 else None
+            registry = SessionRegistry(settings, catalog, pool, GatewayMetrics(), store)
+            records = await store.load()
+            report = await adopt_all(registry, records)
+            log.info("start-up adoption: %s", report.summary())
+            reaped = await reap(keep={record.session_id for record in records})
+            if reaped.removed:
+                log.info("reaped orphaned containers", extra={"count": len(reaped.removed)})
+            server = httpserver.HTTPServer(
+                make_app(registry, settings, auth, registry.metrics),
+                max_body_size=MAX_BODY_BYTES * 2,
+                idle_connection_timeout=settings.header_timeout,
+                body_timeout=settings.body_timeout,
+            )
+            server.listen(settings.port, address=settings.ip)
+        except BaseException:
+            await store.close()
+            raise
         if pool is not None:
             pool.start()
-        return cls(settings, registry, server, shown_token, runtime.value)
+        return cls(settings, registry, server, shown_token, runtime.value, store, report)
 
     async def stop(self) -> None:
-        """Accept no new connections, interrupt running executions and give them
-        ``shutdown_grace`` seconds to return their results, then remove every container."""
+        """Stop: accept no new connections, answer new requests 503 (retry), then let go of the
+        sandboxes (``on_exit`` keep) or remove them (``on_exit`` delete)."""
         if self._stopped:
             return
         self._stopped = True
+        self.registry.stopping = True
         self._culler.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._culler
         self._server.stop()
-        await self.registry.interrupt_busy(self.settings.shutdown_grace)
-        await self.registry.shutdown_all()
+        try:
+            if self.settings.on_exit == "delete":
+                await self.registry.interrupt_busy(self.settings.shutdown_grace)
+                await self.registry.shutdown_all()
+            else:
+                await self._detach()
+            if self.registry.writer is not None:
+                await self.registry.writer.flush()
+        finally:
+            await self.store.close()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.close_all_connections(), ANSWER_SECONDS)
+
+    async def _detach(self) -> None:
+        """``on_exit`` keep: running executions get ``shutdown_grace`` seconds to finish; those
+        still running are cut (their callers get status ``detached``, ended_by
+        ``gateway_restart``; the code keeps running), websockets close with 1012 so Jupyter
+        clients reconnect to the next process, and every session lets go of its sandbox, which
+        keeps running, recorded in the catalog with the time it was let go."""
+        started = time.monotonic()
+        still_running = await self.registry.settle(self.settings.shutdown_grace)
+        for managed in still_running:
+            log.info("cutting a running execution: the gateway is restarting", extra={"session": managed.id})
+        await asyncio.gather(*(m.session.cut_running() for m in still_running), return_exceptions=True)
+        await self.registry.requests_done(ANSWER_SECONDS)  # the cut executions' callers get their result
+        for handler in list(self.registry.websockets):
+            with contextlib.suppress(Exception):
+                handler.close(CLOSE_SERVICE_RESTART, "service restart")
+        count = len(self.registry)
+        await self.registry.detach_all()
+        log.info(
+            "gateway stopped: %d session(s) left running for the next gateway (%d cut) in %.2fs",
+            count,
+            len(still_running),
+            time.monotonic() - started,
+        )
 
     async def __aenter__(self) -> Gateway:
         return self
@@ -256,6 +325,7 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event | None = None) ->
     print(f"sandkernel gateway at {gateway.url}", flush=True)
     print(f"notebooks: {settings.notebook_dir or default_notebook_dir()}", flush=True)
     print(f"default runtime: {gateway.default_runtime}; profiles: {', '.join(sorted(catalog.profiles))}", flush=True)
+    print(f"state dir: {state_dir()}; {gateway.adoption.summary()}", flush=True)
     if gateway.shown_token:
         print(f"token: {gateway.shown_token}", flush=True)
         print(
@@ -271,4 +341,9 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event | None = None) ->
         await stop.wait()
     finally:
         await gateway.stop()
-        print("gateway stopped; all sessions shut down", flush=True)
+        if settings.on_exit == "delete":
+            print("gateway stopped; all sessions shut down", flush=True)
+        else:
+            print(
+                f"gateway stopped; sessions left running, recorded in {state_dir()} for the next gateway", flush=True
+            )

@@ -35,7 +35,7 @@ MAX_CODE_BYTES = 1024 * 1024
 
 class SessionsHandler(BaseHandler):
     def get(self) -> None:
-        self.write_json([s.session_model() for s in self.registry.list(self.tenant)])
+        self.write_json(self.registry.models(self.tenant))
 
     async def post(self) -> None:
         body = self.json_body()
@@ -67,18 +67,20 @@ class SessionScoped(BaseHandler):
     verb itself, so a subclass answers exactly the verbs it defines (and openapi.json lists)."""
 
     def managed(self, session_id: str) -> ManagedSession:
-        """The caller's session (KernelNotFoundError, a 404, for another tenant's or none)."""
+        """The caller's live session (KernelNotFoundError, a 404, for another tenant's or none;
+        SandboxLostError, a 410 that says to delete it, for a lost one)."""
         return self.registry.get(self.tenant, session_id)
 
 
 class SessionHandler(SessionScoped):
-    """GET the session model; DELETE the session (and its container)."""
+    """GET the session model (a lost session's too: state ``lost`` and why); DELETE the session
+    (its container, or a lost one's leftovers; the transcript is kept unless asked)."""
 
     def get(self, session_id: str) -> None:
-        self.write_json(self.managed(session_id).session_model())
+        self.write_json(self.registry.find(self.tenant, session_id).session_model())
 
     async def delete(self, session_id: str) -> None:
-        self.managed(session_id)
+        self.registry.find(self.tenant, session_id)
         keep = self.get_query_argument("delete_notebook", "0") not in ("1", "true")
         await self.registry.delete(self.tenant, session_id, keep_notebook=keep)
         self.set_status(204)

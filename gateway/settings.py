@@ -46,6 +46,7 @@ from sandkernel.gateway.budget import OutputBudget
 ENV_PREFIX = "SANDKERNEL_"
 CONFIG_ENV = "SANDKERNEL_CONFIG"
 RUNTIME_CHOICES = ("auto", "runc", "runsc")
+ON_EXIT_CHOICES = ("keep", "delete")
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
 
@@ -61,6 +62,7 @@ def _setting(
     zero_is_none: bool = False,
     shown_default: str | None = None,
     positive: bool = False,
+    maximum: float | None = None,
     repr: bool = True,
 ) -> Any:
     """A settings field with what ``--help``, the environment and the config file need to know.
@@ -76,6 +78,7 @@ def _setting(
         "zero_is_none": zero_is_none,
         "shown_default": shown_default,
         "positive": positive,
+        "maximum": maximum,
     }
     return dataclasses.field(default=default, metadata=metadata, repr=repr)
 
@@ -147,7 +150,25 @@ class GatewaySettings:
     )
     cull_interval: float = _setting(30.0, "seconds between two looks for sessions to cull", metavar="S", positive=True)
     shutdown_grace: float = _setting(
-        10.0, "seconds running executions get to return their results on shutdown", metavar="S"
+        30.0,
+        "on SIGTERM/SIGINT, seconds running executions get to finish before they are cut (their callers get "
+        "status detached, ended_by gateway_restart; the code keeps running in the kernel)",
+        metavar="S",
+        maximum=3600.0,
+    )
+    on_exit: str = _setting(
+        "keep",
+        "what SIGTERM/SIGINT does with the sandboxes: keep (they keep running, recorded in the state dir's "
+        "catalog, and the next gateway started on the same state dir adopts them) or delete (every container "
+        "and its record removed)",
+        choices=ON_EXIT_CHOICES,
+    )
+    state_dir: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None,
+        "where what outlives the process lives: the session catalog (catalog.sqlite3, holding each kernel's "
+        "key, 0600) and workspace disks; a gateway adopts the sessions recorded there at start-up",
+        metavar="DIR",
+        shown_default="/var/lib/sandkernel for root, else ~/.local/state/sandkernel",
     )
     notebook_dir: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
         None, "where transcripts go", metavar="DIR", shown_default="~/.local/share/sandkernel/notebooks"
@@ -271,6 +292,9 @@ def _check(name: str, value: Any) -> None:
         raise ConfigError(f"setting {name} must not be negative, not {value!r}")
     if kind in (int, float) and value == 0 and _field(name).metadata.get("positive"):
         raise ConfigError(f"setting {name} must be more than 0")
+    maximum = _field(name).metadata.get("maximum")
+    if kind in (int, float) and maximum is not None and value > maximum:
+        raise ConfigError(f"setting {name} must be at most {maximum:g}, not {value!r}")
     if name == "port" and value > 65535:
         raise ConfigError(f"setting port must be 0..65535, not {value}")
     choices = _field(name).metadata.get("choices")

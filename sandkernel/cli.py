@@ -23,6 +23,19 @@ from sandkernel.errors import SandkernelError
 
 RUNTIME_CHOICES = ["auto", "runc", "runsc"]
 RUNTIME_HELP = "container runtime (default auto: gVisor where runsc is registered, else runc)"
+SERVE_RESTARTS = """restarts:
+  Sessions outlive the gateway process. Each one is recorded (before it is handed out) in
+  STATE_DIR/catalog.sqlite3; a gateway started on the same --state-dir adopts every recorded
+  sandbox before it accepts requests: variables, /workspace files, installed packages, idle
+  timers and transcripts (continued in the same .ipynb, with a note where the gap was) carry on.
+  A sandbox that died meanwhile is listed in state "lost" with the reason (exit code, OOM,
+  removed) until it is deleted. Containers not in the catalog are reaped.
+  SIGTERM/SIGINT: new requests get 503 "the gateway is restarting; retry"; running executions
+  get --shutdown-grace seconds to finish, then their callers get status "detached" (ended_by
+  "gateway_restart") while the code keeps running; websockets close with 1012 (service restart)
+  and the containers keep running. --on-exit delete removes every container instead.
+  A catalog the gateway cannot read (corrupt, or from a newer sandkernel) stops it with an
+  error and a non-zero exit; nothing is deleted."""
 
 
 def _local_gateway():  # type: ignore[no-untyped-def]
@@ -188,8 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve",
         help="run the gateway: Jupyter-compatible kernel API and session API",
-        description="Run the gateway. Every setting below can also come from its environment variable or "
+        description="Run the gateway. Every setting below can also come from its environment variable or\n"
         "from a --config file; precedence: flags > environment > config file > defaults.",
+        epilog=SERVE_RESTARTS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     from sandkernel.gateway.settings import add_arguments
 

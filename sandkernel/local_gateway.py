@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import secrets
 import socket
+import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,8 +20,10 @@ from sandkernel.gateway.server import Gateway
 from sandkernel.gateway.settings import GatewaySettings
 
 # One task needs one sandbox, started when the task begins: a warm pool would only start
-# sandboxes nobody uses.
-LOCAL_DEFAULTS: dict[str, Any] = {"pool_size": 0}
+# sandboxes nobody uses. The task's sandbox ends with it (on_exit delete), and its catalog is the
+# gateway's own (a private state dir): a `sandkernel serve` of the same user keeps its catalog
+# and sessions to itself, and this gateway never adopts them.
+LOCAL_DEFAULTS: dict[str, Any] = {"pool_size": 0, "on_exit": "delete"}
 
 
 def _free_port() -> int:
@@ -34,8 +37,13 @@ async def local_gateway(notebook_dir: Path | None = None, **options: Any) -> Asy
     """A gateway in this process (loopback, fresh token) and a client for it; stopped on exit.
     ``options`` are :class:`GatewaySettings` fields (``default_runtime="runsc"``, ...)."""
     token = secrets.token_urlsafe(24)
-    settings = GatewaySettings(
-        ip="127.0.0.1", port=_free_port(), token=token, notebook_dir=notebook_dir, **{**LOCAL_DEFAULTS, **options}
-    )
-    async with await Gateway.start(settings) as gateway, AsyncSandkernel(gateway.url, token) as client:
-        yield client
+    with tempfile.TemporaryDirectory(prefix="sandkernel-local-") as state:
+        settings = GatewaySettings(
+            ip="127.0.0.1",
+            port=_free_port(),
+            token=token,
+            notebook_dir=notebook_dir,
+            **{**LOCAL_DEFAULTS, "state_dir": Path(state), **options},
+        )
+        async with await Gateway.start(settings) as gateway, AsyncSandkernel(gateway.url, token) as client:
+            yield client

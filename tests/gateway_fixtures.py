@@ -55,8 +55,9 @@ class Gateway:
 
 
 # What test gateways use unless a test says otherwise: few sessions, runc (fast, and the
-# runtime every machine has), no warm pool (each test that wants one says so).
-TEST_DEFAULTS: dict[str, Any] = {"max_sessions": 4, "default_runtime": "runc", "pool_size": 0}
+# runtime every machine has), no warm pool (each test that wants one says so), and every
+# container removed when the gateway stops (the default keeps them for the next gateway).
+TEST_DEFAULTS: dict[str, Any] = {"max_sessions": 4, "default_runtime": "runc", "pool_size": 0, "on_exit": "delete"}
 
 
 async def start_gateway(
@@ -76,6 +77,7 @@ async def start_gateway(
         policy_file = tmp_path / "egress-policy.json"
         policy_file.write_text(json.dumps(egress_policy.to_config()))
         options["egress_policy_file"] = policy_file
+    options.setdefault("state_dir", tmp_path / "state")  # its own catalog: it adopts nobody else's sandboxes
     settings = GatewaySettings(ip="127.0.0.1", port=free_port(), tokens_file=tokens, **{**TEST_DEFAULTS, **options})
     server = await asyncio.wait_for(RunningGateway.start(settings), 60)
     return Gateway(server.url, settings.port, server)

@@ -1,0 +1,192 @@
+"""Start-up: adopt every sandbox the session catalog holds, before the gateway accepts a request.
+
+A gateway process that stopped (SIGTERM, ``kill -9``, a crash, an upgrade) leaves its sandboxes
+running and their records in the catalog. The next process, on the same state dir, adopts them
+here: each session gets back its tenant, creation time, metadata, kernel name, origin, idle
+clock (a session idle 50 minutes before the restart is culled on time, not given a fresh hour),
+its transcript (the same .ipynb, continued) and the gateway's observers; only then does the
+session resume (kernels/execution/session.py: the note about the gap, the execution that was in
+flight). Pool records go back into the warm pool when its profile still matches.
+
+Why concurrently: each adoption waits on Docker and the kernel's sockets; one after another,
+50 sessions would take seconds the gateway cannot serve in. Why sessions that cannot be adopted
+are kept: their tenants' work is gone, and a session that silently disappeared would look like a
+bug; it is listed as ``lost`` with the reason until its tenant deletes it. A sandbox that is not
+what its record says (AdoptionRefusedError) is left exactly as it is, record included, for an
+operator to look at.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError
+from sandkernel.gateway.registry import LostSession, ManagedSession, SessionRegistry, seconds_since
+from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
+from sandkernel.notebooks.observer import attach_transcript
+from sandkernel.notebooks.recorder import TranscriptRecorder
+
+if TYPE_CHECKING:
+    from sandkernel.kernels.durable.store import SessionStore
+
+log = logging.getLogger(__name__)
+
+# Adoptions running at once: each holds a few Docker calls and sockets; the engine's own thread
+# pool bounds the Docker side anyway.
+MAX_CONCURRENT_ADOPTIONS = 32
+
+
+@dataclasses.dataclass
+class AdoptionReport:
+    """What start-up found in the catalog: for the summary line and the tests."""
+
+    adopted: list[str] = dataclasses.field(default_factory=list)
+    lost: list[str] = dataclasses.field(default_factory=list)
+    refused: list[str] = dataclasses.field(default_factory=list)
+    pooled: list[str] = dataclasses.field(default_factory=list)
+    discarded: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        return (
+            f"adopted {len(self.adopted)} session(s), {len(self.lost)} lost, {len(self.refused)} refused, "
+            f"{len(self.pooled)} pooled sandbox(es) back in the pool, {len(self.discarded)} discarded, "
+            f"in {self.seconds:.2f}s"
+        )
+
+
+async def adopt_all(registry: SessionRegistry, records: list[SandboxRecord]) -> AdoptionReport:
+    """Adopt every record concurrently into ``registry`` (and its pool)."""
+    started = time.monotonic()
+    report = AdoptionReport()
+    limit = asyncio.Semaphore(MAX_CONCURRENT_ADOPTIONS)
+
+    async def one(record: SandboxRecord) -> None:
+        async with limit:
+            try:
+                if record.kind == SandboxKind.POOL:
+                    await _adopt_pooled(registry, record, report)
+                else:
+                    await _adopt_session(registry, record, report)
+            except Exception as err:  # one record must not stop the others; keep it, say so
+                log.exception("adopting a recorded sandbox failed", extra={"session": record.session_id})
+                registry.add_lost(LostSession(record, f"the gateway could not adopt it ({err})", refused=True))
+                report.refused.append(record.session_id)
+
+    await asyncio.gather(*(one(record) for record in records))
+    report.seconds = time.monotonic() - started
+    return report
+
+
+async def _adopt_session(registry: SessionRegistry, record: SandboxRecord, report: AdoptionReport) -> None:
+    sid, tenant = record.session_id, record.tenant
+    if record.state == SandboxState.LOST:  # found lost by an earlier start: say so again
+        registry.add_lost(LostSession(record, record.lost_reason or "its sandbox was lost"))
+        report.lost.append(sid)
+        return
+    try:
+        session = await KernelSession.adopt(sid, record.kernel)
+    except SandboxLostError as err:
+        reason = str(err)
+        log.warning("session lost: %s", reason, extra={"session": sid, "tenant": tenant})
+        registry.add_lost(LostSession(record, reason))
+        await _mark_lost(registry.store, sid, reason)
+        report.lost.append(sid)
+        return
+    except AdoptionRefusedError as err:
+        reason = f"the gateway refused to adopt its sandbox, which is not what was recorded ({err}); left alone"
+        log.error(
+            "ADOPTION REFUSED: %s; the container and the record are left for the operator",
+            err,
+            extra={"session": sid, "tenant": tenant},
+        )
+        registry.add_lost(LostSession(record, reason, refused=True))
+        report.refused.append(sid)
+        return
+    managed = await _restore(session, record)
+    registry.add_adopted(managed)
+    gateway = record.gateway
+    await session.resume(running=record.running, detached_at=gateway.get("detached_at"))
+    if registry.writer is not None:  # no longer detached
+        registry.writer.update(sid, gateway=managed.gateway_record())
+    log.info(
+        "session adopted",
+        extra={"session": sid, "tenant": tenant, "running": bool(record.running)},
+    )
+    report.adopted.append(sid)
+
+
+async def _restore(session: KernelSession, record: SandboxRecord) -> ManagedSession:
+    """The registry entry the previous process had, its transcript reopened and its clocks
+    carried over (idle time and age count from before the restart)."""
+    gateway = record.gateway
+    metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
+    kernel_name = gateway.get("kernel_name") or kernel_name_for(session.profile.runtime)
+    recorder = None
+    transcript = gateway.get("transcript")
+    if isinstance(transcript, str):
+        recorder = await asyncio.to_thread(TranscriptRecorder.reopen, Path(transcript))
+        await attach_transcript(session, recorder)
+    managed = ManagedSession(
+        session,
+        record.tenant or "",
+        gateway.get("created") or "",
+        dict(metadata),
+        kernel_name,
+        origin=gateway.get("origin") or "session_api",
+        recorder=recorder,
+    )
+    now = time.monotonic()
+    if isinstance(gateway.get("last_activity"), str):
+        managed.last_activity = gateway["last_activity"]
+        managed.active_mono = now - seconds_since(managed.last_activity)
+    managed.created_mono = now - seconds_since(managed.created)
+    return managed
+
+
+async def _mark_lost(store: SessionStore | None, session_id: str, reason: str) -> None:
+    """Record the loss, so later starts list it with the same reason without trying again."""
+    if store is None:
+        return
+    try:
+        await store.update(session_id, state=SandboxState.LOST.value, lost_reason=reason)
+    except SandkernelError as err:
+        log.warning("could not record a lost session: %s", err, extra={"session": session_id})
+
+
+async def _adopt_pooled(registry: SessionRegistry, record: SandboxRecord, report: AdoptionReport) -> None:
+    """A warm sandbox nobody used: back into the pool if it still fits, else removed."""
+    sid = record.session_id
+    pool = registry.pool
+    try:
+        session = await KernelSession.adopt(sid, record.kernel)
+    except SandboxLostError as err:
+        log.info("pooled sandbox lost (%s); discarding it", err, extra={"session": sid})
+        await _discard(registry, record)
+        report.discarded.append(sid)
+        return
+    except AdoptionRefusedError as err:
+        log.error("ADOPTION REFUSED for a pooled sandbox: %s; left for the operator", err, extra={"session": sid})
+        report.refused.append(sid)
+        return
+    if pool is not None and pool.matches(session.profile) and pool.adopt(session):
+        report.pooled.append(sid)
+        return
+    await session.shutdown()
+    await registry.forget_record(sid)
+    report.discarded.append(sid)
+
+
+async def _discard(registry: SessionRegistry, record: SandboxRecord) -> None:
+    try:
+        await KernelSession.discard(record.session_id, record.kernel)
+    except SandkernelError as err:
+        log.warning("discarding a lost pooled sandbox failed: %s", err, extra={"session": record.session_id})
+    await registry.forget_record(record.session_id)
