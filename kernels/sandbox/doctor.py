@@ -10,15 +10,17 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import re
+import secrets
 import shutil
 import subprocess
 
 import docker.errors
 
 from sandkernel.errors import SandkernelError
-from sandkernel.kernels.lifecycle.profiles import resolve_profile
+from sandkernel.kernels.lifecycle.profiles import WorkspaceStorage, resolve_profile
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir
+from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +143,21 @@ def _runtime_versions(engine: DockerEngine) -> tuple[str | None, str | None]:
     return lines[0], lines[1]
 
 
+def _check_workspace_disk() -> Check:
+    """Disk workspaces for real: make, mount and remove a small image under the state dir.
+    Required when the default profile uses them (else sessions could not start by default)."""
+    required = resolve_profile().workspace_storage is WorkspaceStorage.DISK
+    fix = 'run the gateway as root, or set workspace_storage "memory" in the profiles file'
+    supported, why = disk_support()
+    if not supported:
+        return Check("disk workspaces", False, why, fix, required)
+    try:
+        WorkspaceDisk.create(secrets.token_hex(16), 8, 0).remove()
+    except (SandkernelError, OSError) as err:
+        return Check("disk workspaces", False, f"a test image could not be made and mounted: {err}", fix, required)
+    return Check("disk workspaces", True, why, required=required)
+
+
 def run_checks(engine: DockerEngine | None = None) -> list[Check]:
     """All checks, in the order a person would fix them. Blocking."""
     engine = engine or default_engine()
@@ -167,6 +184,7 @@ def run_checks(engine: DockerEngine | None = None) -> list[Check]:
         checks.append(Check("runtime dir", True, "socket directory can be created"))
     except (OSError, SandkernelError) as err:
         checks.append(Check("runtime dir", False, str(err), "set SANDKERNEL_RUNTIME_DIR to a short writable path"))
+    checks.append(_check_workspace_disk())
     has_debootstrap = shutil.which("debootstrap") is not None
     checks.append(
         Check(

@@ -56,8 +56,10 @@ class DockerProvisioner(KernelProvisionerBase):
     # The session's /workspace disk (workspace_storage "disk"), made before the first container
     # and kept until _release: a replaced container gets the same one.
     workspace_disk: WorkspaceDisk | None = None
-    # Set when a launch had to replace the whole container AND /workspace went with it (a tmpfs
-    # workspace); a disk workspace survives the replacement, so it stays False.
+    # Set when the last (re)launch had to replace the whole container.
+    container_replaced: bool = False
+    # Set when /workspace went with the replaced container (a tmpfs workspace); a disk workspace
+    # survives the replacement, so it stays False.
     workspace_lost: bool = False
 
     @property
@@ -108,11 +110,12 @@ class DockerProvisioner(KernelProvisionerBase):
         """Start (or reuse) the container, exec the kernel, wait for its sockets, lock them."""
         assert self.profile is not None and self.runtime_dir is not None
         first_launch = self.container is None
+        self.container_replaced = self.workspace_lost = False  # what this launch did, for the caller
         try:
             if self.container is not None and not await self.container.is_running():
                 await self.container.remove()
                 self.container = None
-                self.workspace_lost = self.workspace_disk is None
+                self._note_replacement()
             if self.container is None:
                 await self._start_container()
             key = self.connection_info["key"]
@@ -127,7 +130,7 @@ class DockerProvisioner(KernelProvisionerBase):
                 log.warning("runtime dir full; replacing the container", extra={"session": self.session_id})
                 await self.container.remove()
                 self.container = None
-                self.workspace_lost = self.workspace_disk is None
+                self._note_replacement()
                 await self._start_container()
                 await asyncio.to_thread(self.runtime_dir.prepare, info, SANDBOX_GID)
             await self.container.exec_kernel()
@@ -138,6 +141,10 @@ class DockerProvisioner(KernelProvisionerBase):
                 await self._release()
             raise
         return self.connection_info
+
+    def _note_replacement(self) -> None:
+        self.container_replaced = True
+        self.workspace_lost = self.workspace_disk is None
 
     async def _start_container(self) -> None:
         """Create and start the session's container (its uid and workspace disk are kept if it

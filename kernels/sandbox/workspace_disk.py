@@ -48,7 +48,9 @@ from sandkernel.kernels.sandbox.state_dir import state_dir
 log = logging.getLogger(__name__)
 
 WORKSPACES = "workspaces"
-SESSION_ID = re.compile(r"[0-9a-f]{1,64}")
+# Session ids are uuid4 hex (KernelSession) or a kernel id's uuid (Jupyter tools): lowercase hex
+# and dashes, nothing that could make a path go elsewhere.
+SESSION_ID = re.compile(r"[0-9a-f][0-9a-f-]{0,63}")
 IMAGE_SUFFIX = ".img"
 MOUNT_SUFFIX = ".mnt"
 MOUNT_OPTIONS = "loop,nosuid,nodev,noatime"
@@ -83,10 +85,10 @@ def run_tool(argv: list[str]) -> None:
 
 
 def check_session_id(session_id: Any) -> str:
-    """The session id if it can name a path (lowercase hex), else AdoptionRefusedError."""
+    """The session id if it can name a path (lowercase hex and dashes), else ConfigError."""
     if not isinstance(session_id, str) or not SESSION_ID.fullmatch(session_id):
         shown = repr(session_id)[:80]
-        raise AdoptionRefusedError(f"workspace disk: session id {shown} is not hex; refusing to use it in a path")
+        raise ConfigError(f"workspace disk: session id {shown} is not hex; refusing to use it in a path")
     return session_id
 
 
@@ -113,9 +115,9 @@ class WorkspaceDisk:
         for name in ("size_mb", "uid", "gid"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise AdoptionRefusedError(f"workspace disk: {name} {value!r} is not a whole number")
+                raise ConfigError(f"workspace disk: {name} {str(value)[:40]!r} is not a whole number")
         if self.size_mb < 1:
-            raise AdoptionRefusedError(f"workspace disk: size_mb {self.size_mb} is below 1")
+            raise ConfigError(f"workspace disk: size_mb {self.size_mb} is below 1")
 
     # -- where ------------------------------------------------------------------------------
 
@@ -198,7 +200,10 @@ class WorkspaceDisk:
         another place is refused, not followed. Touches nothing but an lstat of the dir."""
         if not isinstance(data, dict):
             raise AdoptionRefusedError("workspace disk record is not an object")
-        disk = cls(data.get("session_id"), data.get("size_mb"), data.get("uid"), data.get("gid", SANDBOX_GID))
+        try:
+            disk = cls(data.get("session_id"), data.get("size_mb"), data.get("uid"), data.get("gid", SANDBOX_GID))
+        except ConfigError as err:
+            raise AdoptionRefusedError(f"{err}; the record is left alone") from None
         for key, expected in (("image", disk.image), ("mount_point", disk.mount_point)):
             if key in data and data[key] != str(expected):
                 raise AdoptionRefusedError(
@@ -294,7 +299,7 @@ class WorkspaceDisk:
 def remove_workspace_disk(session_id: str) -> bool:
     """Remove the disk of ``session_id`` if there is one (for the reaper and the catalog's
     clean-up: a session whose container is gone for good). True if anything was there.
-    Blocking; refuses ids that are not hex (AdoptionRefusedError)."""
+    Blocking; refuses ids that are not hex (ConfigError)."""
     check_session_id(session_id)
     directory = workspaces_dir()
     image, mount_point = directory / f"{session_id}{IMAGE_SUFFIX}", directory / f"{session_id}{MOUNT_SUFFIX}"

@@ -1,0 +1,321 @@
+"""The disk workspace: a hard quota (ENOSPC, never the host's disk or the sandbox's memory),
+kept across kernel restarts and container replacement, removed with the session, and a
+record read back from the catalog is checked before it names any path.
+
+Against real containers under both runtimes; the record checks are pure (no engine)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+
+import pytest
+
+from sandkernel.errors import AdoptionRefusedError, ConfigError, SandboxLostError
+from sandkernel.kernels.execution.outputs import ExecutionStatus
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.profiles import WorkspaceStorage
+from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.state_dir import use_state_dir
+from sandkernel.kernels.sandbox.workspace_disk import (
+    WorkspaceDisk,
+    mount_source,
+    remove_workspace_disk,
+)
+
+from .conftest import RUNTIMES, require_runtime
+
+MIB = 2**20
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="disk workspaces need root (loop mounts)")
+
+
+async def start(runtime: str, **overrides) -> KernelSession:
+    require_runtime(runtime)
+    return await KernelSession.start(overrides={"runtime": runtime, "cpus": 0.5, "pids": 128, **overrides})
+
+
+async def run_json(session: KernelSession, code: str) -> dict:
+    result = await session.execute(code)
+    assert result.status is ExecutionStatus.OK, result
+    return json.loads(result.text.strip().splitlines()[-1])
+
+
+def disk_of(session: KernelSession) -> WorkspaceDisk:
+    disk = session._kernel.provisioner.workspace_disk
+    assert disk is not None, "the session has no disk workspace"
+    return disk
+
+
+def loop_devices_of(image: str) -> str:
+    return subprocess.run(["losetup", "-j", image], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def assert_gone(disk: WorkspaceDisk) -> None:
+    """Nothing of the disk is left on the host: image, mount point, mount, loop device."""
+    image, mount_point = str(disk.image), str(disk.mount_point)
+    assert not os.path.lexists(image) and not os.path.lexists(mount_point)
+    assert mount_source(disk.mount_point) is None
+    assert loop_devices_of(image) == ""
+
+
+FILL = """import json, os
+fd = os.open('/workspace/fill', os.O_WRONLY | os.O_CREAT, 0o600)
+chunk, written, err = b'x' * 2**20, 0, None
+try:
+    while True:
+        written += os.write(fd, chunk)
+except OSError as e:
+    err = e.errno
+finally:
+    try:
+        os.close(fd)
+    except OSError as e:
+        err = err or e.errno
+print(json.dumps({"errno": err, "written": written}))"""
+
+
+@needs_root
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_filling_the_workspace_gives_enospc_and_costs_the_host_at_most_the_quota(runtime):
+    session = await start(runtime, workspace_mb=64)
+    try:
+        disk = disk_of(session)
+        found = await run_json(session, FILL)
+        assert found["errno"] == errno.ENOSPC, found
+        # -m 0: nearly all of it is the sandbox's (ext4's own metadata takes the rest)
+        assert 56 * MIB <= found["written"] <= 64 * MIB, found
+        # the host pays for blocks written, never more than the image's size
+        st = os.stat(disk.image)
+        assert st.st_size == 64 * MIB
+        assert st.st_blocks * 512 <= 64 * MIB + 256 * 1024, st.st_blocks * 512
+        assert (await session.execute("print(6 * 7)")).text.strip() == "42"
+        freed = await session.execute("import os; os.unlink('/workspace/fill'); open('/workspace/a', 'w').write('ok')")
+        assert freed.status is ExecutionStatus.OK, freed
+    finally:
+        await session.shutdown()
+    assert_gone(disk)
+
+
+WRITE_THEN_ALLOCATE = """import os
+for i in range(30):
+    fd = os.open(f'/workspace/data-{i}', os.O_WRONLY | os.O_CREAT, 0o600)
+    for _ in range(10):
+        os.write(fd, os.urandom(2**20))
+    os.close(fd)
+block = b'y' * (150 * 2**20)
+print(len(block) // 2**20, sum(os.path.getsize(f'/workspace/data-{i}') for i in range(30)) // 2**20)"""
+
+
+@needs_root
+@pytest.mark.parametrize(
+    ("runtime", "storage", "expected"),
+    [
+        ("runc", "disk", ExecutionStatus.OK),
+        ("runsc", "disk", ExecutionStatus.OK),
+        # the control: the same files in a tmpfs are charged to the memory limit
+        ("runc", "memory", ExecutionStatus.OOM),
+    ],
+)
+async def test_workspace_files_are_not_charged_to_memory(runtime, storage, expected):
+    """256 MiB of memory, 300 MiB of files, then 150 MiB allocated: fine on disk, OOM in a tmpfs."""
+    session = await start(runtime, memory_mb=256, workspace_mb=512, workspace_storage=storage)
+    try:
+        result = await session.execute(WRITE_THEN_ALLOCATE, timeout=240)
+        assert result.status is expected, result
+        if expected is ExecutionStatus.OK:
+            assert result.text.split() == ["150", "300"]
+    finally:
+        await session.shutdown()
+
+
+KEEP = "import os; os.makedirs('/workspace/d', exist_ok=True); open('/workspace/d/keep.txt', 'w').write('still here')"
+READ = "import os; print(open('/workspace/d/keep.txt').read() if os.path.exists('/workspace/d/keep.txt') else 'gone')"
+
+
+@needs_root
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_files_survive_a_kernel_restart_and_a_container_replacement(runtime):
+    session = await start(runtime, workspace_mb=64)
+    try:
+        disk = disk_of(session)
+        assert (await session.execute(KEEP)).status is ExecutionStatus.OK
+        await session.restart()
+        assert (await session.execute(READ)).text.strip() == "still here"
+
+        # the container dies under the session: the next launch replaces it, same disk
+        provisioner = session._kernel.provisioner
+        old = provisioner.container.id
+        engine = default_engine()
+        await engine.run(engine.client.api.kill, old)
+        await session.restart()
+        assert provisioner.container.id != old
+        assert provisioner.container_replaced and not provisioner.workspace_lost
+        assert disk_of(session) == disk
+        assert (await session.execute(READ)).text.strip() == "still here"
+    finally:
+        await session.shutdown()
+    assert_gone(disk)
+
+
+@needs_root
+@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.xfail(
+    strict=True,
+    reason="kernels/execution/kernel.py replace() must pass provisioner.hand_over_workspace() to the next start",
+)
+async def test_files_survive_the_ladders_last_rung(runtime):
+    """The ladder's last rung throws the whole kernel manager away (SandboxedKernel.replace)."""
+    session = await start(runtime, workspace_mb=64)
+    disks = [disk_of(session)]
+    try:
+        assert (await session.execute(KEEP)).status is ExecutionStatus.OK
+        await session._kernel.replace()
+        disks.append(disk_of(session))
+        assert (await session.execute(READ)).text.strip() == "still here"
+    finally:
+        await session.shutdown()
+        for disk in disks:
+            assert_gone(disk)
+
+
+@needs_root
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_no_device_nodes_or_root_owned_setuid_files_but_code_may_run(runtime):
+    """nodev and nosuid on the host mount, no CAP_MKNOD or CAP_CHOWN in the sandbox; exec stays
+    allowed, so %pip-installed extension modules load from /workspace."""
+    session = await start(runtime, workspace_mb=64)
+    try:
+        disk = disk_of(session)
+        found = await run_json(
+            session,
+            """import glob, importlib.util, json, os, shutil, stat, subprocess, sys
+out = {}
+try:
+    os.mknod('/workspace/null', stat.S_IFCHR | 0o666, os.makedev(1, 3)); out['mknod'] = 'made'
+except OSError as e:
+    out['mknod'] = e.errno
+shutil.copy('/usr/bin/id', '/workspace/myid'); os.chmod('/workspace/myid', 0o4755)
+try:
+    os.chown('/workspace/myid', 0, 0); out['chown'] = 'root'
+except OSError as e:
+    out['chown'] = e.errno
+out['exec'] = subprocess.run(['/workspace/myid', '-u'], capture_output=True, text=True).stdout.strip()
+out['uid'] = os.getuid()
+so = glob.glob(sys.base_prefix + '/lib/python3*/lib-dynload/_json*.so')[0]
+os.makedirs('/workspace/pkg', exist_ok=True); shutil.copy(so, '/workspace/pkg/')
+spec = importlib.util.spec_from_file_location('_json', '/workspace/pkg/' + os.path.basename(so))
+module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module)
+out['so'] = hasattr(module, 'make_scanner')
+print(json.dumps(out))""",
+        )
+        assert found["mknod"] == errno.EPERM, found
+        assert found["chown"] == errno.EPERM, found
+        assert found["exec"] == str(found["uid"]), found  # exec works, and never as anyone else
+        assert found["so"] is True, found
+        with open("/proc/self/mountinfo") as f:
+            options = next(line.split()[5] for line in f if line.split()[4] == str(disk.mount_point))
+        assert {"nosuid", "nodev"} <= set(options.split(",")), options
+        assert "noexec" not in options.split(",")
+        st = os.stat(disk.mount_point)  # the filesystem's root: the sandbox's, 0700
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (disk.uid, disk.gid, 0o700)
+    finally:
+        await session.shutdown()
+    assert_gone(disk)
+
+
+@needs_root
+@pytest.mark.parametrize("runtime", ["runc"])
+async def test_a_memory_workspace_makes_no_disk(runtime):
+    session = await start(runtime, workspace_storage="memory", workspace_mb=32)
+    try:
+        assert session.profile.workspace_storage is WorkspaceStorage.MEMORY
+        assert session._kernel.provisioner.workspace_disk is None
+        found = await run_json(
+            session, "import json; print(json.dumps([l.split()[2] for l in open('/proc/mounts') if ' /workspace ' in l]))"
+        )
+        assert found == ["tmpfs"]
+    finally:
+        await session.shutdown()
+
+
+# -- records read back are checked (pure: no engine) --------------------------------------------
+
+
+@pytest.fixture
+def state(tmp_path):
+    use_state_dir(tmp_path / "state")
+    yield tmp_path / "state"
+    use_state_dir(None)
+
+
+SID = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"session_id": "../../etc", "size_mb": 64, "uid": 5},
+        {"session_id": "/etc/shadow", "size_mb": 64, "uid": 5},
+        {"session_id": SID + "/..", "size_mb": 64, "uid": 5},
+        {"session_id": SID, "size_mb": "64", "uid": 5},
+        {"session_id": SID, "size_mb": 64, "uid": -1},
+        {"session_id": SID, "size_mb": 64, "uid": True},
+        {"session_id": SID, "size_mb": 64, "uid": 5, "image": "/etc/shadow"},
+        {"session_id": SID, "size_mb": 64, "uid": 5, "mount_point": "/"},
+        "not an object",
+    ],
+    ids=["dotdot", "absolute", "slash", "size-string", "uid-negative", "uid-bool", "image-elsewhere", "mount-root", "str"],
+)
+def test_a_tampered_record_is_refused(state, record):
+    with pytest.raises(AdoptionRefusedError):
+        WorkspaceDisk.from_dict(record)
+
+
+def test_a_record_round_trips_and_names_only_the_state_dir(state):
+    disk = WorkspaceDisk(SID, 64, 1879048200)
+    again = WorkspaceDisk.from_dict(json.loads(json.dumps(disk.to_dict())))
+    assert again == disk
+    assert disk.image == state / "workspaces" / f"{SID}.img"
+    assert disk.mount_point.parent == disk.image.parent
+
+
+def test_an_image_that_is_a_symlink_is_refused_and_its_target_untouched(state, tmp_path):
+    target = tmp_path / "precious"
+    target.write_bytes(b"x" * MIB)
+    disk = WorkspaceDisk(SID, 1, 0)
+    disk.image.symlink_to(target)
+    with pytest.raises(AdoptionRefusedError):
+        disk.check_image()
+    assert remove_workspace_disk(SID) is True  # the link goes, not what it points at
+    assert target.read_bytes() == b"x" * MIB and not os.path.lexists(disk.image)
+
+
+def test_a_missing_image_is_a_lost_sandbox(state):
+    with pytest.raises(SandboxLostError):
+        WorkspaceDisk(SID, 1, 0).check_image()
+
+
+def test_remove_refuses_a_session_id_that_is_not_hex(state, tmp_path):
+    (tmp_path / "victim.img").write_text("keep")
+    with pytest.raises(ConfigError):
+        remove_workspace_disk("../../victim")
+    assert (tmp_path / "victim.img").read_text() == "keep"
+
+
+@needs_root
+def test_create_ensure_mounted_remove_are_idempotent(state):
+    disk = WorkspaceDisk.create(SID, 16, 1879048200)
+    try:
+        assert disk.is_mounted()
+        assert os.listdir(disk.mount_point) == []  # no lost+found: the workspace starts empty
+        disk.ensure_mounted()  # already mounted: nothing happens
+        subprocess.run(["umount", str(disk.mount_point)], check=True)  # as after a host reboot
+        assert not disk.is_mounted()
+        WorkspaceDisk.open(SID, 16, 1879048200)
+        assert disk.is_mounted()
+    finally:
+        disk.remove()
+        disk.remove()
+    assert_gone(disk)
