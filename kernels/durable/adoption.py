@@ -220,6 +220,7 @@ async def reattach(session_id: str, state: dict[str, Any]) -> AsyncKernelManager
     km.provisioner = provisioner
     # What KernelManager.start_kernel would have kept: a restart relaunches with these.
     km._launch_args = {"sandkernel_profile": profile, "sandkernel_session_id": session_id}
+    km._attempted_start = True
     km._connect_control_socket()
     return km
 
