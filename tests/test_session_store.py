@@ -1,6 +1,7 @@
 """The session catalog (kernels/durable/store.py): records survive the process that wrote them,
 the file keeps the kernels' keys to its owner, and a damaged or newer catalog is refused without
-a byte of it changing. Pure tier: a real SQLite file and real processes, no Docker."""
+a byte of it changing (pure tier: a real SQLite file and real processes, no Docker). The warm
+pool's records, and a pool closed during a refill, at the end (docker: over the runtimes)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,14 @@ import pytest
 from sandkernel.kernels.durable import SCHEMA_VERSION, SandboxRecord, StoreError, open_store
 from sandkernel.kernels.durable.records import SandboxKind, SandboxState
 from sandkernel.kernels.durable.store import MIGRATIONS, default_catalog_path
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.pool import WarmPool
+from sandkernel.kernels.lifecycle.profiles import resolve_profile
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, SESSION_LABEL, owner_label
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import use_state_dir
+
+from .conftest import RUNTIMES, container_ids_of, require_runtime
 
 
 def record(session_id: str, **fields) -> SandboxRecord:
@@ -320,3 +329,103 @@ async def test_sqlite_runs_on_one_worker_thread_never_the_loop(tmp_path):
         await store.close()
     assert len(threads) == 1 and threading.get_ident() not in threads
     assert ticks >= 100, "the loop ran other tasks while the catalog wrote"
+
+
+# -- the warm pool in the catalog (docker: parametrised over the runtimes) ---------------------
+
+
+def our_containers() -> dict[str, str]:
+    """This test process's sandbox containers: id -> session label (sparse: no inspect per container)."""
+    found = default_engine().client.containers.list(
+        all=True, sparse=True, filters={"label": f"{OWNER_LABEL}={owner_label()}"}
+    )
+    return {c.id: (c.attrs.get("Labels") or {}).get(SESSION_LABEL, "") for c in found}
+
+
+async def wait_for(condition, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while not (value := await condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+    return value
+
+
+@pytest.mark.parametrize("moment", ["start just begun", "container created, kernel not ready"])
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_closing_the_pool_during_a_refill_leaves_no_sandbox(runtime, moment, tmp_path):
+    require_runtime(runtime)
+    before = await asyncio.to_thread(our_containers)
+    store = open_store(tmp_path / "catalog.sqlite3")
+    pool = WarmPool(1, resolve_profile(None, {"runtime": runtime}), store=store)
+    try:
+        pool.start()
+        starting: set[str] = set()
+        if moment == "start just begun":
+            await asyncio.sleep(0)  # the filler's first step: KernelSession.start is under way
+        else:
+
+            async def new_container() -> dict[str, str]:
+                now = await asyncio.to_thread(our_containers)
+                return {cid: sid for cid, sid in now.items() if cid not in before}
+
+            starting = set((await wait_for(new_container, "the pool's container")).values())
+            assert len(pool) == 0, "the kernel was already up: the close would not race the start"
+        await pool.close()
+        after = await asyncio.to_thread(our_containers)
+        assert set(after) <= set(before), f"the pool left sandboxes behind: {set(after) - set(before)}"
+        for sid in starting:
+            assert not await asyncio.to_thread(container_ids_of, sid)
+        assert len(pool) == 0 and await store.load() == []
+    finally:
+        await pool.close()
+        await store.close()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_pooled_sandboxes_are_catalogued_until_handed_out(runtime, tmp_path):
+    """Recorded as kind pool when up; forgotten when handed out; a detached pool leaves them
+    running and recorded, and a new pool adopts them from their records."""
+    require_runtime(runtime)
+    store = open_store(tmp_path / "catalog.sqlite3")
+    profile = resolve_profile(None, {"runtime": runtime})
+    pool = WarmPool(2, profile, store=store)
+    second = WarmPool(2, profile, store=store)
+    handed: KernelSession | None = None
+    try:
+        pool.start()
+        await pool.wait_full()
+        assert len(pool) == 2
+        records = {r.session_id: r for r in await store.load()}
+        assert len(records) == 2 and {r.kind for r in records.values()} == {SandboxKind.POOL}
+        for sid, r in records.items():
+            assert await asyncio.to_thread(container_ids_of, sid), "a record for a sandbox that is not there"
+            assert r.kernel and r.tenant is None and r.state is SandboxState.RUNNING
+
+        handed = await pool.acquire()
+        assert handed is not None and handed.id in records
+        assert handed.id not in {r.session_id for r in await store.load()}, "a handed-out sandbox kept its pool record"
+        await wait_for(lambda: asyncio.sleep(0, result=len(pool) == 2), "the refill")  # a third one started
+        pooled = {r.session_id: r for r in await store.load()}
+        assert len(pooled) == 2 and handed.id not in pooled
+
+        await pool.detach()
+        assert len(pool) == 0 and set(pooled) == {r.session_id for r in await store.load()}
+        for sid in pooled:
+            assert await asyncio.to_thread(container_ids_of, sid), "detach must leave pooled sandboxes running"
+
+        adopted = [await KernelSession.adopt(sid, r.kernel) for sid, r in pooled.items()]
+        assert [second.adopt(s) for s in adopted] == [True, True] and len(second) == 2
+        again = await second.acquire()
+        assert again is not None and again.id in pooled
+        assert (await again.execute("1 + 1", timeout=60)).outputs[0]["data"]["text/plain"] == "2"
+        await again.shutdown()
+        await second.close()
+        assert await store.load() == []
+        for sid in pooled:
+            assert not await asyncio.to_thread(container_ids_of, sid)
+    finally:
+        if handed is not None:
+            await handed.shutdown()
+        await pool.close()
+        await second.close()
+        await store.close()
