@@ -24,6 +24,7 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
 
 from .conftest import RUNTIMES, container_ids_of, require_runtime
+from .test_egress import Upstream, policy_for
 
 CHILD = textwrap.dedent(
     """
@@ -38,8 +39,8 @@ CHILD = textwrap.dedent(
             self.request = request
             self.event.set()
 
-    async def main(runtime, out, left_running):
-        s = await KernelSession.start(overrides={"runtime": runtime, "memory_mb": 256, "workspace_mb": 64})
+    async def main(overrides, out, left_running):
+        s = await KernelSession.start(overrides={"memory_mb": 256, "workspace_mb": 64, **json.loads(overrides)})
         r = await s.execute("x = 42; open('/workspace/kept.txt', 'w').write('kept')")
         assert r.status.value == "ok", r
         started, running = Started(), None
@@ -72,10 +73,11 @@ class Recorded(SessionObserver):
         self.notes.append(text)
 
 
-async def orphaned_sandbox(tmp_path: Path, runtime: str, left_running: str = "") -> dict:
+async def orphaned_sandbox(tmp_path: Path, runtime: str, left_running: str = "", **overrides: object) -> dict:
     """Start a session in a child process that then dies without cleaning up; its record."""
     out = tmp_path / "record.json"
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, runtime, str(out), left_running)
+    settings = json.dumps({"runtime": runtime, **overrides})
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, settings, str(out), left_running)
     assert await asyncio.wait_for(proc.wait(), 180) == 0
     return json.loads(out.read_text())
 
@@ -223,3 +225,19 @@ async def test_a_sandbox_that_is_not_what_was_recorded_is_refused_and_left_alone
     finally:
         await KernelSession.discard(record["id"], state)
     assert container_ids_of(record["id"]) == []
+
+
+async def test_an_adopted_sandbox_reaches_its_allowed_hosts_through_a_new_proxy(tmp_path, runtime):
+    upstream = await Upstream().start()
+    try:
+        record = await orphaned_sandbox(tmp_path, runtime, network=policy_for(upstream))
+        session, _ = await adopted(record)
+        try:
+            fetch = f"import urllib.request\nprint(urllib.request.urlopen('http://allowed.test:{upstream.http_port}/hi').read().decode())"
+            result = await session.execute(fetch, timeout=60)
+            assert result.status is ExecutionStatus.OK and result.text == "hello from upstream\n", result
+            assert [r["verdict"] for r in session.egress_records()] == ["allowed"]  # audited by the new proxy
+        finally:
+            await session.shutdown()
+    finally:
+        upstream.close()
