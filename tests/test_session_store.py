@@ -6,9 +6,12 @@ pool's records, and a pool closed during a refill, at the end (docker: over the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
+import secrets
 import signal
+import socket
 import sqlite3
 import stat
 import subprocess
@@ -17,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+import docker.errors
 import pytest
 
 from sandkernel.kernels.durable import SCHEMA_VERSION, SandboxRecord, StoreError, open_store
@@ -25,7 +29,13 @@ from sandkernel.kernels.durable.store import MIGRATIONS, default_catalog_path
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, SESSION_LABEL, owner_label
+from sandkernel.kernels.lifecycle.reaper import (
+    OWNER_LABEL,
+    SESSION_LABEL,
+    catalogued_session_ids,
+    owner_label,
+    reap_sync,
+)
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import use_state_dir
 
@@ -429,3 +439,56 @@ async def test_pooled_sandboxes_are_catalogued_until_handed_out(runtime, tmp_pat
         await pool.close()
         await second.close()
         await store.close()
+
+
+# -- the reaper keeps catalogued sandboxes ------------------------------------------------------
+
+
+async def test_catalogued_ids_come_from_the_catalog_and_an_unreadable_one_stops_reaping(tmp_path):
+    use_state_dir(tmp_path / "state")
+    try:
+        assert catalogued_session_ids() == set()  # no catalog yet: nothing is durable
+        store = open_store()
+        await store.put(record("a"))
+        await store.put(record("p", kind="pool"))
+        assert catalogued_session_ids() == {"a", "p"}  # read while the writer has it open
+        await store.close()
+        path = default_catalog_path()
+        assert catalogued_session_ids() == {"a", "p"}
+        before = listing(path.parent)
+        corrupt_page_overwritten(path)
+        damaged = listing(path.parent)
+        with pytest.raises(StoreError, match="damaged"):
+            catalogued_session_ids()
+        assert listing(path.parent) == damaged != before
+    finally:
+        use_state_dir(None)
+
+
+@pytest.mark.docker
+async def test_the_reaper_never_removes_a_catalogued_sandbox(tmp_path):
+    path = tmp_path / "catalog.sqlite3"
+    store = open_store(path)
+    tag = secrets.token_hex(4)
+    dead_owner = f"{socket.gethostname()}:{999_000_000 + secrets.randbelow(900_000)}:1"  # no such pid
+    engine = default_engine()
+
+    def create(session_id: str):
+        labels = {SESSION_LABEL: session_id, OWNER_LABEL: dead_owner}
+        return engine.client.containers.create(resolve_profile().image, labels=labels)
+
+    durable, orphan = await asyncio.gather(
+        asyncio.to_thread(create, f"durable-{tag}"), asyncio.to_thread(create, f"orphan-{tag}")
+    )
+    try:
+        await store.put(record(f"durable-{tag}"))
+        keep = await asyncio.to_thread(catalogued_session_ids, path)
+        report = await asyncio.to_thread(reap_sync, engine, owner=dead_owner, keep=keep)
+        assert report.removed == (orphan.name,)
+        assert await asyncio.to_thread(container_ids_of, f"durable-{tag}") == [durable.id]
+        assert not await asyncio.to_thread(container_ids_of, f"orphan-{tag}")
+    finally:
+        await store.close()
+        for c in (durable, orphan):
+            with contextlib.suppress(docker.errors.NotFound):
+                await asyncio.to_thread(c.remove, force=True)

@@ -303,6 +303,37 @@ class SqliteStore:
         log.info("session catalog %s: schema version %d -> %d", self.path, version, self._schema_version)
 
 
+def read_session_ids(path: str | os.PathLike[str] | None = None) -> set[str]:
+    """The session ids recorded in the catalog at ``path`` (default :func:`default_catalog_path`),
+    read without writing it (blocking: for the reaper and the CLI). A missing file records
+    nothing. A damaged file, or one a newer sandkernel wrote, raises :class:`StoreError`: the
+    caller cannot tell which sandboxes are durable, so it must not remove any."""
+    catalog = Path(path) if path is not None else default_catalog_path()
+    try:
+        st = os.lstat(catalog)
+    except FileNotFoundError:
+        return set()
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(f"the session catalog {catalog} is not a regular file; nothing was changed")
+    if st.st_size == 0:
+        return set()
+    conn = _read_only_connection(catalog)
+    try:
+        version, writer = _inspect_read_only(catalog, conn)
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"the session catalog {catalog} has schema version {version}, written by sandkernel {writer}; "
+                f"this sandkernel {__version__} cannot read it (nothing was changed or deleted): use that version"
+            )
+        if version == 0:
+            return set()
+        return {row[0] for row in conn.execute("SELECT session_id FROM sandboxes")}
+    except sqlite3.Error as err:
+        raise _damaged(catalog, err) from err
+    finally:
+        conn.close()
+
+
 def _create_or_check_file(path: Path) -> bool:
     """Create the catalog empty and 0600 (True), or check that the existing one is a regular file
     of ours, narrowing its mode to 0600 (False). A symlink or another user's file is refused."""
@@ -328,9 +359,8 @@ def _create_or_check_file(path: Path) -> bool:
     return False
 
 
-def _inspect_read_only(path: Path) -> tuple[int, str]:
-    """The schema version and its writer, read through a read-only connection after an
-    integrity check; raises StoreError for a damaged file. Never writes the database file.
+def _read_only_connection(path: Path) -> sqlite3.Connection:
+    """A connection that never writes the database file.
 
     With no ``-wal`` file beside it (no process has it open, none crashed with commits in the
     WAL), the file is opened ``immutable``, so not even an empty ``-wal``/``-shm`` is created
@@ -338,9 +368,16 @@ def _inspect_read_only(path: Path) -> tuple[int, str]:
     query = "mode=ro" if os.path.lexists(f"{path}-wal") else "immutable=1"
     uri = f"file:{urllib.parse.quote(str(path))}?{query}"
     try:
-        conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_SECONDS)
+        return sqlite3.connect(uri, uri=True, isolation_level=None, timeout=BUSY_TIMEOUT_SECONDS)
     except sqlite3.Error as err:
         raise _damaged(path, err) from err
+
+
+def _inspect_read_only(path: Path, conn: sqlite3.Connection | None = None) -> tuple[int, str]:
+    """The schema version and its writer, read without writing after an integrity check
+    (``PRAGMA quick_check``); raises StoreError for a damaged file."""
+    own = conn is None
+    conn = conn or _read_only_connection(path)
     try:
         problems = [row[0] for row in conn.execute("PRAGMA quick_check").fetchall()]
         if problems != ["ok"]:
@@ -349,7 +386,8 @@ def _inspect_read_only(path: Path) -> tuple[int, str]:
     except sqlite3.DatabaseError as err:
         raise _damaged(path, err) from err
     finally:
-        conn.close()
+        if own:
+            conn.close()
 
 
 def _schema_version(conn: sqlite3.Connection) -> tuple[int, str]:

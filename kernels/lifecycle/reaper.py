@@ -4,6 +4,13 @@ Every container carries ``sandkernel.owner=<host>:<pid>:<start-time>``. A proces
 crashed (or was SIGKILLed) cannot clean up after itself, so whoever starts next (the
 gateway at start-up, ``sandkernel reap``, the test suite) removes containers whose owner
 is no longer alive, together with their host runtime dirs.
+
+Durable sessions (issue 13) outlive their owner on purpose: a gateway that stopped leaves its
+sandboxes running for the next one, which finds them in the session catalog. So whoever reaps
+passes ``keep``, the session ids the catalog records (:func:`catalogued_session_ids`), and
+those containers are never removed, whatever their owner label says. A catalog that cannot be
+read stops the reaping altogether (StoreError): removing durable sandboxes because their
+record could not be read would destroy tenants' work.
 """
 
 from __future__ import annotations
@@ -13,12 +20,14 @@ import os
 import re
 import socket
 import stat
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import docker.errors
 
+from sandkernel.kernels.durable.store import read_session_ids
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.sandbox.runtime_dir import RUNTIME_DIR_NAME, default_base_dir, remove_runtime_dir
 
@@ -91,19 +100,36 @@ class ReapReport:
     kept: int
 
 
-def reap_sync(engine: DockerEngine | None = None, *, owner: str | None = None, everything: bool = False) -> ReapReport:
+def catalogued_session_ids(path: str | os.PathLike[str] | None = None) -> set[str]:
+    """The session ids the session catalog records (default: the state dir's catalog), which a
+    reaper must keep (blocking: the CLI, or a worker thread). No catalog file: none. A damaged
+    catalog or one from a newer sandkernel raises StoreError: do not reap then."""
+    return read_session_ids(path)
+
+
+def reap_sync(
+    engine: DockerEngine | None = None,
+    *,
+    owner: str | None = None,
+    everything: bool = False,
+    keep: Collection[str] = (),
+) -> ReapReport:
     """Remove orphaned sandkernel containers (blocking; call from a thread or the CLI).
 
     ``owner``: remove exactly the containers of that owner (a test suite cleaning up after
     itself). ``everything``: remove all sandkernel containers. Default: those whose owner died.
+    ``keep``: session ids never removed, whichever of these applies (the catalogued ones).
     """
+    keep = frozenset(keep)
     engine = engine or default_engine()
     removed: list[str] = []
     kept = 0
     for container in engine.client.containers.list(all=True, filters={"label": SESSION_LABEL}):
         labels = container.labels
         label = labels.get(OWNER_LABEL, "")
-        if everything or (owner is not None and label == owner) or (owner is None and not owner_alive(label)):
+        if labels.get(SESSION_LABEL) in keep:
+            kept += 1
+        elif everything or (owner is not None and label == owner) or (owner is None and not owner_alive(label)):
             log.info("reaping container", extra={"container": container.name, "owner": label})
             try:
                 container.remove(force=True)
