@@ -10,13 +10,15 @@ import errno
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 from sandkernel.errors import AdoptionRefusedError, ConfigError, SandboxLostError
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.profiles import WorkspaceStorage
+from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
+from sandkernel.kernels.lifecycle.profiles import Runtime, WorkspaceStorage
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import use_state_dir
 from sandkernel.kernels.sandbox.workspace_disk import (
@@ -319,3 +321,43 @@ def test_create_ensure_mounted_remove_are_idempotent(state):
         disk.remove()
         disk.remove()
     assert_gone(disk)
+
+
+# -- the setting ------------------------------------------------------------------------------
+
+
+def test_a_tenant_may_choose_either_storage_and_nothing_else():
+    catalog = ProfileCatalog.load(default_runtime=Runtime.RUNSC)
+    assert catalog.profile("default").workspace_storage is WorkspaceStorage.DISK
+    assert catalog.describe()["default"]["defaults"]["workspace_storage"] == "disk"
+    chosen = catalog.for_tenant("default", {"workspace_storage": "memory"})
+    assert chosen.workspace_storage is WorkspaceStorage.MEMORY
+    for bad in ("tmpfs", "", None, ["disk"], {"disk": 1}):
+        with pytest.raises(ConfigError, match="workspace_storage must be one of"):
+            catalog.for_tenant("default", {"workspace_storage": bad})
+
+
+NOT_ROOT_PROBE = """
+import json, os, sys
+from sandkernel.errors import ConfigError
+from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support
+os.setgid(65534); os.setuid(65534)  # after the imports: the interpreter may live under /root
+try:
+    WorkspaceDisk.create("ab" * 16, 8, 1879048200)
+    print(json.dumps({"created": True}))
+except ConfigError as err:
+    print(json.dumps({"support": disk_support(), "error": str(err)}))
+"""
+
+
+@needs_root
+def test_not_root_gets_a_clear_error_that_names_the_memory_workspace(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    env = dict(os.environ, SANDKERNEL_STATE_DIR=str(state))
+    done = subprocess.run([sys.executable, "-c", NOT_ROOT_PROBE], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["support"][0] is False
+    assert 'workspace_storage "memory"' in found["error"] and "root" in found["error"]
+    assert os.listdir(state) == []  # nothing made

@@ -11,8 +11,11 @@ paths must stay under /workspace.
 Uploads replace the file atomically (a new temp file of a random name beside it, then rename), but
 not with :mod:`sandkernel.atomic`, the host's writer: this code runs inside the container, where
 sandkernel is not installed and must not be (the kernel could then import and patch it), and the
-host must never open a path the sandboxed code controls. No fsync: the workspace is scratch space
-that dies with the container, and a sandbox that could force host disk flushes is a noisy neighbour.
+host must never open a path the sandboxed code controls. That holds for a disk workspace too
+(workspace_disk.py): its image is mounted on the host, but the host never reads tenant files
+through that mount point, where a planted symlink could lead it to a host file. No fsync: ext4
+flushes a file replaced by rename before the rename commits (auto_da_alloc), and a memory
+workspace dies with the container anyway.
 """
 
 from __future__ import annotations
