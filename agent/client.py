@@ -13,11 +13,11 @@ Riding through a gateway restart (the gateway keeps its sessions across one): id
 (GET, PUT, DELETE, interrupt) are retried with exponential backoff on a refused or dropped
 connection and on 502/503/504 for up to ``restart_wait`` seconds, long enough for a gateway to
 come back and re-adopt its sessions. Calls that start work (create, execute, restart, markdown)
-are retried only when the connection was refused, i.e. the request never left this process;
-once sent they are never sent again, since a retry could run the code twice. An execute that
-loses its gateway raises :class:`~sandkernel.agent.errors.GatewayRestarted` after waiting for
-the gateway to answer again, so the next call works. The sync twins live in
-:mod:`sandkernel.agent.sync_client`.
+are retried only when the request was not run: the connection was refused (it never left this
+process) or a stopping gateway answered 503 ``gateway_restarting``. Otherwise they are never
+sent again, since a retry could run the code twice: an execute that loses its gateway raises
+:class:`~sandkernel.agent.errors.GatewayRestarted` after waiting for the gateway to answer
+again, so the next call works. The sync twins live in :mod:`sandkernel.agent.sync_client`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://127.0.0.1:8888"
 RETRYABLE_STATUSES = (502, 503, 504)
+# Gateway error codes that say the request was not run (safe to send again, even an execute).
+NOT_RUN_CODES = ("gateway_restarting",)
 OutputCallback = Callable[[dict[str, Any]], Any]
 FailureOf = Callable[[HTTPResponse], "ClientError | None"]
 
@@ -215,7 +217,9 @@ class AsyncSandkernel:
                 failure = self._transport_failure(method, path, err, idempotent)
             if failure is None:
                 return response
-            never_sent = isinstance(failure, GatewayUnreachableError) and not failure.sent
+            never_sent = (isinstance(failure, GatewayUnreachableError) and not failure.sent) or (
+                failure.code in NOT_RUN_CODES
+            )
             retryable = never_sent or (
                 idempotent and (isinstance(failure, GatewayUnreachableError) or failure.status in RETRYABLE_STATUSES)
             )
@@ -286,8 +290,16 @@ class AsyncSandkernel:
                 ended_by="connection_lost",
             )
 
-        try:  # a refused connection is retried (nothing was sent); the HTTP status is judged below
-            response: HTTPResponse | None = await self._fetch(make, "POST", path, False, lambda response: None)
+        def not_run(response: HTTPResponse) -> ClientError | None:
+            """A failure that says the code was not run (sent again); other statuses are judged below."""
+            failure = _failure(response, "POST", path, body=bytes(buffer)) if response.code != 200 else None
+            if failure is None or failure.code not in NOT_RUN_CODES:
+                return None
+            buffer.clear()  # the next attempt's body starts afresh
+            return failure
+
+        try:
+            response: HTTPResponse | None = await self._fetch(make, "POST", path, False, not_run)
         except GatewayUnreachableError as err:
             if not err.sent:
                 raise
