@@ -258,17 +258,18 @@ SID = "0123456789abcdef0123456789abcdef"
 @pytest.mark.parametrize(
     "record",
     [
-        {"session_id": "../../etc", "size_mb": 64, "uid": 5},
-        {"session_id": "/etc/shadow", "size_mb": 64, "uid": 5},
-        {"session_id": SID + "/..", "size_mb": 64, "uid": 5},
-        {"session_id": SID, "size_mb": "64", "uid": 5},
-        {"session_id": SID, "size_mb": 64, "uid": -1},
-        {"session_id": SID, "size_mb": 64, "uid": True},
-        {"session_id": SID, "size_mb": 64, "uid": 5, "image": "/etc/shadow"},
-        {"session_id": SID, "size_mb": 64, "uid": 5, "mount_point": "/"},
+        {"session_id": "../../etc", "size_mb": 64, "uid": 5, "gid": 5},
+        {"session_id": "/etc/shadow", "size_mb": 64, "uid": 5, "gid": 5},
+        {"session_id": SID + "/..", "size_mb": 64, "uid": 5, "gid": 5},
+        {"session_id": SID, "size_mb": "64", "uid": 5, "gid": 5},
+        {"session_id": SID, "size_mb": 64, "uid": -1, "gid": 5},
+        {"session_id": SID, "size_mb": 64, "uid": True, "gid": 5},
+        {"session_id": SID, "size_mb": 64, "uid": 5, "gid": 5, "image": "/etc/shadow"},
+        {"session_id": SID, "size_mb": 64, "uid": 5},
+        {"session_id": SID, "size_mb": 64, "uid": 5, "gid": 5, "mount_point": "/"},
         "not an object",
     ],
-    ids=["dotdot", "absolute", "slash", "size-string", "uid-negative", "uid-bool", "image-elsewhere", "mount-root", "str"],
+    ids=["dotdot", "absolute", "slash", "size-string", "uid-negative", "uid-bool", "image-elsewhere", "no-gid", "mount-root", "str"],
 )
 def test_a_tampered_record_is_refused(state, record):
     with pytest.raises(AdoptionRefusedError):
@@ -276,7 +277,7 @@ def test_a_tampered_record_is_refused(state, record):
 
 
 def test_a_record_round_trips_and_names_only_the_state_dir(state):
-    disk = WorkspaceDisk(SID, 64, 1879048200)
+    disk = WorkspaceDisk(SID, 64, 1879048200, 10001)
     again = WorkspaceDisk.from_dict(json.loads(json.dumps(disk.to_dict())))
     assert again == disk
     assert disk.image == state / "workspaces" / f"{SID}.img"
@@ -286,7 +287,7 @@ def test_a_record_round_trips_and_names_only_the_state_dir(state):
 def test_an_image_that_is_a_symlink_is_refused_and_its_target_untouched(state, tmp_path):
     target = tmp_path / "precious"
     target.write_bytes(b"x" * MIB)
-    disk = WorkspaceDisk(SID, 1, 0)
+    disk = WorkspaceDisk(SID, 1, 0, 0)
     disk.image.symlink_to(target)
     with pytest.raises(AdoptionRefusedError):
         disk.check_image()
@@ -296,7 +297,7 @@ def test_an_image_that_is_a_symlink_is_refused_and_its_target_untouched(state, t
 
 def test_a_missing_image_is_a_lost_sandbox(state):
     with pytest.raises(SandboxLostError):
-        WorkspaceDisk(SID, 1, 0).check_image()
+        WorkspaceDisk(SID, 1, 0, 0).check_image()
 
 
 def test_remove_refuses_a_session_id_that_is_not_hex(state, tmp_path):
@@ -308,14 +309,14 @@ def test_remove_refuses_a_session_id_that_is_not_hex(state, tmp_path):
 
 @needs_root
 def test_create_ensure_mounted_remove_are_idempotent(state):
-    disk = WorkspaceDisk.create(SID, 16, 1879048200)
+    disk = WorkspaceDisk.create(SID, 16, 1879048200, 10001)
     try:
         assert disk.is_mounted()
         assert os.listdir(disk.mount_point) == []  # no lost+found: the workspace starts empty
         disk.ensure_mounted()  # already mounted: nothing happens
         subprocess.run(["umount", str(disk.mount_point)], check=True)  # as after a host reboot
         assert not disk.is_mounted()
-        WorkspaceDisk.open(SID, 16, 1879048200)
+        WorkspaceDisk.open(SID, 16, 1879048200, 10001)
         assert disk.is_mounted()
     finally:
         disk.remove()
@@ -343,7 +344,7 @@ from sandkernel.errors import ConfigError
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support
 os.setgid(65534); os.setuid(65534)  # after the imports: the interpreter may live under /root
 try:
-    WorkspaceDisk.create("ab" * 16, 8, 1879048200)
+    WorkspaceDisk.create("ab" * 16, 8, 1879048200, 10001)
     print(json.dumps({"created": True}))
 except ConfigError as err:
     print(json.dumps({"support": disk_support(), "error": str(err)}))

@@ -18,6 +18,7 @@ import docker.errors
 
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.lifecycle.profiles import WorkspaceStorage, resolve_profile
+from sandkernel.kernels.sandbox.container import SANDBOX_GID
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support
@@ -152,7 +153,7 @@ def _check_workspace_disk() -> Check:
     if not supported:
         return Check("disk workspaces", False, why, fix, required)
     try:
-        WorkspaceDisk.create(secrets.token_hex(16), 8, 0).remove()
+        WorkspaceDisk.create(secrets.token_hex(16), 8, 0, SANDBOX_GID).remove()
     except (SandkernelError, OSError) as err:
         return Check("disk workspaces", False, f"a test image could not be made and mounted: {err}", fix, required)
     return Check("disk workspaces", True, why, required=required)

@@ -26,7 +26,8 @@ tenant's files through the mount point (the sandbox can plant symlinks to host f
 workspace_files.py reads them inside the container.
 
 Every method here blocks (subprocesses, mounts): callers run them with ``asyncio.to_thread``.
-Mounting needs root; :func:`disk_support` says whether this host can, and why not.
+Mounting needs root; :func:`disk_support` says whether this host can, and why not. This module
+imports only the common base and the state dir, so the reaper can import it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError, SandboxLostError
-from sandkernel.kernels.sandbox.container import SANDBOX_GID
 from sandkernel.kernels.sandbox.state_dir import state_dir
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,8 @@ class WorkspaceDisk:
 
     session_id: str
     size_mb: int
-    uid: int
-    gid: int = SANDBOX_GID
+    uid: int  # the sandbox's host uid: owner of the filesystem's root
+    gid: int  # the sandbox group (container.SANDBOX_GID)
 
     def __post_init__(self) -> None:
         check_session_id(self.session_id)
@@ -133,7 +133,7 @@ class WorkspaceDisk:
     # -- lifecycle --------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, session_id: str, size_mb: int, uid: int, gid: int = SANDBOX_GID) -> WorkspaceDisk:
+    def create(cls, session_id: str, size_mb: int, uid: int, gid: int) -> WorkspaceDisk:
         """Make, format and mount a new image for ``session_id`` (blocking).
 
         Raises ConfigError when not root (:data:`NOT_ROOT`), KernelStartError when the image
@@ -174,7 +174,7 @@ class WorkspaceDisk:
         return disk
 
     @classmethod
-    def open(cls, session_id: str, size_mb: int, uid: int, gid: int = SANDBOX_GID) -> WorkspaceDisk:
+    def open(cls, session_id: str, size_mb: int, uid: int, gid: int) -> WorkspaceDisk:
         """An existing session's disk, checked and mounted (after a gateway restart or a host
         reboot). Raises SandboxLostError when the image is gone, AdoptionRefusedError when it is
         not ours, KernelStartError when mount fails."""
@@ -201,7 +201,7 @@ class WorkspaceDisk:
         if not isinstance(data, dict):
             raise AdoptionRefusedError("workspace disk record is not an object")
         try:
-            disk = cls(data.get("session_id"), data.get("size_mb"), data.get("uid"), data.get("gid", SANDBOX_GID))
+            disk = cls(data.get("session_id"), data.get("size_mb"), data.get("uid"), data.get("gid"))
         except ConfigError as err:
             raise AdoptionRefusedError(f"{err}; the record is left alone") from None
         for key, expected in (("image", disk.image), ("mount_point", disk.mount_point)):
@@ -305,8 +305,8 @@ def remove_workspace_disk(session_id: str) -> bool:
     image, mount_point = directory / f"{session_id}{IMAGE_SUFFIX}", directory / f"{session_id}{MOUNT_SUFFIX}"
     if not os.path.lexists(image) and not os.path.lexists(mount_point):
         return False
-    # size and uid do not matter for removal; 1 and 0 satisfy the record's checks.
-    WorkspaceDisk(session_id, 1, 0).remove()
+    # size and owner do not matter for removal; 1 and 0 satisfy the record's checks.
+    WorkspaceDisk(session_id, 1, 0, 0).remove()
     return True
 
 
