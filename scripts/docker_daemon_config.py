@@ -1,7 +1,10 @@
-"""Merge sandkernel's runsc runtime into Docker's daemon.json without dropping other settings.
+"""Merge sandkernel's settings into Docker's daemon.json without dropping other settings.
 
-Called by host-setup.sh as root. Prints whether the file changed so the caller knows a
-running dockerd needs a reload (SIGHUP re-reads runtimes).
+Called by host-setup.sh as root: ``docker_daemon_config.py PATH [RUNSC]``. Sets
+``"live-restore": true`` (restarting or upgrading dockerd leaves running containers, the
+sandboxes, alone: durable sessions, issue 13) and, given the runsc binary, registers gVisor as
+the ``runsc`` runtime. Prints whether the file changed, so the caller knows a running dockerd
+needs a reload (SIGHUP re-reads both runtimes and live-restore; no restart needed).
 """
 
 import json
@@ -13,18 +16,26 @@ from pathlib import Path
 RUNSC_ARGS = ["--network=none", "--host-uds=all", "--platform=ptrace", "--oci-seccomp"]
 
 
-def main(path: str, runsc: str) -> None:
+def merged(config: dict, runsc: str | None) -> dict:
+    """``config`` with sandkernel's settings in it (a new dict; everything else kept as it was)."""
+    config = json.loads(json.dumps(config))
+    config["live-restore"] = True
+    if runsc:
+        config.setdefault("runtimes", {})["runsc"] = {"path": runsc, "runtimeArgs": RUNSC_ARGS}
+    return config
+
+
+def main(path: str, runsc: str | None = None) -> None:
     config_path = Path(path)
     config = json.loads(config_path.read_text()) if config_path.exists() else {}
-    wanted = {"path": runsc, "runtimeArgs": RUNSC_ARGS}
-    if config.get("runtimes", {}).get("runsc") == wanted:
+    wanted = merged(config, runsc)
+    if wanted == config:
         print("unchanged")
         return
-    config.setdefault("runtimes", {})["runsc"] = wanted
     config_path.parent.mkdir(parents=True, exist_ok=True)
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    config_path.write_text(json.dumps(wanted, indent=2) + "\n")
     print("changed")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)

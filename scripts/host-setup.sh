@@ -40,13 +40,16 @@ if ! command -v runsc >/dev/null 2>&1; then
   fi
 fi
 
-# Register runsc: ptrace platform (never KVM: it hangs here), no network of its own, and
-# --host-uds=all so the kernel's ZMQ ipc sockets appear in the bind-mounted runtime dir (create) and
-# an allowlist session can reach its egress proxy socket (open).
+# /etc/docker/daemon.json: live-restore, so restarting or upgrading dockerd leaves the sandboxes
+# running (durable sessions survive it); and runsc: ptrace platform (never KVM: it hangs here), no
+# network of its own, and --host-uds=all so the kernel's ZMQ ipc sockets appear in the bind-mounted
+# runtime dir (create) and an allowlist session can reach its egress proxy socket (open).
 runsc_registered() { docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; }
+live_restore() { [ "$(docker info --format '{{.LiveRestoreEnabled}}' 2>/dev/null)" = true ]; }
 daemon_changed=unchanged
-if command -v runsc >/dev/null 2>&1 && [ "$(id -u)" -eq 0 ]; then
-  daemon_changed=$(python3 "$here/scripts/docker_daemon_config.py" /etc/docker/daemon.json "$(command -v runsc)")
+if [ "$(id -u)" -eq 0 ]; then
+  daemon_changed=$(python3 "$here/scripts/docker_daemon_config.py" /etc/docker/daemon.json \
+    "$(command -v runsc || true)")
 fi
 
 if ! docker info >/dev/null 2>&1; then
@@ -56,8 +59,14 @@ if ! docker info >/dev/null 2>&1; then
   for _ in $(seq 1 120); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
   docker info >/dev/null 2>&1 || { log "dockerd did not start:"; tail -20 /var/log/dockerd.log >&2; exit 1; }
 elif [ "$daemon_changed" = changed ]; then
-  log "reloading dockerd to register runsc"; pkill -HUP -x dockerd || true
-  for _ in $(seq 1 20); do runsc_registered && break; sleep 0.5; done
+  # SIGHUP re-reads daemon.json (runtimes and live-restore): the running containers are untouched.
+  log "reloading dockerd (daemon.json changed)"; pkill -HUP -x dockerd || true
+  for _ in $(seq 1 20); do live_restore && break; sleep 0.5; done
+fi
+if live_restore; then
+  log "Docker live-restore is on: restarting dockerd leaves the sandboxes running"
+else
+  log "WARNING: Docker live-restore is off: restarting dockerd stops every sandbox (run this script as root)"
 fi
 if command -v runsc >/dev/null 2>&1; then
   if runsc_registered; then

@@ -3,6 +3,15 @@
 The Docker SDK is blocking, so every call runs in a worker thread (``asyncio.to_thread``):
 one slow ``containers.list()`` must never stall the gateway's event loop. Other modules use
 :class:`DockerEngine` and catch ``docker.errors`` only where they translate them.
+
+dockerd restarts (issue 13): with ``live-restore`` (scripts/host-setup.sh) the sandboxes keep
+running while dockerd is away, and their kernels keep answering over ZMQ, which needs no
+dockerd. What does need it fails meanwhile with :class:`DockerUnavailableError` (503, "retry"):
+the SDK raises ``requests`` connection errors there, not ``docker.errors``, so they are
+translated here. Nothing has to reconnect by hand: the SDK's connection pool (urllib3) checks a
+pooled connection before reusing it and opens a new one to the socket when dockerd closed it.
+A call already on a connection when dockerd went away breaks; a read (inspect, list, info) is
+sent once more on a fresh connection, anything that changes state is not (it may have happened).
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from typing import Any, TypeVar
 
 import docker
 import docker.errors
+import requests.exceptions
+import urllib3.exceptions
 
 from sandkernel.errors import (
     DockerUnavailableError,
@@ -28,6 +39,19 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DOCKER_HINT = "start it with `bash scripts/host-setup.sh` (as root) or `dockerd &`, then retry"
+
+# What the SDK raises when the engine's socket is gone, refuses, or drops a call (a restart).
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    requests.exceptions.ConnectionError,
+    requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.ProtocolError,
+)
+# Calls that only read, by name (SDK methods and this module's own): sent again once when the
+# connection broke under them, since sending a read twice changes nothing.
+IDEMPOTENT_READS = frozenset(
+    {"inspect_container", "exec_inspect", "containers", "info", "ping", "version", "inspect_image", "images",
+     "runtimes_sync", "image_id_sync"}
+)
 
 
 class DockerEngine:
@@ -45,19 +69,39 @@ class DockerEngine:
                 try:
                     self._client = docker.from_env(timeout=120)
                     self._client.ping()
-                except docker.errors.DockerException as err:
+                except (docker.errors.DockerException, *CONNECTION_ERRORS) as err:
                     self._client = None
                     raise DockerUnavailableError(f"cannot reach the Docker engine ({err}); {DOCKER_HINT}") from err
             return self._client
 
     async def run(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Run a blocking SDK call in a worker thread, translating connection errors."""
-        try:
-            return await asyncio.to_thread(func, *args, **kwargs)
-        except docker.errors.DockerException as err:
-            if isinstance(err, docker.errors.APIError):
+        """Run a blocking SDK call in a worker thread, translating connection errors into
+        :class:`DockerUnavailableError` (``docker.errors.APIError`` passes through: callers
+        translate those with what they know); a read is retried once on a broken connection."""
+        return await asyncio.to_thread(self.call_sync, func, *args, **kwargs)
+
+    def call_sync(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """:meth:`run`'s work, in the calling thread (for code that is already in a worker)."""
+        name = getattr(func, "__name__", "")
+        attempts = 2 if name in IDEMPOTENT_READS else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                return func(*args, **kwargs)
+            except docker.errors.APIError:
                 raise
-            raise DockerUnavailableError(f"Docker engine error ({err}); {DOCKER_HINT}") from err
+            except CONNECTION_ERRORS as err:
+                if attempt < attempts:
+                    log.info("the Docker connection broke during %s (%s); sending it again", name, err)
+                    continue
+                raise DockerUnavailableError(
+                    f"the Docker engine is not answering ({err}); it may be restarting: retry in a few seconds, "
+                    f"or {DOCKER_HINT}"
+                ) from err
+            except requests.exceptions.Timeout as err:
+                raise DockerUnavailableError(f"the Docker engine did not answer in time ({err}); retry") from err
+            except docker.errors.DockerException as err:
+                raise DockerUnavailableError(f"Docker engine error ({err}); {DOCKER_HINT}") from err
+        raise AssertionError("unreachable")
 
     # -- checks made before anything is created, so bad input leaves nothing behind ---------
 
