@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from sandkernel.errors import AdoptionRefusedError, ConfigError, SandboxLostError
+from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError, SandboxLostError
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
@@ -362,3 +362,20 @@ def test_not_root_gets_a_clear_error_that_names_the_memory_workspace(tmp_path):
     assert found["support"][0] is False
     assert 'workspace_storage "memory"' in found["error"] and "root" in found["error"]
     assert os.listdir(state) == []  # nothing made
+
+
+@needs_root
+@pytest.mark.parametrize("runtime", ["runc"])
+async def test_a_workspace_bigger_than_the_hosts_free_disk_is_refused_and_leaves_nothing(runtime, tmp_path):
+    use_state_dir(tmp_path / "state")
+    try:
+        free = os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize // MIB
+        if free >= 262144:
+            pytest.skip(f"the host has {free} MiB free, more than the largest workspace_mb")
+        # the disk is made before the container, so nothing else exists yet (the suite's end-of-run
+        # check fails the run if a container was left behind)
+        with pytest.raises(KernelStartError, match="MiB free"):
+            await start(runtime, workspace_mb=262144)
+        assert os.listdir(tmp_path / "state" / "workspaces") == []
+    finally:
+        use_state_dir(None)
