@@ -120,7 +120,12 @@ async def test_catalog_and_its_journal_are_the_owners_alone(tmp_path):
         try:
             await store.put(record("a"))
             files = {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.parent.iterdir()}
-            assert files == {"catalog.sqlite3": 0o600, "catalog.sqlite3-wal": 0o600, "catalog.sqlite3-shm": 0o600}
+            assert files == {
+                "catalog.sqlite3": 0o600,
+                "catalog.sqlite3-wal": 0o600,
+                "catalog.sqlite3-shm": 0o600,
+                "catalog.sqlite3.lock": 0o600,
+            }
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
         finally:
             await store.close()
@@ -144,6 +149,22 @@ async def test_a_catalog_readable_by_others_is_narrowed_and_a_symlink_refused(tm
     with pytest.raises(StoreError, match="not a regular file owned by this user"):
         open_store(link)
     assert target.read_text() == "not yours"
+
+
+async def test_one_process_at_a_time_has_the_catalog_open(tmp_path):
+    path = tmp_path / "catalog.sqlite3"
+    store = open_store(path)
+    try:
+        with pytest.raises(StoreError, match=f"in use by another process \\(pid {os.getpid()}\\)"):
+            open_store(path)
+        await store.put(record("a"))  # the refused open took nothing from the one that has it
+    finally:
+        await store.close()
+    again = open_store(path)  # closed: free again (a killed process frees it too, see below)
+    try:
+        assert [r.session_id for r in await again.load()] == ["a"]
+    finally:
+        await again.close()
 
 
 CHILD = """
@@ -226,7 +247,7 @@ async def test_a_damaged_catalog_is_refused_and_left_byte_identical(tmp_path, da
         path.touch(mode=0o600)
     else:
         await filled_catalog(path, count=40)  # several pages, so a truncation cuts through the records
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["catalog.sqlite3"]  # checkpointed on close
+        assert list(listing(tmp_path)) == ["catalog.sqlite3", "catalog.sqlite3.lock"]  # checkpointed on close
     damage(path)
     before = listing(tmp_path)
     with pytest.raises(StoreError) as caught:

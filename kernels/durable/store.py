@@ -27,6 +27,10 @@ Why each choice:
   is not SQLite, truncated or damaged, or that a newer sandkernel wrote, raises
   :class:`StoreError` saying which file, what is wrong and that nothing was changed or deleted:
   the sandboxes it lists are tenants' work, and only an operator may decide to give them up.
+- **One process at a time.** Two gateways on one catalog would both adopt the same sandboxes
+  and talk to the same kernels. The store holds an exclusive ``flock`` on ``catalog.sqlite3.lock``
+  while it is open (the kernel drops it when the process dies, ``kill -9`` included); a second
+  open raises StoreError naming the pid that holds it. Readers (the reaper) take no lock.
 - **Upgrades migrate in one transaction.** The ``meta`` table holds the schema version and the
   sandkernel versions that created and last migrated the file. :data:`MIGRATIONS` maps each
   version to the steps that bring the schema from the version before it; on open, the missing
@@ -40,6 +44,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import logging
@@ -160,6 +165,7 @@ class SqliteStore:
         self._schema_version = schema_version
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="sandkernel-catalog")
         self._conn: sqlite3.Connection | None = None
+        self._lock_fd: int | None = None
         self._closed = False
 
     # -- the five calls (run on the worker thread) ------------------------------------------
@@ -230,13 +236,26 @@ class SqliteStore:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
 
     def _open(self) -> None:
-        """Check the file read-only, then open it for writing and bring its schema up to date."""
-        created = _create_or_check_file(self.path)
-        if not created and self.path.stat().st_size > 0:
-            version, writer = _inspect_read_only(self.path)
-            self._refuse_newer(version, writer)
+        """Check the file read-only (a refused file is not touched, nor its lock file), take the
+        lock, then open it for writing and bring its schema up to date (checked again under the
+        write lock). On any failure nothing stays open."""
+        try:
+            created = _create_or_check_file(self.path)
+            if not created and self.path.stat().st_size > 0:
+                version, writer = _inspect_read_only(self.path)
+                self._refuse_newer(version, writer)
+            self._lock_fd = _lock(self.path)
+            self._connect()
+        except BaseException:
+            self._close_connection()
+            raise
+
+    def _connect(self) -> None:
         conn = sqlite3.connect(self.path, isolation_level=None, timeout=BUSY_TIMEOUT_SECONDS)
         try:
             mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
@@ -332,6 +351,29 @@ def read_session_ids(path: str | os.PathLike[str] | None = None) -> set[str]:
         raise _damaged(catalog, err) from err
     finally:
         conn.close()
+
+
+def _lock(path: Path) -> int:
+    """An exclusive flock on ``<catalog>.lock`` (0600), with this pid written in it; StoreError
+    naming the holder's pid when another process has the catalog open."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock_path = Path(f"{path}.lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise StoreError(
+                f"the session catalog {path} is in use by another process (pid {holder}): one gateway per state "
+                "dir. Stop that gateway, or give this one another --state-dir; nothing was changed"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _create_or_check_file(path: Path) -> bool:
