@@ -4,10 +4,12 @@ Pure tier: the engine's translation of a missing, refusing or call-dropping Dock
 DockerUnavailableError (503), the one retry of a read, and the reconnect after a restart,
 against a real HTTP server on a unix socket standing in for dockerd (scripted answers).
 
-Docker tier (``slow``; it restarts the machine's dockerd, which breaks the Docker calls of
-anything else running on it: run it alone): with live-restore on, sessions under runc and
-runsc keep their variables, files and containers across a dockerd restart, answer executes
-while dockerd is down, and interrupt and restart work again once it is back.
+Docker tier (``slow``): with live-restore on, sessions under runc and runsc keep their
+variables, files and containers (same id, same StartedAt) across a dockerd restart, answer
+executes while dockerd is down, and interrupt and restart work again once it is back. It
+restarts the machine's dockerd, which breaks the Docker calls of anything else using it; on a
+shared machine give it a private dockerd instead (``SANDKERNEL_TEST_DOCKERD_ARGS``, below).
+Without live-restore a dockerd stop kills the containers (exit 137): the test fails first.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -160,14 +163,35 @@ async def test_a_read_dropped_mid_call_is_sent_once_more_and_a_write_never(fake_
 
 # -- docker: the machine's dockerd, restarted -----------------------------------------------------
 
-DOCKERD_LOG = Path("/var/log/dockerd.log")
+# The dockerd to restart: the machine's, started as plain ``dockerd`` the way scripts/host-setup.sh
+# does (pid in /var/run/docker.pid, log /var/log/dockerd.log); or a private one, given by its
+# command-line arguments in SANDKERNEL_TEST_DOCKERD_ARGS (with --pidfile; DOCKER_HOST points at its
+# socket; its log beside the pid file). Restarting a private dockerd breaks nobody else's calls.
+DOCKERD_ARGS_ENV = "SANDKERNEL_TEST_DOCKERD_ARGS"
 DOCKERD_DOWN_SECONDS = 3.0  # how long executes are tried with no dockerd at all
 
 
+def dockerd_args() -> list[str]:
+    return shlex.split(os.environ.get(DOCKERD_ARGS_ENV, ""))
+
+
+def dockerd_pidfile() -> Path:
+    args = dockerd_args()
+    return Path(args[args.index("--pidfile") + 1]) if "--pidfile" in args else Path("/var/run/docker.pid")
+
+
+def dockerd_log() -> Path:
+    return dockerd_pidfile().with_name("dockerd.log") if dockerd_args() else Path("/var/log/dockerd.log")
+
+
 def dockerd_pid() -> int | None:
-    found = subprocess.run(["pgrep", "-x", "dockerd"], capture_output=True, text=True, check=False)
-    pids = found.stdout.split()
-    return int(pids[0]) if len(pids) == 1 else None
+    """The pid of the dockerd to restart, if it runs and is ``dockerd``."""
+    try:
+        pid = int(dockerd_pidfile().read_text().strip())
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except (OSError, ValueError):
+        return None
+    return pid if comm == "dockerd" else None
 
 
 def docker_answers() -> bool:
@@ -184,12 +208,14 @@ def stop_dockerd(pid: int) -> None:
 
 
 def start_dockerd() -> None:
-    """Start dockerd as scripts/host-setup.sh does (in its own session, logging to its log)."""
-    with DOCKERD_LOG.open("ab") as log:
-        subprocess.Popen(["dockerd"], stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    """Start dockerd again the same way (in its own session, appending to its log)."""
+    with dockerd_log().open("ab") as log:
+        subprocess.Popen(
+            ["dockerd", *dockerd_args()], stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     deadline = time.monotonic() + 120
     while not docker_answers():
-        assert time.monotonic() < deadline, f"dockerd did not come back within 120 s; see {DOCKERD_LOG}"
+        assert time.monotonic() < deadline, f"dockerd did not come back within 120 s; see {dockerd_log()}"
         time.sleep(0.5)
 
 
@@ -223,8 +249,9 @@ async def interrupted(session: KernelSession) -> ExecutionStatus:
 @pytest.mark.slow
 async def test_sessions_ride_through_a_dockerd_restart():
     if os.geteuid() != 0 or shutil.which("dockerd") is None or (pid := dockerd_pid()) is None:
-        pytest.skip("needs root and one dockerd process on this machine to restart")
-    if default_engine().client.info().get("LiveRestoreEnabled") is not True:
+        pytest.skip(f"needs root and a dockerd to restart (its pid in {dockerd_pidfile()})")
+    info = await default_engine().run(default_engine().client.info)
+    if info.get("LiveRestoreEnabled") is not True:
         pytest.fail("Docker live-restore is off: run scripts/host-setup.sh as root (it enables it)")
     runtimes = ["runc"]
     if runsc_state() is RunscState.REGISTERED:
