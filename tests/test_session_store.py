@@ -151,6 +151,21 @@ async def test_a_catalog_readable_by_others_is_narrowed_and_a_symlink_refused(tm
     assert target.read_text() == "not yours"
 
 
+async def test_a_hand_edited_unreadable_record_is_named_not_skipped(tmp_path):
+    path = tmp_path / "catalog.sqlite3"
+    await filled_catalog(path)
+    conn = sqlite3.connect(path)
+    conn.execute("UPDATE sandboxes SET kernel = '{not json' WHERE session_id = 's1'")
+    conn.commit()
+    conn.close()
+    store = open_store(path)
+    try:
+        with pytest.raises(StoreError, match=r"unreadable record for session 's1'.*nothing was changed or deleted"):
+            await store.load()
+    finally:
+        await store.close()
+
+
 async def test_one_process_at_a_time_has_the_catalog_open(tmp_path):
     path = tmp_path / "catalog.sqlite3"
     store = open_store(path)

@@ -191,8 +191,7 @@ class SqliteStore:
         await self._call(self._execute, "DELETE FROM sandboxes WHERE session_id = ?", (session_id,))
 
     async def load(self) -> list[SandboxRecord]:
-        rows = await self._call(self._select_all)
-        return [_record(row) for row in rows]
+        return await self._call(self._select_all)
 
     async def close(self) -> None:
         if self._closed:
@@ -223,14 +222,24 @@ class SqliteStore:
         except sqlite3.Error as err:
             raise StoreError(f"writing the session catalog {self.path} failed: {err}") from err
 
-    def _select_all(self) -> list[tuple[Any, ...]]:
+    def _select_all(self) -> list[SandboxRecord]:
         try:
             cursor = self._connection().execute(
                 f"SELECT {', '.join(_COLUMNS)} FROM sandboxes ORDER BY created_at, session_id"
             )
-            return cursor.fetchall()
+            rows = cursor.fetchall()
         except sqlite3.Error as err:
             raise StoreError(f"reading the session catalog {self.path} failed: {err}") from err
+        records = []
+        for row in rows:
+            try:
+                records.append(_record(row))
+            except (ValueError, TypeError) as err:  # hand-edited: bad JSON, unknown kind or state
+                raise StoreError(
+                    f"the session catalog {self.path} has an unreadable record for session {row[0]!r} ({err}); "
+                    "nothing was changed or deleted: fix or delete that row, or move the file aside"
+                ) from err
+        return records
 
     def _close_connection(self) -> None:
         if self._conn is not None:
