@@ -497,6 +497,14 @@ async def test_catalogued_ids_come_from_the_catalog_and_an_unreadable_one_stops_
         with pytest.raises(StoreError, match="damaged"):
             catalogued_session_ids()
         assert listing(path.parent) == damaged != before
+        path.unlink()
+        await filled_catalog(path)
+        conn = sqlite3.connect(path)
+        conn.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (str(SCHEMA_VERSION + 1),))
+        conn.commit()
+        conn.close()
+        with pytest.raises(StoreError, match="cannot read it"):  # a newer catalog: its ids are not guessed
+            catalogued_session_ids()
     finally:
         use_state_dir(None)
 
