@@ -42,7 +42,7 @@ class ApiError(web.HTTPError):
 
 def restarting_error() -> ApiError:
     """The 503 a request gets while the gateway stops: the next process will serve it."""
-    return ApiError(503, RESTARTING_MESSAGE, "restarting")
+    return ApiError(503, RESTARTING_MESSAGE, "gateway_restarting")
 
 
 def _phrase_code(status: int) -> str:
@@ -208,7 +208,7 @@ class BaseHandler(web.RequestHandler):
             message = code.replace("_", " ")
         else:
             _, code, message = error_reply(exc)
-        if code == "restarting":
+        if code == "gateway_restarting":
             self.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps({"error": code, "message": message}))

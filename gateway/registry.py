@@ -222,11 +222,23 @@ class SessionRegistry:
         self._lost: dict[str, LostSession] = {}
         self._pending: dict[str, int] = {}
         self._closing: set[asyncio.Task] = set()
-        self.stopping = False  # the gateway is shutting down: new requests get 503 (base.py)
+        self._stopping = False
         self.requests_in_flight = 0  # HTTP requests being served (the shutdown lets them answer)
         self._no_requests = asyncio.Event()
         self._no_requests.set()
         self.websockets: set[Any] = set()  # open kernel websockets (closed 1012 on a restart)
+
+    @property
+    def stopping(self) -> bool:
+        """The gateway is shutting down: new requests get 503 (base.py), and executions cut now
+        stay recorded as running (the next gateway settles them)."""
+        return self._stopping
+
+    @stopping.setter
+    def stopping(self, value: bool) -> None:
+        self._stopping = value
+        if self.writer is not None:
+            self.writer.stopping = value
 
     def _count(self, tenant: str) -> int:
         """A tenant's sessions: live, lost (their workspace is kept until deleted) and starting."""

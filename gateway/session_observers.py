@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from sandkernel.gateway.metrics import GatewayMetrics, MetricsObserver
 from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserver
-from sandkernel.kernels.execution.outputs import ExecutionResult
+from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
 
 if TYPE_CHECKING:
     from sandkernel.gateway.registry import ManagedSession
@@ -49,6 +49,7 @@ class CatalogWriter:
 
     def __init__(self, store: SessionStore) -> None:
         self.store = store
+        self.stopping = False  # the gateway is letting go of its sessions (set by the registry)
         self._tails: dict[str, asyncio.Task] = {}
         self._pending: set[asyncio.Task] = set()
 
@@ -105,6 +106,11 @@ class CatalogObserver(SessionObserver):
         self.writer.update(self.managed.id, running=running_record(request))
 
     async def execution_finished(self, request: ExecutionRequest, result: ExecutionResult) -> None:
+        if result.status is ExecutionStatus.DETACHED and self.writer.stopping:
+            # Cut because the gateway stops: the code still runs in the kernel, and the next
+            # gateway settles it from ``running``, which is therefore kept.
+            self.writer.update(self.managed.id, gateway=self.managed.gateway_record())
+            return
         self.writer.update(self.managed.id, running=None, gateway=self.managed.gateway_record())
 
     async def kernel_restarted(self, reason: str, container_replaced: bool) -> None:
