@@ -23,8 +23,10 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import use_state_dir
 from sandkernel.kernels.sandbox.workspace_disk import (
     WorkspaceDisk,
+    leftover_session_ids,
     mount_source,
     remove_workspace_disk,
+    sweep_workspace_disks,
 )
 
 from .conftest import RUNTIMES, require_runtime
@@ -379,3 +381,25 @@ async def test_a_workspace_bigger_than_the_hosts_free_disk_is_refused_and_leaves
         assert os.listdir(tmp_path / "state" / "workspaces") == []
     finally:
         use_state_dir(None)
+
+
+@needs_root
+def test_the_sweep_removes_only_disks_no_one_holds(state):
+    """Kept: catalogued/containered ids, and disks of live owners (a process between making a
+    disk and its container). Swept: dead or unrecorded owners."""
+    ids = {name: digit * 32 for name, digit in (("alive", "a"), ("dead", "d"), ("unrecorded", "0"), ("kept", "c"))}
+    owners = {"alive": "host:1:alive", "dead": "host:2:dead", "unrecorded": "", "kept": "host:3:dead"}
+    disks = {name: WorkspaceDisk.create(ids[name], 8, 1879048200, 10001, owners[name]) for name in ids}
+    try:
+        assert disks["alive"].owner() == "host:1:alive" and disks["unrecorded"].owner() is None
+        swept = sweep_workspace_disks({ids["kept"]}, lambda owner: owner.endswith(":alive"))
+        assert sorted(swept) == sorted([ids["dead"], ids["unrecorded"]])
+        for name in ("dead", "unrecorded"):
+            assert_gone(disks[name])
+            assert not os.path.lexists(disks[name].owner_file)
+        for name in ("alive", "kept"):
+            assert disks[name].is_mounted()
+    finally:
+        for disk in disks.values():
+            disk.remove()
+    assert leftover_session_ids() == []

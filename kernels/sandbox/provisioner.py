@@ -30,6 +30,7 @@ from traitlets import Unicode
 from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError
 from sandkernel.kernels.egress.proxy import EgressProxy
 from sandkernel.kernels.lifecycle.profiles import Profile, WorkspaceStorage, resolve_profile
+from sandkernel.kernels.lifecycle.reaper import owner_label
 from sandkernel.kernels.sandbox.container import LAUNCHER, SANDBOX_GID, ContainerSpec, SandboxContainer
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
@@ -157,8 +158,9 @@ class DockerProvisioner(KernelProvisionerBase):
         mount = None
         if self.profile.workspace_storage is WorkspaceStorage.DISK:
             if self.workspace_disk is None:
+                size, owner = self.profile.workspace_mb, owner_label()
                 self.workspace_disk = await asyncio.to_thread(
-                    WorkspaceDisk.create, self.session_id, self.profile.workspace_mb, self.uid, SANDBOX_GID
+                    WorkspaceDisk.create, self.session_id, size, self.uid, SANDBOX_GID, owner
                 )
             else:
                 await asyncio.to_thread(self.workspace_disk.ensure_mounted)

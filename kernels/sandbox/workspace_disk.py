@@ -10,8 +10,10 @@ process and a host reboot; it is deleted with the session.
 
 Layout, under ``state_dir("workspaces")`` (root-only, 0700, see state_dir.py)::
 
-    <session id>.img   the image (0600, sparse)
-    <session id>.mnt/  its mount point; bind-mounted into the container at /workspace
+    <session id>.img    the image (0600, sparse)
+    <session id>.mnt/   its mount point; bind-mounted into the container at /workspace
+    <session id>.owner  the process that holds it (reaper.owner_label()), so a sweep of disks
+                        no container or catalog names spares those of live processes
 
 The filesystem is made with ``-m 0`` (the sandbox is not root, so root-reserved blocks would
 only be a quota it cannot use), one inode per 8 KiB (pip installs are many small files), and
@@ -32,6 +34,7 @@ imports only the common base and the state dir, so the reaper can import it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -39,6 +42,7 @@ import re
 import shutil
 import stat
 import subprocess
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,9 @@ WORKSPACES = "workspaces"
 SESSION_ID = re.compile(r"[0-9a-f][0-9a-f-]{0,63}")
 IMAGE_SUFFIX = ".img"
 MOUNT_SUFFIX = ".mnt"
+OWNER_SUFFIX = ".owner"
+SUFFIXES = (IMAGE_SUFFIX, MOUNT_SUFFIX, OWNER_SUFFIX)
+MAX_OWNER_BYTES = 256
 MOUNT_OPTIONS = "loop,nosuid,nodev,noatime"
 BYTES_PER_INODE = 8192
 ROOT_MODE = 0o700
@@ -126,6 +133,10 @@ class WorkspaceDisk:
         return workspaces_dir() / f"{self.session_id}{IMAGE_SUFFIX}"
 
     @property
+    def owner_file(self) -> Path:
+        return workspaces_dir() / f"{self.session_id}{OWNER_SUFFIX}"
+
+    @property
     def mount_point(self) -> Path:
         """The host directory bind-mounted into the container at /workspace."""
         return workspaces_dir() / f"{self.session_id}{MOUNT_SUFFIX}"
@@ -133,8 +144,9 @@ class WorkspaceDisk:
     # -- lifecycle --------------------------------------------------------------------------
 
     @classmethod
-    def create(cls, session_id: str, size_mb: int, uid: int, gid: int) -> WorkspaceDisk:
-        """Make, format and mount a new image for ``session_id`` (blocking).
+    def create(cls, session_id: str, size_mb: int, uid: int, gid: int, owner: str = "") -> WorkspaceDisk:
+        """Make, format and mount a new image for ``session_id`` (blocking). ``owner``: the
+        creating process's owner label, recorded for :func:`sweep_workspace_disks`.
 
         Raises ConfigError when not root (:data:`NOT_ROOT`), KernelStartError when the image
         already exists, the host disk has less free space than ``size_mb``, or a tool fails;
@@ -159,6 +171,8 @@ class WorkspaceDisk:
                 os.ftruncate(fd, size)  # sparse: host blocks are spent only as the sandbox writes
             finally:
                 os.close(fd)
+            if owner:
+                disk.claim(owner)
             run_tool(
                 [
                     tool("mkfs.ext4"), "-q", "-F", "-m", "0", "-b", "4096", "-i", str(BYTES_PER_INODE),
@@ -211,6 +225,29 @@ class WorkspaceDisk:
                     "was the state dir changed? Refusing to use it"
                 )
         return disk
+
+    def claim(self, owner: str) -> None:
+        """Record ``owner`` (an owner label) as the process holding this disk (a process that
+        adopts the session calls it too). Replaced atomically; never follows a link."""
+        data = owner.encode()[:MAX_OWNER_BYTES]
+        tmp = self.owner_file.with_name(f".{self.owner_file.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.owner_file)
+
+    def owner(self) -> str | None:
+        """The recorded owner label, or None (none recorded, or not a small regular file)."""
+        try:
+            fd = os.open(self.owner_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return None
+            return f.read(MAX_OWNER_BYTES).decode(errors="replace")
 
     def check_image(self) -> os.stat_result:
         """lstat the image: a regular file (not a symlink) of this user's, of the recorded size.
@@ -293,6 +330,8 @@ class WorkspaceDisk:
             pass
         except OSError as err:
             log.warning("cannot remove workspace mount point %s: %s", self.mount_point, err)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.owner_file)
         log.info("workspace disk removed", extra={"session": self.session_id})
 
 
@@ -302,8 +341,7 @@ def remove_workspace_disk(session_id: str) -> bool:
     Blocking; refuses ids that are not hex (ConfigError)."""
     check_session_id(session_id)
     directory = workspaces_dir()
-    image, mount_point = directory / f"{session_id}{IMAGE_SUFFIX}", directory / f"{session_id}{MOUNT_SUFFIX}"
-    if not os.path.lexists(image) and not os.path.lexists(mount_point):
+    if not any(os.path.lexists(directory / f"{session_id}{suffix}") for suffix in SUFFIXES):
         return False
     # size and owner do not matter for removal; 1 and 0 satisfy the record's checks.
     WorkspaceDisk(session_id, 1, 0, 0).remove()
@@ -311,15 +349,35 @@ def remove_workspace_disk(session_id: str) -> bool:
 
 
 def leftover_session_ids() -> list[str]:
-    """Session ids that have an image or a mount point under the workspaces dir (for a
-    reaper to compare with the sessions it knows)."""
+    """Session ids that have an image, a mount point or an owner file under the workspaces dir
+    (for a reaper to compare with the sessions it knows)."""
     found = set()
     for entry in os.scandir(workspaces_dir()):
-        for suffix in (IMAGE_SUFFIX, MOUNT_SUFFIX):
+        for suffix in SUFFIXES:
             name = entry.name.removesuffix(suffix)
             if entry.name.endswith(suffix) and SESSION_ID.fullmatch(name):
                 found.add(name)
     return sorted(found)
+
+
+def sweep_workspace_disks(keep: Collection[str], owner_alive: Callable[[str], bool]) -> list[str]:
+    """Remove the disks no one holds: not in ``keep`` (the catalogued sessions and those any
+    container is labelled with) and whose owner is not alive (or unrecorded). Returns their
+    session ids. Blocking; for the reaper, after it removed the containers it reaps.
+
+    Why the owner check: a live process has a disk without a container for a moment (made just
+    before its first container, or between a dead container and its replacement)."""
+    swept = []
+    for session_id in leftover_session_ids():
+        if session_id in keep:
+            continue
+        owner = WorkspaceDisk(session_id, 1, 0, 0).owner()
+        if owner and owner_alive(owner):
+            continue
+        log.info("sweeping a workspace disk no one holds", extra={"session": session_id, "owner": owner})
+        remove_workspace_disk(session_id)
+        swept.append(session_id)
+    return swept
 
 
 # -- the host's mount table -------------------------------------------------------------------
