@@ -389,8 +389,10 @@ def test_the_sweep_removes_only_disks_no_one_holds(state):
     disk and its container). Swept: dead or unrecorded owners."""
     ids = {name: digit * 32 for name, digit in (("alive", "a"), ("dead", "d"), ("unrecorded", "0"), ("kept", "c"))}
     owners = {"alive": "host:1:alive", "dead": "host:2:dead", "unrecorded": "", "kept": "host:3:dead"}
-    disks = {name: WorkspaceDisk.create(ids[name], 8, 1879048200, 10001, owners[name]) for name in ids}
+    disks: dict[str, WorkspaceDisk] = {}
     try:
+        for name in ids:  # one by one: whatever was made is removed in finally
+            disks[name] = WorkspaceDisk.create(ids[name], 8, 1879048200, 10001, owners[name])
         assert disks["alive"].owner() == "host:1:alive" and disks["unrecorded"].owner() is None
         swept = sweep_workspace_disks({ids["kept"]}, lambda owner: owner.endswith(":alive"))
         assert sorted(swept) == sorted([ids["dead"], ids["unrecorded"]])
