@@ -179,10 +179,11 @@ class DockerProvisioner(KernelProvisionerBase):
         disk = WorkspaceDisk.from_dict(handed_over.get("disk"))
         if disk.session_id != self.session_id or disk.uid != handed_over["uid"]:
             raise AdoptionRefusedError(f"the workspace handed over is not session {self.session_id}'s")
+        # This session's from here on: if anything below fails, _release removes them.
+        self.uid, self.workspace_disk = handed_over["uid"], disk
         if self.profile.workspace_storage is not WorkspaceStorage.DISK:
             raise AdoptionRefusedError("a disk workspace was handed over to a session with a memory workspace")
         await asyncio.to_thread(disk.ensure_mounted)
-        self.uid, self.workspace_disk = handed_over["uid"], disk
 
     def hand_over_workspace(self) -> dict[str, Any] | None:
         """Keep the disk workspace (and the uid that owns its files) for the next provisioner
