@@ -235,7 +235,10 @@ async def test_kill9_with_ten_live_sessions_every_session_carries_on(tmp_path, r
         await asyncio.gather(*(check(i, sid) for i, sid in enumerate(ids)))
         installed = await serve.execute(ids[0], "import sk_durable_pkg; print(sk_durable_pkg.ANSWER)")
         assert installed["text"] == "42\n", installed
-        shown = await serve.execute(ids[1], "fig.savefig('/workspace/fig.png'); print(len(ax.lines))\nfig")
+        shown = await serve.execute(
+            ids[1], "import io\nfrom IPython.display import Image, display\nbuf = io.BytesIO()\n"
+            "fig.savefig(buf, format='png')\nprint(len(ax.lines))\ndisplay(Image(buf.getvalue()))"
+        )
         assert shown["status"] == "ok" and shown["text"].startswith("1\n"), shown
         assert any("image/png" in o.get("data", {}) for o in shown["outputs"]), shown["outputs"]
         for i, sid in enumerate(ids):
