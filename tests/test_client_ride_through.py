@@ -80,8 +80,6 @@ class GatewayProcess:
         ]  # fmt: skip
         if ADOPTS:
             self.argv += ["--state-dir", str(tmp_path / "state")]
-        if "--on-exit" in SERVE_HELP:  # the test's last stop removes what it made
-            self.argv += ["--on-exit", "delete"]
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -320,14 +318,29 @@ async def test_a_detached_result_is_gateway_restarted(stream):
         Execution.from_reply(DETACHED).raise_for_status()
 
 
+@pytest.mark.parametrize("flavour", ["async", "sync"])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_a_dropped_execute_is_gateway_restarted_and_never_sent_again(stream):
+async def test_a_dropped_execute_is_gateway_restarted_and_never_sent_again(stream, flavour):
+    """The connection drops before the result (after one streamed output, or with nothing): the
+    execute is not sent again and GatewayRestarted carries what was seen; the sync client (the
+    async one on its own loop thread) raises the same."""
+    from sandkernel.agent.client import AsyncSession
+    from sandkernel.agent.sync_client import Session
+
     output = {"output_type": "stream", "name": "stdout", "text": "step 1\n"}
     step = ("stream", [{"type": "output", "output": output}]) if stream else None
     seen: list[dict[str, Any]] = []
-    async with ScriptedGateway([step]) as gw, AsyncSandkernel(gw.url, ALICE, backoff=0.05) as sk:
-        with pytest.raises(GatewayRestarted) as err:
-            await scripted_session(sk).run("work()", on_output=seen.append if stream else None)
+    on_output = seen.append if stream else None
+    async with ScriptedGateway([step]) as gw:
+        if flavour == "async":
+            async with AsyncSandkernel(gw.url, ALICE, backoff=0.05) as sk:
+                with pytest.raises(GatewayRestarted) as err:
+                    await scripted_session(sk).run("work()", on_output=on_output)
+        else:
+            with Sandkernel(gw.url, ALICE, backoff=0.05) as blocking:
+                session = Session(blocking, AsyncSession(blocking._async, dict(SESSION)))
+                with pytest.raises(GatewayRestarted) as err:
+                    await asyncio.to_thread(session.run, "work()", on_output=on_output)
         assert len(gw.requests) == 1  # the execute went once
     restarted = err.value
     assert restarted.came_back and "the connection to the gateway dropped" in str(restarted)
@@ -397,6 +410,7 @@ async def test_kill9_during_an_execute_raises_gateway_restarted_promptly(gateway
         assert err.value.came_back and "may or may not have run to completion" in str(err.value)
         assert raised - began < 30, f"raised {raised - began:.1f} s after the execute began: as late as the cell"
         assert raised - killed < 25
+        print(f"GatewayRestarted {raised - killed:.1f} s after the kill ({raised - began:.1f} s into a 30 s cell)")
         health = await sk.health()  # the next call works without the user doing anything
         assert health["status"] == "ok"
 
@@ -500,3 +514,108 @@ def test_probe_reads_the_real_help():
     """The skip above keys on a probe that must see the real serve --help (not an empty string)."""
     assert "--shutdown-grace" in SERVE_HELP, SERVE_HELP[:500]
     assert os.path.exists(sys.executable)
+
+
+# -- JupyterLab: jupyter_server --gateway-url --------------------------------------------------
+
+JUPYTER_TOKEN = "jupyter-test-token"
+
+
+def kernel_message(msg_type: str, content: dict[str, Any]) -> dict[str, Any]:
+    import uuid
+
+    header = {"msg_id": uuid.uuid4().hex, "msg_type": msg_type, "username": "t", "session": "lab", "version": "5.3"}
+    return {"header": header, "parent_header": {}, "metadata": {}, "content": content, "channel": "shell"}
+
+
+async def reply_to(ws: Any, message: dict[str, Any], kinds: tuple[str, ...], timeout: float) -> dict[str, Any]:
+    """The first message of one of ``kinds`` whose parent is ``message`` (others are skipped)."""
+
+    async def wait() -> dict[str, Any]:
+        while True:
+            raw = await ws.read_message()
+            assert raw is not None, "jupyter_server closed the browser's websocket"
+            data = json.loads(raw)
+            mine = data.get("parent_header", {}).get("msg_id") == message["header"]["msg_id"]
+            if mine and data["header"]["msg_type"] in kinds:
+                return data
+
+    return await asyncio.wait_for(wait(), timeout)
+
+
+@needs_adoption
+async def test_jupyter_server_websocket_carries_on_after_a_gateway_restart(gateway):
+    """JupyterLab's path: one browser websocket to ``jupyter server --gateway-url``, kept open
+    across a kill -9 and restart of the gateway. jupyter_server's GatewayClient reconnects its
+    own websocket to the gateway (gateway_retry_max / gateway_retry_interval); once it has, the
+    same browser websocket runs code in the same kernel, its variables intact."""
+    from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    await gateway.start()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    root = gateway.tmp_path / "lab"
+    root.mkdir()
+    lab_log = (gateway.tmp_path / "jupyter.log").open("wb")
+    lab = subprocess.Popen(
+        [
+            sys.executable, "-m", "jupyter_server", f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1",
+            f"--IdentityProvider.token={JUPYTER_TOKEN}", "--ServerApp.open_browser=False",
+            "--ServerApp.allow_root=True", f"--ServerApp.root_dir={root}", f"--gateway-url={gateway.url}",
+            f"--GatewayClient.auth_token={ALICE}", "--GatewayClient.request_timeout=120",
+        ],
+        stdout=lab_log,
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    headers = {"Authorization": f"token {JUPYTER_TOKEN}"}
+    try:
+        for _ in range(600):
+            try:
+                await AsyncHTTPClient().fetch(f"{url}/api", request_timeout=2)
+                break
+            except (HTTPClientError, OSError):
+                assert lab.poll() is None, "jupyter server exited"
+                await asyncio.sleep(0.1)
+        created = await AsyncHTTPClient().fetch(
+            HTTPRequest(
+                f"{url}/api/kernels", "POST", headers, json.dumps({"name": "sandkernel-python"}), request_timeout=180
+            )
+        )
+        kernel_id = json.loads(created.body)["id"]
+        ws_url = url.replace("http", "ws") + f"/api/kernels/{kernel_id}/channels?session_id=lab"
+        ws = await websocket_connect(HTTPRequest(ws_url, headers=headers))
+        first = kernel_message("execute_request", {"code": "x = 41", "silent": False, "store_history": True,
+                                                   "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})  # fmt: skip
+        await ws.write_message(json.dumps(first))
+        assert (await reply_to(ws, first, ("execute_reply",), 120))["content"]["status"] == "ok"
+
+        gateway.kill9()
+        killed = time.monotonic()
+        gateway.spawn()
+        await gateway.wait_up()
+        # Until jupyter_server has reconnected, what the browser sends is dropped (jupyter_server's
+        # behaviour): ask for kernel_info (harmless to repeat) until it is answered.
+        reconnected = None
+        while reconnected is None and time.monotonic() - killed < 90:
+            probe = kernel_message("kernel_info_request", {})
+            await ws.write_message(json.dumps(probe))
+            with contextlib.suppress(asyncio.TimeoutError):
+                reconnected = await reply_to(ws, probe, ("kernel_info_reply",), 2)
+        assert reconnected is not None, "jupyter_server did not reconnect to the restarted gateway in 90 s"
+        print(f"jupyter_server answered again {time.monotonic() - killed:.1f} s after the kill")
+        again = kernel_message("execute_request", {"code": "x + 1", "silent": False, "store_history": True,
+                                                   "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})  # fmt: skip
+        await ws.write_message(json.dumps(again))
+        result = await reply_to(ws, again, ("execute_result", "error"), 60)
+        assert result["content"]["data"]["text/plain"] == "42"
+        ws.close()
+        async with AsyncSandkernel(gateway.url, ALICE) as sk:
+            assert kernel_id in [k["id"] for k in await sk.request("GET", "/api/kernels")]
+            await sk.request("DELETE", f"/api/kernels/{kernel_id}")
+    finally:
+        lab.terminate()
+        try:
+            lab.wait(30)
+        except subprocess.TimeoutExpired:
+            lab.kill()
