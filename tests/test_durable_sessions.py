@@ -290,7 +290,7 @@ async def test_sigterm_during_a_running_cell_detaches_it_and_the_next_gateway_re
     try:
         busy, other = await asyncio.gather(serve.create(), serve.create())
         ids += [busy["id"], other["id"]]
-        code = "import time\nprint('started', flush=True)\ntime.sleep(12)\nz = 2\nprint('finished')"
+        code = "import time\nprint('started', flush=True)\ntime.sleep(25)\nz = 2\nprint('finished')"
         kept_alive = http.client.HTTPConnection("127.0.0.1", serve.port, timeout=60)  # a client's open connection
         headers = {"Authorization": f"token {ALICE}", "Content-Type": "application/json"}
         assert (await asyncio.to_thread(request_on, kept_alive, "GET", "/api/sessions", None, headers))[0] == 200
