@@ -6,7 +6,7 @@ sandkernel run CODE             execute code (or - for stdin) in a fresh sandbox
 sandkernel image build          build the kernel image (works with no registry)
 sandkernel doctor               check Docker, the image, runc and runsc, and say how to fix
 sandkernel kernelspec install   install the sandkernel-python kernelspecs for Jupyter tools
-sandkernel reap                 remove containers left by crashed sandkernel processes
+sandkernel reap                 remove containers left by crashed sandkernel processes (not recorded ones)
 """
 
 from __future__ import annotations
@@ -178,10 +178,24 @@ def _cmd_kernelspec_install(args: argparse.Namespace) -> int:
 
 
 def _cmd_reap(args: argparse.Namespace) -> int:
-    from sandkernel.kernels.lifecycle.reaper import reap_sync
+    """Without --all, the sandboxes a stopped gateway left for the next one are kept: those its
+    catalog (in --state-dir) records, and those whose workspace lives under another state dir.
+    A catalog that cannot be read stops the command before anything is removed."""
+    from sandkernel.gateway.adoption import other_state_dirs_sessions
+    from sandkernel.kernels.lifecycle.reaper import catalogued_session_ids, reap_sync
+    from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
 
-    report = reap_sync(everything=args.all)
-    print(f"removed {len(report.removed)} container(s); {report.kept} still owned by live processes")
+    if args.all:
+        report = reap_sync(everything=True)
+        print(f"removed {len(report.removed)} container(s), every sandkernel container")
+        return 0
+    use_state_dir(args.state_dir)
+    keep = catalogued_session_ids() | other_state_dirs_sessions(state_dir())
+    report = reap_sync(keep=keep)
+    print(
+        f"removed {len(report.removed)} container(s); kept {report.kept}: owned by live processes, or recorded "
+        f"for the next gateway in {state_dir()} (or another state dir)"
+    )
     return 0
 
 
@@ -307,8 +321,21 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument("--prefix", default=None, help="install under this prefix (default: this Python's)")
     install.set_defaults(func=_cmd_kernelspec_install)
 
-    reap = sub.add_parser("reap", help="remove containers whose sandkernel process died")
-    reap.add_argument("--all", action="store_true", help="remove every sandkernel container, live or not")
+    reap = sub.add_parser(
+        "reap",
+        help="remove containers whose sandkernel process died (keeping those recorded for the next gateway)",
+    )
+    reap.add_argument(
+        "--all",
+        action="store_true",
+        help="remove every sandkernel container, live or not, recorded or not (their sessions are lost)",
+    )
+    reap.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="the gateway's state dir, whose catalog says which sandboxes to keep (default: as sandkernel serve's)",
+    )
     reap.set_defaults(func=_cmd_reap)
     return parser
 

@@ -150,6 +150,12 @@ async def clean_up(serve: Serve, session_ids: list[str]) -> None:
     assert not any(left.values()), f"containers left behind: {left}"
 
 
+def reap_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sandkernel.cli", "reap", *args], capture_output=True, text=True, timeout=120
+    )
+
+
 def code_cells(path: str) -> list[str]:
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
@@ -437,6 +443,9 @@ async def test_an_unusable_catalog_stops_the_gateway_and_nothing_is_touched(tmp_
         assert "Traceback" not in message
         assert {p.name: digest(p) for p in serve.state.iterdir() if p.is_file()} == before
         assert container_state(session["id"])["Running"]  # the sandbox was left alone
+        reaped = reap_cli("--state-dir", str(serve.state))  # cannot tell what is recorded: removes nothing
+        assert reaped.returncode != 0 and "nothing was changed" in reaped.stderr.lower(), reaped
+        assert container_state(session["id"])["Running"]
     finally:
         if saved:
             catalog.write_bytes(saved)
@@ -453,6 +462,9 @@ async def test_tenants_cannot_see_or_reach_each_others_adopted_sessions(tmp_path
         ids += [alice["id"], bob["id"]]
         assert (await serve.execute(bob["id"], "secret = 'bob'", BOB))["status"] == "ok"
         serve.kill9()
+        # Their owner is dead, but they are recorded for the next gateway: `sandkernel reap` keeps them.
+        reaped = reap_cli("--state-dir", str(serve.state))
+        assert reaped.returncode == 0 and container_ids_of(alice["id"]) and container_ids_of(bob["id"]), reaped.stdout
         await serve.start()
         for token, mine, theirs in ((ALICE, alice, bob), (BOB, bob, alice)):
             status, listed = await serve.call("GET", "/api/sessions", token=token)
