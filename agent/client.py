@@ -39,6 +39,7 @@ from tornado.simple_httpclient import HTTPTimeoutError
 
 from sandkernel.agent.errors import (
     ClientError,
+    GatewayError,
     GatewayRestarted,
     GatewayUnreachableError,
     RequestTimeoutError,
@@ -133,15 +134,23 @@ class AsyncSandkernel:
         return await self.request("GET", "/api/health")
 
     async def wait_until_up(self, timeout: float | None = None) -> bool:
-        """Whether the gateway answers its health check within ``timeout`` (default
-        ``restart_wait``), polling with the same backoff as a retried call."""
+        """Whether the gateway answers its health check with ``ok`` within ``timeout`` (default
+        ``restart_wait``), polling with the same backoff as a retried call; a gateway that says it
+        is ``stopping`` is the old process, not yet the one that comes back."""
+
+        def not_up(response: HTTPResponse) -> ClientError | None:
+            failure = _failure(response, "GET", "/api/health")
+            if failure is None and (_parse(response) or {}).get("status") == "stopping":  # the old process
+                return GatewayError("the gateway is stopping", 503, "gateway_restarting")
+            return failure
+
         try:
             await self._fetch(
                 lambda: self._request("GET", "/api/health", None, 10),
                 "GET",
                 "/api/health",
                 True,
-                lambda response: _failure(response, "GET", "/api/health"),
+                not_up,
                 self.restart_wait if timeout is None else timeout,
             )
             return True

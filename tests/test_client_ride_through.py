@@ -193,8 +193,10 @@ class ScriptedGateway:
     tuple (status, body, content_type) answers; ``("stream", lines)`` sends NDJSON lines then
     drops. ``requests`` counts the non-health requests by path."""
 
-    def __init__(self, script: list[Any]) -> None:
+    def __init__(self, script: list[Any], health: list[str] | None = None) -> None:
         self.script = script
+        self.health = health or ["ok"]  # the health status per check, the last repeated
+        self.health_checks = 0
         self.requests: list[str] = []
         self.server: asyncio.Server | None = None
         self.url = ""
@@ -217,7 +219,9 @@ class ScriptedGateway:
         if length:
             await reader.readexactly(length)
         if path.startswith("/api/health"):
-            self.answer(writer, 200, b'{"status": "ok"}')
+            status = self.health[min(self.health_checks, len(self.health) - 1)]
+            self.health_checks += 1
+            self.answer(writer, 200, json.dumps({"status": status}).encode())
         else:
             self.requests.append(path)
             step = self.script[min(len(self.requests) - 1, len(self.script) - 1)]
@@ -314,8 +318,22 @@ async def test_a_detached_result_is_gateway_restarted(stream):
     assert restarted.execution is not None and restarted.execution.status == "detached"
     assert restarted.execution.ended_by == "gateway_restart" and restarted.execution.stdout == "half\n"
     assert "may or may not have run to completion" in str(restarted) and "let go of this execution" in str(restarted)
+    assert gw.health_checks == 1
     with pytest.raises(GatewayRestarted):
         Execution.from_reply(DETACHED).raise_for_status()
+
+
+async def test_a_stopping_gateway_is_not_taken_for_the_one_that_comes_back():
+    """After a detached result the old process may still answer its health check, as
+    ``stopping``: the client waits for ``ok`` (the next process) before it raises."""
+    async with ScriptedGateway([(200, DETACHED)], health=["stopping", "stopping", "ok"]) as gw:
+        async with AsyncSandkernel(gw.url, ALICE, backoff=0.05) as sk:
+            with pytest.raises(GatewayRestarted) as err:
+                await scripted_session(sk).run("work()")
+            assert err.value.came_back and gw.health_checks == 3
+        gw.health = ["stopping"]
+        async with AsyncSandkernel(gw.url, ALICE, backoff=0.05, restart_wait=0.5) as sk:
+            assert not await sk.wait_until_up()
 
 
 @pytest.mark.parametrize("flavour", ["async", "sync"])
@@ -619,3 +637,37 @@ async def test_jupyter_server_websocket_carries_on_after_a_gateway_restart(gatew
             lab.wait(30)
         except subprocess.TimeoutExpired:
             lab.kill()
+
+
+# -- the agent loop against scripted faults (no containers) -------------------------------------
+
+MARKDOWN_OK = (200, {})
+
+
+async def test_agent_loop_goes_on_after_a_dropped_step_and_stops_on_a_lost_sandbox():
+    """The loop's side alone: a step whose connection drops gives the model the restart note (and
+    is not counted as a failure to re-plan over), the next step runs; a sandbox the gateway came
+    back without (410) ends the run as ``sandbox_lost``, not with a traceback."""
+    # task note, prose, execute (dropped), transcript note, prose, execute, answer note
+    read_back = (200, {**REPLY, "text": "one\n"})
+    script = [MARKDOWN_OK, MARKDOWN_OK, None, MARKDOWN_OK, MARKDOWN_OK, read_back, MARKDOWN_OK]
+    async with (
+        ScriptedGateway(script) as gw,
+        AsyncSandkernel(gw.url, ALICE, backoff=0.05) as sk,
+        ScriptedMessagesServer(restart_turns()) as server,
+    ):
+        model = anthropic.AsyncAnthropic(base_url=server.url, api_key="offline-test", max_retries=0)
+        run = await ClaudeAgent(model, scripted_session(sk), AgentConfig(stream=False)).run("do step one")
+    assert run.stop == "answer" and run.gateway_restarts == 1 and run.replans == 0
+    assert [c.status for c in run.tool_calls] == [GATEWAY_RESTARTED, "ok"]
+    calls = [path.rsplit("/", 1)[1] for path in gw.requests]  # one execute per step, none sent again
+    assert calls == ["markdown", "markdown", "execute", "markdown", "markdown", "execute", "markdown"]
+    lost = (410, {"error": "sandbox_lost", "message": "its container was OOM-killed while no gateway was attached"})
+    async with (
+        ScriptedGateway([MARKDOWN_OK, MARKDOWN_OK, lost]) as gw,
+        AsyncSandkernel(gw.url, ALICE) as sk,
+        ScriptedMessagesServer(restart_turns()) as server,
+    ):
+        model = anthropic.AsyncAnthropic(base_url=server.url, api_key="offline-test", max_retries=0)
+        run = await ClaudeAgent(model, scripted_session(sk), AgentConfig(stream=False)).run("do step one")
+    assert run.stop == "sandbox_lost" and "OOM-killed" in run.answer and len(server.requests) == 1
