@@ -39,7 +39,10 @@ async def test_root_is_read_only_and_tmpfs_are_capped(session, inspected):
     assert inspected["HostConfig"]["ReadonlyRootfs"] is True
     tmpfs = inspected["HostConfig"]["Tmpfs"]
     assert "size=64m" not in tmpfs["/tmp"] and f"size={session.profile.tmp_mb}m" in tmpfs["/tmp"]
-    assert f"size={session.profile.workspace_mb}m" in tmpfs["/workspace"]
+    # /workspace is the session's own disk image (its cap: tests/test_workspace_disk.py)
+    assert "/workspace" not in tmpfs
+    disk = session._kernel.provisioner.workspace_disk
+    assert [m["Source"] for m in inspected["Mounts"] if m["Destination"] == "/workspace"] == [str(disk.mount_point)]
     found = await probe(
         session,
         """import os, json
@@ -208,7 +211,8 @@ print(json.dumps({n: resource.getrlimit(getattr(resource, 'RLIMIT_' + n.upper())
 async def test_no_docker_socket_and_no_writable_host_path(session, inspected):
     binds = inspected["HostConfig"]["Binds"] or []
     mounts = inspected["Mounts"]
-    assert [m["Destination"] for m in mounts if m["Type"] == "bind"] == [CONTAINER_DIR]
+    # the runtime dir, and the session's own workspace disk (nothing else of the host's)
+    assert sorted(m["Destination"] for m in mounts if m["Type"] == "bind") == sorted([CONTAINER_DIR, "/workspace"])
     assert not any("docker.sock" in b or "containerd" in b for b in binds)
     assert inspected["HostConfig"]["IpcMode"] == "private"
     assert inspected["HostConfig"]["LogConfig"]["Config"].get("max-size") == "1m"
@@ -226,7 +230,7 @@ for line in open('/proc/self/mountinfo'):
 print(json.dumps({"sockets": socks, "writable": writable, "rundir_writable": os.access('/run/sandkernel', os.W_OK)}))""",
     )
     assert found["sockets"] == []
-    assert set(found["writable"]) <= {CONTAINER_DIR}, found
+    assert set(found["writable"]) <= {CONTAINER_DIR, "/workspace"}, found
     assert found["rundir_writable"] is False, "the runtime dir must be locked once the kernel has bound"
 
 

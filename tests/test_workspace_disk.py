@@ -165,10 +165,6 @@ async def test_files_survive_a_kernel_restart_and_a_container_replacement(runtim
 
 @needs_root
 @pytest.mark.parametrize("runtime", ["runc"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="kernels/execution/kernel.py replace() must pass provisioner.hand_over_workspace() to the next start",
-)
 async def test_files_survive_the_ladders_last_rung(runtime):
     """The ladder's last rung throws the whole kernel manager away (SandboxedKernel.replace)."""
     session = await start(runtime, workspace_mb=64)

@@ -28,16 +28,17 @@ import docker.errors
 from jupyter_client import AsyncKernelManager
 from jupyter_client.provisioning import KernelProvisionerFactory
 
-from sandkernel.errors import AdoptionRefusedError, SandboxLostError, TransportError
+from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError, TransportError
 from sandkernel.kernels.egress.proxy import EgressProxy
 from sandkernel.kernels.execution.transport import new_kernel_manager
 from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
-from sandkernel.kernels.lifecycle.reaper import KERNEL_LABEL, RUNTIME_DIR_LABEL, SESSION_LABEL
+from sandkernel.kernels.lifecycle.reaper import KERNEL_LABEL, RUNTIME_DIR_LABEL, SESSION_LABEL, owner_label
 from sandkernel.kernels.sandbox.container import ContainerSpec, SandboxContainer
 from sandkernel.kernels.sandbox.docker_engine import default_engine, translate_api_error
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 from sandkernel.kernels.sandbox.runtime_dir import RUNTIME_DIR_NAME, RuntimeDir, default_base_dir, remove_runtime_dir
 from sandkernel.kernels.sandbox.uids import UID_LABEL, UidAllocator
+from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
 
 log = logging.getLogger(__name__)
 
@@ -229,18 +230,19 @@ def _egress_dir(profile: Profile, runtime_dir: RuntimeDir) -> Path | None:
     return runtime_dir.egress_dir if profile.network is not None else None
 
 
-async def _reopen_workspace(state: dict[str, Any]) -> Any:
+async def _reopen_workspace(state: dict[str, Any]) -> WorkspaceDisk | None:
     """The session's workspace disk, mounted again if the host rebooted (None: a tmpfs one)."""
     record = state.get("workspace_disk")
     if record is None:
         return None
-    from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
-
+    disk = WorkspaceDisk.from_dict(record)  # AdoptionRefusedError for a record naming elsewhere
     try:
-        disk = WorkspaceDisk.from_dict(record)
         await asyncio.to_thread(disk.ensure_mounted)
-    except OSError as err:
+    except (SandboxLostError, AdoptionRefusedError):
+        raise
+    except (OSError, SandkernelError) as err:
         raise SandboxLostError(f"its workspace disk cannot be mounted ({err})") from err
+    await asyncio.to_thread(disk.claim, owner_label())
     return disk
 
 
@@ -269,11 +271,9 @@ async def discard(session_id: str, state: dict[str, Any]) -> None:
         if path is not None:
             await asyncio.to_thread(remove_runtime_dir, path)
     if state.get("workspace_disk") is not None:
-        from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
-
         try:
             await asyncio.to_thread(WorkspaceDisk.from_dict(state["workspace_disk"]).remove)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, SandkernelError) as err:
             log.warning("cannot remove a lost session's workspace disk: %s", err, extra={"session": session_id})
     if isinstance(state.get("uid"), int):
         await asyncio.to_thread(UidAllocator(engine).release, state["uid"])

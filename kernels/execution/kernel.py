@@ -79,10 +79,12 @@ class SandboxedKernel:
             raise SessionClosedError(f"session {self.session_id} has no container; start a new session")
         return container
 
-    async def start(self) -> None:
-        """Start the kernel and wait until it answers; on failure nothing is left running."""
+    async def start(self, workspace: dict[str, Any] | None = None) -> None:
+        """Start the kernel and wait until it answers; on failure nothing is left running.
+        ``workspace``: a disk workspace handed over by the previous provisioner (see replace)."""
+        launch = {**self._launch, "sandkernel_workspace": workspace} if workspace else self._launch
         try:
-            await self.km.start_kernel(**self._launch)
+            await self.km.start_kernel(**launch)
             self.client = new_client(self.km)
             with self.drain.reading():
                 await self._wait_ready()
@@ -202,23 +204,28 @@ class SandboxedKernel:
         while time.monotonic() < deadline and not await self.iopub_answers(0.25):
             pass
 
-    async def restart(self) -> bool:
-        """Restart the kernel; True when the container had to be replaced (workspace lost)."""
+    async def restart(self) -> tuple[bool, bool]:
+        """Restart the kernel. Returns (container replaced, workspace lost): a replaced
+        container takes /workspace with it only when that was a tmpfs; a disk workspace stays."""
         self.epoch += 1
         provisioner = self.provisioner
-        provisioner.workspace_lost = False
         with self.drain.reading():
             await self.km.restart_kernel(now=True)
             await self._wait_ready()
-        return provisioner.workspace_lost
+        return provisioner.container_replaced, provisioner.workspace_lost
 
-    async def replace(self) -> None:
-        """Throw away the kernel manager and container, and start from scratch."""
+    async def replace(self) -> bool:
+        """Throw away the kernel manager and container, and start from scratch. A disk
+        workspace (and the uid that owns its files) is handed to the new provisioner: True
+        when it was, so /workspace files are kept."""
         self.epoch += 1
+        provisioner = self.km.provisioner
+        handed = provisioner.hand_over_workspace() if isinstance(provisioner, DockerProvisioner) else None
         await self.teardown()
         self.km = new_kernel_manager(self.km.kernel_name)
         self.client = None
-        await self.start()
+        await self.start(handed)
+        return handed is not None
 
     async def teardown(self) -> None:
         """Stop the client and the kernel, and remove the container and its runtime dir."""

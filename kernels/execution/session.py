@@ -346,15 +346,17 @@ class KernelSession:
             await self.note(note)
 
     async def _restart_kernel(self, reason: str) -> TimeoutStep:
-        """Restart and report whether the container had to be replaced (workspace lost)."""
-        replaced = await self._kernel.restart()
+        """Restart and report whether the container had to be replaced (and the workspace with it)."""
+        replaced, workspace_lost = await self._kernel.restart()
         if replaced:
             self._deaths.forget_container()
-        self._pending_state_lost = reason + (
-            "; the container was replaced, so /workspace files are gone too"
-            if replaced
-            else "; variables and imports are gone, /workspace files are kept"
-        )
+        if workspace_lost:
+            detail = "; the container was replaced, so /workspace files are gone too"
+        elif replaced:
+            detail = "; the container was replaced: variables and imports are gone, /workspace files are kept"
+        else:
+            detail = "; variables and imports are gone, /workspace files are kept"
+        self._pending_state_lost = reason + detail
         self._notes.append(self._pending_state_lost)
         await self.observers.emit("kernel_restarted", reason, replaced)
         return TimeoutStep.KILL if replaced else TimeoutStep.RESTART
@@ -548,8 +550,12 @@ class KernelSession:
 
     async def _replace_kernel(self, reason: str) -> None:
         """Last rung: throw away the kernel manager and container, start from scratch."""
-        await self._kernel.replace()
+        kept = await self._kernel.replace()
         self._deaths.forget_container()
-        self._pending_state_lost = reason + "; variables, imports and /workspace files are gone"
+        self._pending_state_lost = reason + (
+            "; variables and imports are gone, /workspace files are kept"
+            if kept
+            else "; variables, imports and /workspace files are gone"
+        )
         self._notes.append(self._pending_state_lost)
         await self.observers.emit("kernel_restarted", reason, True)

@@ -54,7 +54,8 @@ SLOWDOWN_RESULTS = Path(os.environ.get("SANDKERNEL_SLOWDOWN_REPORT", "/tmp/sandk
 MAX_GATEWAY_RSS_GROWTH_MIB = 512  # since the arena started (a whole module of attacks)
 CANARY_LIVENESS_SECONDS = 30.0  # one canary execute after an attack; a liveness bound, not timing
 # Free space of the notebook dir's filesystem and of Docker's, lost during one test. Attacks write
-# at most a few hundred MiB anywhere (workspace and /tmp are tmpfs); other jobs on a shared
+# at most a few hundred MiB anywhere (/tmp is a tmpfs; the workspace a disk image capped at its
+# size, under the state dir, which is on the same disk); other jobs on a shared
 # machine (image builds) also draw on these disks, hence the headroom.
 MAX_DISK_DROP_BYTES = 1 << 30
 DOCKER_ROOT = Path("/var/lib/docker")

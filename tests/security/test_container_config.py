@@ -80,13 +80,19 @@ CHECKS = {
         ulimits_of(c) == {"nofile": (p.nofile, p.nofile), "core": (0, 0), "fsize": (p.fsize_mb * MIB, p.fsize_mb * MIB)}
     ),
     "no_core_dumps": lambda c, p: ulimits_of(c)["core"] == (0, 0),
-    "only_the_runtime_dir_is_bound": lambda c, p: (
-        [m["Destination"] for m in c["Mounts"] if m["Type"] == "bind"] == [CONTAINER_DIR]
+    # the runtime dir and the session's workspace disk (a mount point under the state dir), rprivate
+    "only_the_runtime_dir_and_workspace_disk_are_bound": lambda c, p: (
+        sorted(m["Destination"] for m in c["Mounts"] if m["Type"] == "bind") == sorted([CONTAINER_DIR, "/workspace"])
+        and all(m["Propagation"] == "rprivate" for m in c["Mounts"] if m["Type"] == "bind")
+        and all(
+            m["Source"].endswith(".mnt") and m["Source"].rsplit("/", 2)[1] == "workspaces"
+            for m in c["Mounts"]
+            if m["Destination"] == "/workspace"
+        )
     ),
     "capped_tmpfs": lambda c, p: (
-        set(c["HostConfig"]["Tmpfs"]) == {"/tmp", "/workspace"}
+        set(c["HostConfig"]["Tmpfs"]) == {"/tmp"}
         and {"nosuid", "nodev", "noexec", f"size={p.tmp_mb}m"} <= tmpfs_options(c, "/tmp")
-        and {"nosuid", "nodev", f"size={p.workspace_mb}m"} <= tmpfs_options(c, "/workspace")
     ),
     "no_docker_socket": lambda c, p: (
         not any("docker.sock" in json.dumps(m) or "containerd" in json.dumps(m) for m in c["Mounts"])
