@@ -37,6 +37,7 @@ from sandkernel.agent import (
 from sandkernel.agent.loop import AgentConfig, ClaudeAgent
 from sandkernel.agent.offline_api import ScriptedMessagesServer, ScriptedTurn, call, result_contains, say
 from sandkernel.agent.tools import GATEWAY_RESTARTED, RESTART_NOTE
+from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 
 from .conftest import RUNTIMES, require_runtime
 from .gateway_fixtures import ALICE, free_port
@@ -80,6 +81,7 @@ class GatewayProcess:
         ]  # fmt: skip
         if ADOPTS:
             self.argv += ["--state-dir", str(tmp_path / "state")]
+        self.runtime = runtime
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -597,7 +599,11 @@ async def test_jupyter_server_websocket_carries_on_after_a_gateway_restart(gatew
                 await asyncio.sleep(0.1)
         created = await AsyncHTTPClient().fetch(
             HTTPRequest(
-                f"{url}/api/kernels", "POST", headers, json.dumps({"name": "sandkernel-python"}), request_timeout=180
+                f"{url}/api/kernels",
+                "POST",
+                headers,
+                json.dumps({"name": kernel_name_for(gateway.runtime)}),
+                request_timeout=180,
             )
         )
         kernel_id = json.loads(created.body)["id"]
