@@ -237,7 +237,10 @@ class AsyncSandkernel:
             out_of_tries = self.max_retries is not None and attempt >= self.max_retries
             if not retryable or out_of_tries or time.monotonic() + delay > deadline:
                 raise failure
-            log.info("retrying %s %s in %.2fs: %s", method, path, delay, failure)
+            if attempt == 0:  # say it once: a caller may wait up to restart_wait from here
+                log.warning("%s; retrying %s %s for up to %.0f s", failure, method, path, deadline - time.monotonic())
+            else:
+                log.info("retrying %s %s in %.2fs: %s", method, path, delay, failure)
             await asyncio.sleep(delay)
             attempt += 1
 
