@@ -487,3 +487,49 @@ async def test_tenants_cannot_see_or_reach_each_others_adopted_sessions(tmp_path
         assert (await serve.execute(bob["id"], "print(secret)", BOB))["text"] == "bob\n"
     finally:
         await clean_up(serve, ids)
+
+
+def catalogued(serve: Serve, kind: str) -> list[str]:
+    with contextlib.closing(sqlite3.connect(f"file:{serve.state / 'catalog.sqlite3'}?mode=ro", uri=True)) as db:
+        return [row[0] for row in db.execute("SELECT session_id FROM sandboxes WHERE kind = ?", (kind,))]
+
+
+async def warm_pool_size(serve: Serve, size: int) -> None:
+    for _ in range(1200):
+        status, health = await serve.call("GET", "/api/health")
+        if status == 200 and health["warm_pool"] >= size:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"the warm pool never held {size}:\n{serve.output}")
+
+
+@pytest.mark.parametrize("runtime", ["runc"])
+async def test_warm_pool_sandboxes_are_adopted_back_into_the_pool_or_removed(tmp_path, runtime):
+    """Nothing unaccounted: a pooled sandbox outlives a restart in the catalog (kind pool), goes
+    back into the pool of a gateway whose pool takes it, and is removed by one whose pool does not."""
+    serve = Serve(tmp_path, runtime)
+    await serve.start("--pool-size", "1")
+    ids: list[str] = []
+    try:
+        await warm_pool_size(serve, 1)
+        [pooled] = catalogued(serve, "pool")
+        ids.append(pooled)
+        assert await serve.term() == 0
+        assert container_ids_of(pooled)  # left running, recorded
+
+        await serve.start("--pool-size", "1")
+        assert "1 pooled sandbox(es) back in the pool" in serve.output, serve.output
+        session = await serve.create()  # served from the adopted sandbox: no container started for it
+        assert session["id"] == pooled
+        assert catalogued(serve, "session") == [pooled]
+        await warm_pool_size(serve, 1)  # refilled with a new one
+        [refill] = catalogued(serve, "pool")
+        ids.append(refill)
+        assert await serve.term() == 0
+
+        await serve.start("--pool-size", "0")
+        assert "adopted 1 session(s)" in serve.output and "1 discarded" in serve.output, serve.output
+        assert container_ids_of(refill) == [] and catalogued(serve, "pool") == []
+        assert (await serve.execute(pooled, "print('still here')"))["text"] == "still here\n"
+    finally:
+        await clean_up(serve, ids)
