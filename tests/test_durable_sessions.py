@@ -533,3 +533,31 @@ async def test_warm_pool_sandboxes_are_adopted_back_into_the_pool_or_removed(tmp
         assert (await serve.execute(pooled, "print('still here')"))["text"] == "still here\n"
     finally:
         await clean_up(serve, ids)
+
+
+@pytest.mark.parametrize("runtime", ["runc"])
+async def test_an_adopted_session_keeps_its_idle_clock(tmp_path, runtime):
+    """Idle 5 s of an 8 s idle timeout before the restart: culled about 3 s after it, not 8."""
+    serve = Serve(tmp_path, runtime)
+    options = ("--idle-timeout", "8", "--cull-interval", "0.5")
+    await serve.start(*options)
+    ids: list[str] = []
+    try:
+        session = await serve.create()
+        ids.append(session["id"])
+        assert (await serve.execute(session["id"], "1"))["status"] == "ok"  # the last activity
+        await asyncio.sleep(5)
+        serve.kill9()
+        await serve.start(*options)
+        restarted = time.monotonic()
+        assert "adopted 1 session(s)" in serve.output, serve.output
+        while (await serve.call("GET", f"/api/sessions/{session['id']}"))[0] == 200:
+            assert time.monotonic() - restarted < 6, "the adopted session was given a fresh idle timeout"
+            await asyncio.sleep(0.2)
+        for _ in range(300):  # culled: its container is being removed
+            if not container_ids_of(session["id"]):
+                break
+            await asyncio.sleep(0.1)
+        assert container_ids_of(session["id"]) == []
+    finally:
+        await clean_up(serve, ids)
