@@ -300,6 +300,8 @@ async def test_sigterm_during_a_running_cell_detaches_it_and_the_next_gateway_re
         kept_alive = http.client.HTTPConnection("127.0.0.1", serve.port, timeout=60)  # a client's open connection
         headers = {"Authorization": f"token {ALICE}", "Content-Type": "application/json"}
         assert (await asyncio.to_thread(request_on, kept_alive, "GET", "/api/sessions", None, headers))[0] == 200
+        ws_url = serve.url.replace("http", "ws") + f"/api/kernels/{other['kernel']['id']}/channels"
+        ws = await websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {ALICE}"}))
         in_flight = asyncio.create_task(serve.execute(busy["id"], code))
         await asyncio.sleep(2.0)
         stopped = asyncio.create_task(serve.term())
@@ -315,6 +317,9 @@ async def test_sigterm_during_a_running_cell_detaches_it_and_the_next_gateway_re
         assert result["status"] == "detached" and result["ended_by"] == "gateway_restart", result
         assert "started" in result["text"]
         assert await stopped == 0, serve.output
+        while await ws.read_message() is not None:  # JupyterLab reconnects after "service restart"
+            pass
+        assert ws.close_code == 1012, ws.close_code
         assert container_ids_of(busy["id"]) and container_ids_of(other["id"])  # left running
 
         await serve.start()
