@@ -478,9 +478,10 @@ class SessionRegistry:
         await asyncio.gather(*self._closing, return_exceptions=True)
 
     async def shutdown_all(self) -> None:
-        """Remove every session's container and record (``--on-exit delete``): lost ones too."""
+        """Remove every session's container and record (``--on-exit delete``): lost ones too,
+        except those refused at adoption (left, with their records, for the operator)."""
         sessions = list(self._sessions.values())
-        lost = list(self._lost.values())
+        lost = [s for s in self._lost.values() if not s.refused]
         self._sessions.clear()
         self._lost.clear()
         pool_closed = self.pool.close() if self.pool else asyncio.sleep(0)
