@@ -45,6 +45,7 @@ class Serve:
         self.state = tmp_path / "state"
         self.notebooks = tmp_path / "notebooks"
         self.tokens = tmp_path / "tokens.json"
+        tmp_path.mkdir(parents=True, exist_ok=True)
         self.tokens.write_text(json.dumps({"alice": ALICE, "bob": BOB}))
         self.tokens.chmod(0o600)
         self.port = free_port()
@@ -566,3 +567,25 @@ async def test_an_adopted_session_keeps_its_idle_clock(tmp_path, runtime):
         assert container_ids_of(session["id"]) == []
     finally:
         await clean_up(serve, ids)
+
+
+@pytest.mark.parametrize("runtime", ["runc"])
+async def test_a_gateway_on_another_state_dir_does_not_reap_recorded_sandboxes(tmp_path, runtime):
+    """After a crash, a sandbox's owner label names a dead process; a gateway (or `sandkernel
+    agent`'s local one) started on another state dir must leave it to the catalog that holds it."""
+    first = Serve(tmp_path / "first", runtime)
+    other = Serve(tmp_path / "other", runtime)
+    await first.start()
+    ids: list[str] = []
+    try:
+        session = await first.create()
+        ids.append(session["id"])
+        assert (await first.execute(session["id"], "kept = 1"))["status"] == "ok"
+        first.kill9()
+        await other.start()  # reaps the orphans of ITS state dir at start
+        assert container_ids_of(session["id"]), "another state dir's gateway reaped a recorded sandbox"
+        assert await other.term() == 0
+        await first.start()
+        assert (await first.execute(session["id"], "print(kept)"))["text"] == "1\n"
+    finally:
+        await clean_up(first, ids)
