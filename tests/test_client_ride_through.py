@@ -7,8 +7,7 @@ when the code would have finished), never hangs and is never sent twice; the age
 model the step may not have finished and carries on.
 
 Faults a real gateway cannot produce on demand (a connection dropped mid-stream, a 503 that says
-"not run") come from a scripted loopback listener. The tests that need the restarted gateway to
-keep its sessions (re-adoption, ``--state-dir``) are skipped, saying so, until the gateway has it.
+"not run", a sandbox lost while no gateway was attached) come from a scripted loopback listener.
 """
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -45,19 +43,6 @@ from .gateway_fixtures import ALICE, free_port
 SERVE = [sys.executable, "-m", "sandkernel.cli", "serve"]
 
 
-def serve_help() -> str:
-    done = subprocess.run([*SERVE, "--help"], capture_output=True, text=True, timeout=60)
-    return done.stdout
-
-
-SERVE_HELP = serve_help()
-# The feature probe: a gateway that re-adopts its sessions takes --state-dir (issue 13, items 1-3).
-ADOPTS = "--state-dir" in SERVE_HELP
-needs_adoption = pytest.mark.skipif(
-    not ADOPTS, reason="the gateway does not re-adopt sessions yet (no --state-dir): issue 13 items 1-3"
-)
-
-
 class GatewayProcess:
     """``sandkernel serve`` on one loopback port, restartable on that port with the same state."""
 
@@ -77,19 +62,19 @@ class GatewayProcess:
             "--default-runtime", runtime,
             "--notebook-dir", str(tmp_path / "notebooks"),
             "--shutdown-grace", "1",
+            "--state-dir", str(tmp_path / "state"),  # where the next process finds the sessions
             *extra,
         ]  # fmt: skip
-        if ADOPTS:
-            self.argv += ["--state-dir", str(tmp_path / "state")]
         self.runtime = runtime
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
+        self.session_ids: list[str] = []  # what the fixture cleans up
 
     def spawn(self) -> None:
         assert self.proc is None or self.proc.poll() is not None, "the previous gateway is still running"
         self.starts += 1
-        log = (self.tmp_path / f"gateway-{self.starts}.log").open("wb")
-        self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        with (self.tmp_path / f"gateway-{self.starts}.log").open("wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
 
     async def wait_up(self, timeout: float = 90) -> None:
         async with AsyncSandkernel(self.url, ALICE) as probe:
@@ -135,7 +120,6 @@ async def gateway(request, tmp_path):
     """A restartable gateway process (named ``gateway``: the suite's tier rule makes it a docker test)."""
     require_runtime(request.param)
     gw = GatewayProcess(tmp_path, request.param)
-    gw.session_ids: list[str] = []
     yield gw
     if gw.proc is not None and gw.proc.poll() is None:
         with contextlib.suppress(Exception):
@@ -435,7 +419,6 @@ async def test_kill9_during_an_execute_raises_gateway_restarted_promptly(gateway
         assert health["status"] == "ok"
 
 
-@needs_adoption
 async def test_kill9_during_an_execute_never_runs_it_twice(gateway):
     """(b, with re-adoption) The cut execute is not sent again: the code's start line is written
     once, it finishes in the kernel on its own, and the session keeps its state and ids."""
@@ -459,7 +442,6 @@ async def test_kill9_during_an_execute_never_runs_it_twice(gateway):
         assert (await session.run("before + 1")).text == "42\n"
 
 
-@needs_adoption
 async def test_sigterm_during_an_execute_returns_detached_as_gateway_restarted(gateway):
     """SIGTERM with a 1 s shutdown grace under a 20 s cell: the gateway cuts it (status detached,
     ended_by gateway_restart) and the client raises GatewayRestarted once a new gateway answers."""
@@ -498,7 +480,6 @@ def restart_turns() -> list[ScriptedTurn]:
     ]
 
 
-@needs_adoption
 async def test_agent_loop_tells_the_model_and_carries_on_after_a_restart(gateway):
     """(d) kill -9 and restart of the gateway while the model's first step runs: the tool result
     the model receives says the gateway restarted and the step may not have finished; the loop
@@ -522,18 +503,13 @@ async def test_agent_loop_tells_the_model_and_carries_on_after_a_restart(gateway
             restarter = asyncio.create_task(restart_when_running())
             run = await asyncio.wait_for(agent.run("do step one"), 300)
             await restarter
+            await model.close()
         assert await session.download("steps.txt") == b"one\n"  # step one ran once; nothing re-sent it
     assert run.stop == "answer" and run.answer == "step one ran once" and run.gateway_restarts == 1
     assert [c.status for c in run.tool_calls] == [GATEWAY_RESTARTED, "ok"]
     first_result = server.requests[1]["messages"][-1]["content"][0]
     assert first_result["is_error"] is True and RESTART_NOTE in first_result["content"]
     assert ("gateway_restart", {"id": run.tool_calls[0].id, "name": "run_python"}) in events
-
-
-def test_probe_reads_the_real_help():
-    """The skip above keys on a probe that must see the real serve --help (not an empty string)."""
-    assert "--shutdown-grace" in SERVE_HELP, SERVE_HELP[:500]
-    assert os.path.exists(sys.executable)
 
 
 # -- JupyterLab: jupyter_server --gateway-url --------------------------------------------------
@@ -563,7 +539,6 @@ async def reply_to(ws: Any, message: dict[str, Any], kinds: tuple[str, ...], tim
     return await asyncio.wait_for(wait(), timeout)
 
 
-@needs_adoption
 async def test_jupyter_server_websocket_carries_on_after_a_gateway_restart(gateway):
     """JupyterLab's path: one browser websocket to ``jupyter server --gateway-url``, kept open
     across a kill -9 and restart of the gateway. jupyter_server's GatewayClient reconnects its
@@ -577,17 +552,14 @@ async def test_jupyter_server_websocket_carries_on_after_a_gateway_restart(gatew
     url = f"http://127.0.0.1:{port}"
     root = gateway.tmp_path / "lab"
     root.mkdir()
-    lab_log = (gateway.tmp_path / "jupyter.log").open("wb")
-    lab = subprocess.Popen(
-        [
-            sys.executable, "-m", "jupyter_server", f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1",
-            f"--IdentityProvider.token={JUPYTER_TOKEN}", "--ServerApp.open_browser=False",
-            "--ServerApp.allow_root=True", f"--ServerApp.root_dir={root}", f"--gateway-url={gateway.url}",
-            f"--GatewayClient.auth_token={ALICE}", "--GatewayClient.request_timeout=120",
-        ],
-        stdout=lab_log,
-        stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    argv = [
+        sys.executable, "-m", "jupyter_server", f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1",
+        f"--IdentityProvider.token={JUPYTER_TOKEN}", "--ServerApp.open_browser=False",
+        "--ServerApp.allow_root=True", f"--ServerApp.root_dir={root}", f"--gateway-url={gateway.url}",
+        f"--GatewayClient.auth_token={ALICE}", "--GatewayClient.request_timeout=120",
+    ]  # fmt: skip
+    with (gateway.tmp_path / "jupyter.log").open("wb") as lab_log:
+        lab = subprocess.Popen(argv, stdout=lab_log, stderr=subprocess.STDOUT)
     headers = {"Authorization": f"token {JUPYTER_TOKEN}"}
     try:
         for _ in range(600):
@@ -664,6 +636,7 @@ async def test_agent_loop_goes_on_after_a_dropped_step_and_stops_on_a_lost_sandb
     ):
         model = anthropic.AsyncAnthropic(base_url=server.url, api_key="offline-test", max_retries=0)
         run = await ClaudeAgent(model, scripted_session(sk), AgentConfig(stream=False)).run("do step one")
+        await model.close()
     assert run.stop == "answer" and run.gateway_restarts == 1 and run.replans == 0
     assert [c.status for c in run.tool_calls] == [GATEWAY_RESTARTED, "ok"]
     calls = [path.rsplit("/", 1)[1] for path in gw.requests]  # one execute per step, none sent again
@@ -676,4 +649,5 @@ async def test_agent_loop_goes_on_after_a_dropped_step_and_stops_on_a_lost_sandb
     ):
         model = anthropic.AsyncAnthropic(base_url=server.url, api_key="offline-test", max_retries=0)
         run = await ClaudeAgent(model, scripted_session(sk), AgentConfig(stream=False)).run("do step one")
+        await model.close()
     assert run.stop == "sandbox_lost" and "OOM-killed" in run.answer and len(server.requests) == 1
