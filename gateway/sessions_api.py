@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from pathlib import Path
 from typing import Any
 
 from tornado.iostream import StreamClosedError
@@ -25,7 +26,7 @@ from tornado.iostream import StreamClosedError
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler, error_reply
 from sandkernel.gateway.budget import OutputBudget, apply_budget
-from sandkernel.gateway.registry import ManagedSession, TooManySessionsError
+from sandkernel.gateway.registry import LostSession, ManagedSession, TooManySessionsError
 from sandkernel.kernels.execution.outputs import ExecutionResult
 from sandkernel.output_text import readable_text
 
@@ -253,15 +254,31 @@ class ExecuteHandler(SessionScoped):
 
 
 class NotebookHandler(SessionScoped):
-    """GET the session's transcript (an .ipynb document)."""
+    """GET the session's transcript (an .ipynb document); a lost session's too (its record of
+    what ran is what its tenant has left)."""
 
     async def get(self, session_id: str) -> None:
-        recorder = self.managed(session_id).recorder
+        found = self.registry.find(self.tenant, session_id)
+        if isinstance(found, LostSession):
+            await self._lost_transcript(found)
+            return
+        recorder = found.recorder
         if recorder is None:
             raise ApiError(404, "this session has no transcript")
         await recorder.flushed()  # what we return is what is on disk
         self.set_header("Content-Disposition", f'attachment; filename="{recorder.path.name}"')
         self.write_json(recorder.notebook)
+
+    async def _lost_transcript(self, lost: LostSession) -> None:
+        path = lost.record.gateway.get("transcript")
+        if not isinstance(path, str):
+            raise ApiError(404, "this session has no transcript")
+        try:  # the path is the catalog's, which only the gateway writes
+            notebook = json.loads(await asyncio.to_thread(Path(path).read_text))
+        except (OSError, ValueError) as err:
+            raise ApiError(404, f"the lost session's transcript cannot be read ({type(err).__name__})") from None
+        self.set_header("Content-Disposition", f'attachment; filename="{Path(path).name}"')
+        self.write_json(notebook)
 
 
 class MarkdownHandler(SessionScoped):

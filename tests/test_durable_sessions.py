@@ -401,6 +401,8 @@ async def test_a_restart_lists_dead_sandboxes_as_lost_with_the_reason(tmp_path, 
             assert status == 410 and error["error"] == "sandbox_lost" and "delete it" in error["message"], error
         status, error = await serve.call("GET", f"/api/sessions/{removed['id']}/files")
         assert status == 410 and error["error"] == "sandbox_lost"
+        status, transcript = await serve.call("GET", f"/api/sessions/{oom['id']}/notebook")  # what is left
+        assert status == 200 and transcript["metadata"]["sandkernel"]["session_id"] == oom["id"], transcript
         status, kernels = await serve.call("GET", "/api/kernels")
         assert [k["id"] for k in kernels] == [kept["kernel"]["id"]]  # JupyterLab sees only live kernels
         assert (await serve.execute(kept["id"], "print(k)"))["text"] == "kept\n"
