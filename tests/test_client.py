@@ -198,7 +198,7 @@ async def test_idempotent_calls_retry_with_backoff_others_do_not():
     server = await asyncio.start_server(script.handle, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     try:
-        async with AsyncSandkernel(url, "t", backoff=0.05) as sk:
+        async with AsyncSandkernel(url, "t", backoff=0.05, max_retries=4) as sk:
             assert (await sk.health())["status"] == "ok"
             assert script.connections == 3  # dropped, 503, then served
             script.connections, script.statuses = 0, [None]

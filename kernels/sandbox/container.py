@@ -38,6 +38,7 @@ from sandkernel.kernels.lifecycle.reaper import (
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, translate_api_error
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.sandbox.seccomp import seccomp_security_opt
+from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, state_dir
 from sandkernel.kernels.sandbox.uids import SANDBOX_UID_RANGE, UID_LABEL
 
 log = logging.getLogger(__name__)
@@ -134,6 +135,7 @@ class ContainerSpec:
                 RUNTIME_DIR_LABEL: str(self.runtime_dir.path),
                 "sandkernel.profile": p.name,
                 UID_LABEL: str(self.uid),
+                STATE_DIR_LABEL: str(state_dir()),
             },
             "detach": True,
         }

@@ -15,6 +15,11 @@ from pathlib import Path
 
 from sandkernel.errors import ConfigError
 
+# Every container names the state dir of the process that made it: a reaper run against another
+# state dir (``sandkernel reap``, a second gateway) then spares sandboxes recorded in that one's
+# catalog, which a stopped gateway left running for its next start.
+STATE_DIR_LABEL = "sandkernel.state_dir"
+
 _chosen: Path | None = None
 
 
