@@ -21,6 +21,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
@@ -151,8 +152,24 @@ async def main() -> None:
     args = parser.parse_args()
     results: dict[str, dict] = {}
     port = free_port()
+    state = tempfile.mkdtemp(prefix="sandkernel-bench-state-")  # a private catalog; sandboxes removed on exit
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), "--token", TOKEN, "--pool-size", "0"],
+        [
+            sys.executable,
+            "-m",
+            "sandkernel.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--token",
+            TOKEN,
+            "--pool-size",
+            "0",
+            "--on-exit",
+            "delete",
+            "--state-dir",
+            state,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

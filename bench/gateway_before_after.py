@@ -37,6 +37,10 @@ def start_gateway(tree: Path, image: str, runtime: str, notebooks: str) -> tuple
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SANDKERNEL_")}
     env["SANDKERNEL_IMAGE"] = image
+    # A tree that keeps sessions across restarts keeps them in a private catalog and removes them
+    # on exit (older trees ignore these two variables).
+    env["SANDKERNEL_ON_EXIT"] = "delete"
+    env["SANDKERNEL_STATE_DIR"] = tempfile.mkdtemp(prefix="sandkernel-bench-state-")
     command = [
         str(tree / ".venv" / "bin" / "sandkernel"),
         "serve",

@@ -26,9 +26,11 @@ async def inprocess_gateway(**options: Any) -> AsyncIterator[int]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    with tempfile.TemporaryDirectory() as notebooks:
+    with tempfile.TemporaryDirectory() as notebooks, tempfile.TemporaryDirectory() as state:
+        # A private catalog, and every sandbox removed on exit: a benchmark leaves nothing running.
+        defaults = {"pool_size": 0, "on_exit": "delete", "state_dir": Path(state)}
         settings = GatewaySettings(
-            ip="127.0.0.1", port=port, token=TOKEN, notebook_dir=Path(notebooks), **{"pool_size": 0, **options}
+            ip="127.0.0.1", port=port, token=TOKEN, notebook_dir=Path(notebooks), **{**defaults, **options}
         )
         async with await Gateway.start(settings):
             yield port

@@ -9,8 +9,6 @@ from notebooks/observer.py. Later: accounting and audit.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import datetime as dt
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -88,8 +86,7 @@ class CatalogWriter:
 
 def running_record(request: ExecutionRequest) -> dict[str, Any]:
     """What the catalog keeps of the execution in flight: the request and when it started."""
-    started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
-    return {**dataclasses.asdict(request), "started_at": started}
+    return request.to_dict()  # the session stamps started_at: one clock for the result and the record
 
 
 class CatalogObserver(SessionObserver):

@@ -16,6 +16,8 @@ import nbformat
 import pytest
 from nbformat.sign import NotebookNotary
 
+from sandkernel.kernels.durable.store import open_store
+from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.reaper import reap
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
@@ -156,6 +158,8 @@ async def test_sigkill_of_the_gateway_leaves_a_valid_notebook(tmp_path):
             token,
             "--notebook-dir",
             str(notebooks),
+            "--state-dir",
+            str(tmp_path / "state"),
         ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -194,9 +198,16 @@ async def test_sigkill_of_the_gateway_leaves_a_valid_notebook(tmp_path):
     nbformat.validate(nb)
     assert [c.source for c in nb.cells if c.cell_type == "code"] == [f"x{i} = {i}\nprint({i})" for i in range(3)]
     assert not list(notebooks.glob(".*.tmp")), "no temp file left behind"
-    # The container outlived its gateway; the reaper (run by the next gateway) removes it.
+    # The container outlived its gateway, recorded for the next one: the reaper spares it, and
+    # its record is what clears it.
     assert container_ids_of(session["id"])
     await reap(default_engine())
+    assert container_ids_of(session["id"])
+    store = open_store(tmp_path / "state" / "catalog.sqlite3")
+    records = await store.load()
+    await store.close()
+    [record] = records
+    await KernelSession.discard(record.session_id, record.kernel)
     assert container_ids_of(session["id"]) == []
 
 
