@@ -29,9 +29,6 @@ from sandkernel.errors import AdoptionRefusedError, SandboxLostError, Sandkernel
 from sandkernel.gateway.registry import LostSession, ManagedSession, SessionRegistry, seconds_since
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.reaper import SESSION_LABEL
-from sandkernel.kernels.sandbox.container import WORKSPACE
-from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.notebooks.observer import attach_transcript
 from sandkernel.notebooks.recorder import TranscriptRecorder
@@ -193,27 +190,3 @@ async def _discard(registry: SessionRegistry, record: SandboxRecord) -> None:
     except SandkernelError as err:
         log.warning("discarding a lost pooled sandbox failed: %s", err, extra={"session": record.session_id})
     await registry.forget_record(record.session_id)
-
-
-def other_state_dirs_sessions(root: Path, engine: DockerEngine | None = None) -> set[str]:
-    """Session ids of the sandboxes that belong to another state dir (blocking: one Docker listing).
-
-    A sandbox outlives its process, so after a restart its owner label names a dead process
-    whichever gateway now holds it: the reaper's "owner gone" rule alone would let any gateway
-    (or ``sandkernel reap``) on this host remove sandboxes that another state dir's catalog
-    holds, e.g. a ``sandkernel agent`` run reaping a restarted ``sandkernel serve``'s sessions.
-    A sandbox whose /workspace is a disk image under another state dir is that state dir's to
-    reap; these ids are passed to the reaper as ``keep``. (A sandbox with a tmpfs workspace
-    names no state dir; the owner rule applies to it as before.)"""
-    engine = engine or default_engine()
-    mine = root.resolve()
-    foreign: set[str] = set()
-    for container in engine.client.api.containers(all=True, filters={"label": SESSION_LABEL}):
-        sid = (container.get("Labels") or {}).get(SESSION_LABEL)
-        for mount in container.get("Mounts") or ():
-            if mount.get("Destination") != WORKSPACE or not mount.get("Source"):
-                continue
-            source = Path(mount["Source"])
-            if sid and mine not in source.parents:
-                foreign.add(sid)
-    return foreign

@@ -27,7 +27,7 @@ from tornado import httpserver, web
 
 from sandkernel import __version__
 from sandkernel.errors import ConfigError, SandkernelError
-from sandkernel.gateway.adoption import AdoptionReport, adopt_all, other_state_dirs_sessions
+from sandkernel.gateway.adoption import AdoptionReport, adopt_all
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.channels import ChannelsHandler
@@ -241,8 +241,8 @@ class Gateway:
             records = await store.load()
             report = await adopt_all(registry, records)
             log.info("start-up adoption: %s", report.summary())
-            foreign = await asyncio.to_thread(other_state_dirs_sessions, state_dir())
-            reaped = await reap(keep={record.session_id for record in records} | foreign)
+            # Sandboxes another state dir's catalog records are spared by the reaper itself.
+            reaped = await reap(keep={record.session_id for record in records})
             if reaped.removed:
                 log.info("reaped orphaned containers", extra={"count": len(reaped.removed)})
             server = httpserver.HTTPServer(

@@ -179,9 +179,8 @@ def _cmd_kernelspec_install(args: argparse.Namespace) -> int:
 
 def _cmd_reap(args: argparse.Namespace) -> int:
     """Without --all, the sandboxes a stopped gateway left for the next one are kept: those its
-    catalog (in --state-dir) records, and those whose workspace lives under another state dir.
-    A catalog that cannot be read stops the command before anything is removed."""
-    from sandkernel.gateway.adoption import other_state_dirs_sessions
+    catalog (in --state-dir) records, and those the catalog of the state dir they are labelled
+    with records. A catalog that cannot be read stops the command before anything is removed."""
     from sandkernel.kernels.lifecycle.reaper import catalogued_session_ids, reap_sync
     from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
 
@@ -190,7 +189,7 @@ def _cmd_reap(args: argparse.Namespace) -> int:
         print(f"removed {len(report.removed)} container(s), every sandkernel container")
         return 0
     use_state_dir(args.state_dir)
-    keep = catalogued_session_ids() | other_state_dirs_sessions(state_dir())
+    keep = catalogued_session_ids()
     report = reap_sync(keep=keep)
     print(
         f"removed {len(report.removed)} container(s); kept {report.kept}: owned by live processes, or recorded "

@@ -27,9 +27,12 @@ from pathlib import Path
 
 import docker.errors
 
-from sandkernel.kernels.durable.store import read_session_ids
+from sandkernel.errors import SandkernelError
+from sandkernel.kernels.durable.store import CATALOG_NAME, read_session_ids
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.sandbox.runtime_dir import RUNTIME_DIR_NAME, default_base_dir, remove_runtime_dir
+from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL
+from sandkernel.kernels.sandbox.workspace_disk import remove_workspace_disk, sweep_workspace_disks
 
 log = logging.getLogger(__name__)
 
@@ -124,12 +127,16 @@ def reap_sync(
     engine = engine or default_engine()
     removed: list[str] = []
     kept = 0
-    for container in engine.client.containers.list(all=True, filters={"label": SESSION_LABEL}):
+    recorded = RecordedElsewhere()
+    containers = engine.client.containers.list(all=True, filters={"label": SESSION_LABEL})
+    for container in containers:
         labels = container.labels
         label = labels.get(OWNER_LABEL, "")
         if labels.get(SESSION_LABEL) in keep:
             kept += 1
-        elif everything or (owner is not None and label == owner) or (owner is None and not owner_alive(label)):
+        elif everything or (owner is not None and label == owner) or (
+            owner is None and not owner_alive(label) and not recorded(labels)
+        ):
             log.info("reaping container", extra={"container": container.name, "owner": label})
             try:
                 container.remove(force=True)
@@ -138,10 +145,48 @@ def reap_sync(
             rundir = own_runtime_dir(labels.get(RUNTIME_DIR_LABEL, ""))
             if rundir is not None:
                 remove_runtime_dir(rundir)  # and its -egress sibling (an allowlist session's proxy socket)
+            _remove_disk(labels.get(SESSION_LABEL, ""), container.name)
             removed.append(container.name)
         else:
             kept += 1
+    if owner is None:  # disks whose container is gone for good (a crash between the two)
+        held = keep | {c.labels.get(SESSION_LABEL, "") for c in containers if c.name not in removed}
+        try:
+            sweep_workspace_disks(held | catalogued_session_ids(), owner_alive)
+        except (SandkernelError, OSError) as err:
+            log.warning("reap: workspace disks not swept: %s", err)
     return ReapReport(tuple(removed), kept)
+
+
+def _remove_disk(session_id: str, name: str) -> None:
+    """The workspace disk of a reaped container (under this process's state dir, if it is there)."""
+    try:
+        remove_workspace_disk(session_id)
+    except (SandkernelError, OSError) as err:
+        log.warning("reap: workspace disk of %s: %s", name, err)
+
+
+class RecordedElsewhere:
+    """Whether a container is recorded in the catalog of the state dir it is labelled with, so a
+    stopped gateway's next start will adopt it (``sandkernel reap`` or a gateway on another state
+    dir must leave it). A catalog that cannot be read counts as recording it: a reaper that
+    cannot tell must not destroy tenants' work. Each catalog is read once per reap."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, set[str] | None] = {}
+
+    def __call__(self, labels: dict[str, str]) -> bool:
+        directory = labels.get(STATE_DIR_LABEL, "")
+        if not directory or not os.path.isabs(directory) or os.path.normpath(directory) != directory:
+            return False
+        if directory not in self._ids:
+            try:
+                self._ids[directory] = read_session_ids(Path(directory) / CATALOG_NAME)
+            except SandkernelError as err:
+                log.warning("reap: cannot read the catalog in %s (%s); keeping its sandboxes", directory, err)
+                self._ids[directory] = None
+        ids = self._ids[directory]
+        return ids is None or labels.get(SESSION_LABEL) in ids
 
 
 async def reap(engine: DockerEngine | None = None, **kwargs: object) -> ReapReport:

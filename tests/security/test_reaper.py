@@ -3,6 +3,7 @@ with Docker access can write, so ``sandkernel.runtime_dir=/etc`` must not delete
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import secrets
@@ -13,10 +14,13 @@ from pathlib import Path
 import docker.errors
 import pytest
 
+from sandkernel.kernels.durable.records import SandboxRecord
+from sandkernel.kernels.durable.store import CATALOG_NAME, open_store
 from sandkernel.kernels.lifecycle.profiles import resolve_profile
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, RUNTIME_DIR_LABEL, SESSION_LABEL, reap_sync
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.runtime_dir import default_base_dir
+from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL
 
 pytestmark = pytest.mark.security
 
@@ -83,3 +87,32 @@ def test_the_reaper_still_removes_its_own_runtime_dirs():
     finally:
         with contextlib.suppress(docker.errors.NotFound):
             c.remove(force=True)
+
+
+def test_a_sandbox_recorded_in_its_state_dirs_catalog_is_spared_until_the_catalog_lets_go(tmp_path):
+    """A stopped gateway's sandboxes carry a dead owner label: a reaper run by anyone else (another
+    state dir's gateway, ``sandkernel reap``) must leave those the labelled catalog records, and
+    those of a catalog it cannot read, but still reap the rest."""
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    store = open_store(state / CATALOG_NAME)
+    session_id = secrets.token_hex(16)
+    asyncio.run(store.put(SandboxRecord(session_id, "session", {})))
+    asyncio.run(store.close())
+    dead_owner = f"{socket.gethostname()}:999999997:1"
+    engine = default_engine()
+    labels = {OWNER_LABEL: dead_owner, STATE_DIR_LABEL: str(state)}
+    recorded = engine.client.containers.create(resolve_profile().image, labels={**labels, SESSION_LABEL: session_id})
+    unrecorded = engine.client.containers.create(resolve_profile().image, labels={**labels, SESSION_LABEL: "stray"})
+    try:
+        report = reap_sync(engine)
+        assert unrecorded.name in report.removed and recorded.name not in report.removed
+        catalog = state / CATALOG_NAME
+        catalog.write_bytes(b"not a catalog" * 100)  # damaged: the reaper cannot tell, so it keeps
+        assert recorded.name not in reap_sync(engine).removed
+        catalog.unlink()  # the session was deleted with its catalog: nothing holds the sandbox
+        assert recorded.name in reap_sync(engine).removed
+    finally:
+        for container in (recorded, unrecorded):
+            with contextlib.suppress(docker.errors.NotFound):
+                container.remove(force=True)
