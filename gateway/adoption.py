@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError
 from sandkernel.gateway.registry import LostSession, ManagedSession, SessionRegistry, seconds_since
+from sandkernel.gateway.settled_replies import SettledReplies
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
@@ -113,6 +114,9 @@ async def _adopt_session(registry: SessionRegistry, record: SandboxRecord, repor
     managed = await _restore(session, record)
     registry.add_adopted(managed)
     gateway = record.gateway
+    running = record.running or {}
+    if running.get("source") == "websocket" and not running.get("silent") and running.get("msg_id"):
+        session.add_observer(SettledReplies(managed, registry, str(running["msg_id"])))
     await session.resume(running=record.running, detached_at=gateway.get("detached_at"))
     if registry.writer is not None:  # no longer detached
         registry.writer.update(sid, gateway=managed.gateway_record())

@@ -171,6 +171,16 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.tasks.append(asyncio.create_task(self._watch_iopub(self.sockets["iopub"])))
         self.tasks.append(asyncio.create_task(self._send_shell()))
         self.registry.websockets.add(self)  # closed with 1012 when the gateway restarts
+        self.deliver_settled_replies()
+
+    def deliver_settled_replies(self) -> None:
+        """Send the replies of executes cut off from their client by a gateway restart (see
+        settled_replies.py); the first websocket of the kernel to get them takes them."""
+        assert self.managed is not None
+        pending, self.managed.settled_replies = self.managed.settled_replies, []
+        for message in pending:
+            with contextlib.suppress(websocket.WebSocketClosedError):
+                self.write_message(to_frame(message))
 
     async def _nudge(self, timeout: float = NUDGE_TIMEOUT) -> bool:
         """Hold client messages until our iopub subscription is live; True when it is.

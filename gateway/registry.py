@@ -76,6 +76,9 @@ class ManagedSession:
     origin: str = "session_api"  # or "kernel_api": who created it decides who may end it
     created_mono: float = dataclasses.field(default_factory=time.monotonic)
     recorder: TranscriptRecorder | None = None  # the session's transcript (an observer of it)
+    # execute_replies of websocket executes a previous gateway process left running, for the
+    # websockets that (re)connect (settled_replies.py)
+    settled_replies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     active_mono: float = dataclasses.field(default_factory=time.monotonic)
 
     @property

@@ -209,6 +209,7 @@ class Gateway:
         adoption: AdoptionReport,
     ) -> None:
         self.settings = settings
+        self._previous_state_dir: Path | None = None
         self.default_runtime = default_runtime  # what "auto" (or the operator) chose
         self.registry = registry
         self.shown_token = shown_token  # the single token to print (None with a tokens file)
@@ -228,7 +229,15 @@ class Gateway:
         open the session catalog (StoreError on one that cannot be used: nothing is adopted,
         reaped or deleted then), adopt the sandboxes it records, reap the containers it does not,
         start the warm pool and only then listen on ``settings.ip:port``."""
-        use_state_dir(settings.state_dir)  # before anything touches the state dir
+        previous_state_dir = use_state_dir(settings.state_dir)  # before anything touches the state dir
+        try:
+            return await cls._start(settings, previous_state_dir)
+        except BaseException:
+            use_state_dir(previous_state_dir)
+            raise
+
+    @classmethod
+    async def _start(cls, settings: GatewaySettings, previous_state_dir: Path | None) -> Gateway:
         auth, shown_token = TokenAuth.from_sources(settings.token, settings.tokens_file)
         auth.allow_query_token = settings.allow_token_in_url
         runtime = await choose_default_runtime(settings.default_runtime)
@@ -257,7 +266,9 @@ class Gateway:
             raise
         if pool is not None:
             pool.start()
-        return cls(settings, registry, server, shown_token, runtime.value, store, report)
+        gateway = cls(settings, registry, server, shown_token, runtime.value, store, report)
+        gateway._previous_state_dir = previous_state_dir  # put back on stop (in-process gateways)
+        return gateway
 
     async def stop(self) -> None:
         """Stop: accept no new connections, answer new requests 503 (retry), then let go of the
@@ -280,6 +291,7 @@ class Gateway:
                 await self.registry.writer.flush()
         finally:
             await self.store.close()
+            use_state_dir(self._previous_state_dir)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.close_all_connections(), ANSWER_SECONDS)
 

@@ -21,6 +21,7 @@ from sandkernel.kernels.execution.events import SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.state_dir import state_dir
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
 
 from .conftest import RUNTIMES, container_ids_of, require_runtime
@@ -77,7 +78,9 @@ async def orphaned_sandbox(tmp_path: Path, runtime: str, left_running: str = "",
     """Start a session in a child process that then dies without cleaning up; its record."""
     out = tmp_path / "record.json"
     settings = json.dumps({"runtime": runtime, **overrides})
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, settings, str(out), left_running)
+    # The child keeps its workspace disk where this process will look for it.
+    env = {**os.environ, "SANDKERNEL_STATE_DIR": str(state_dir())}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, settings, str(out), left_running, env=env)
     assert await asyncio.wait_for(proc.wait(), 180) == 0
     return json.loads(out.read_text())
 

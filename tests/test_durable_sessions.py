@@ -124,7 +124,9 @@ class Serve:
             return response.code, text
 
     async def execute(self, sid: str, code: str, token: str = ALICE, timeout: float = 120) -> dict[str, Any]:
-        status, result = await self.call("POST", f"/api/sessions/{sid}/execute", {"code": code, "timeout": timeout}, token)
+        status, result = await self.call(
+            "POST", f"/api/sessions/{sid}/execute", {"code": code, "timeout": timeout}, token
+        )
         assert status == 200, (status, result, self.output[-4000:])
         return result
 
@@ -215,8 +217,9 @@ async def test_kill9_with_ten_live_sessions_every_session_carries_on(tmp_path, r
         pip = await serve.execute(ids[0], "%pip install -q sk_durable_pkg", timeout=180)
         assert pip["status"] == "ok", pip
         figure = await serve.execute(
-            ids[1], "import matplotlib\nmatplotlib.use('agg')\nimport matplotlib.pyplot as plt\n"
-            "fig, ax = plt.subplots()\nax.plot([1, 2, 3], [3, 1, 2])\nprint('pending')"
+            ids[1],
+            "import matplotlib\nmatplotlib.use('agg')\nimport matplotlib.pyplot as plt\n"
+            "fig, ax = plt.subplots()\nax.plot([1, 2, 3], [3, 1, 2])\nprint('pending')",
         )
         assert figure["status"] == "ok" and figure["text"] == "pending\n", figure
         for sid in ids:
@@ -243,8 +246,9 @@ async def test_kill9_with_ten_live_sessions_every_session_carries_on(tmp_path, r
         installed = await serve.execute(ids[0], "import sk_durable_pkg; print(sk_durable_pkg.ANSWER)")
         assert installed["text"] == "42\n", installed
         shown = await serve.execute(
-            ids[1], "import io\nfrom IPython.display import Image, display\nbuf = io.BytesIO()\n"
-            "fig.savefig(buf, format='png')\nprint(len(ax.lines))\ndisplay(Image(buf.getvalue()))"
+            ids[1],
+            "import io\nfrom IPython.display import Image, display\nbuf = io.BytesIO()\n"
+            "fig.savefig(buf, format='png')\nprint(len(ax.lines))\ndisplay(Image(buf.getvalue()))",
         )
         assert shown["status"] == "ok" and shown["text"].startswith("1\n"), shown
         assert any("image/png" in o.get("data", {}) for o in shown["outputs"]), shown["outputs"]
@@ -396,7 +400,10 @@ async def test_a_restart_lists_dead_sandboxes_as_lost_with_the_reason(tmp_path, 
         assert models[removed["id"]]["state"] == "lost" and "removed" in models[removed["id"]]["lost_reason"]
         status, one = await serve.call("GET", f"/api/sessions/{oom['id']}")
         assert status == 200 and one["state"] == "lost" and one["kernel"]["execution_state"] == "dead"
-        for path, body in ((f"/api/sessions/{oom['id']}/execute", {"code": "1"}), (f"/api/sessions/{oom['id']}/restart", None)):
+        for path, body in (
+            (f"/api/sessions/{oom['id']}/execute", {"code": "1"}),
+            (f"/api/sessions/{oom['id']}/restart", None),
+        ):
             status, error = await serve.call("POST", path, body)
             assert status == 410 and error["error"] == "sandbox_lost" and "delete it" in error["message"], error
         status, error = await serve.call("GET", f"/api/sessions/{removed['id']}/files")
@@ -591,3 +598,61 @@ async def test_a_gateway_on_another_state_dir_does_not_reap_recorded_sandboxes(t
         assert (await first.execute(session["id"], "print(kept)"))["text"] == "1\n"
     finally:
         await clean_up(first, ids)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_a_websocket_cell_cut_off_by_a_restart_gets_its_reply_when_its_client_reconnects(tmp_path, runtime):
+    """JupyterLab marks a cell done on its execute_reply, which the kernel sent to the dead
+    gateway's socket: the next gateway answers it once the settled cell ends."""
+    require_runtime(runtime)
+    serve = Serve(tmp_path, runtime)
+    await serve.start()
+    ids: list[str] = []
+    try:
+        session = await serve.create()
+        ids.append(session["id"])
+        url = serve.url.replace("http", "ws") + f"/api/kernels/{session['kernel']['id']}/channels"
+        connect = HTTPRequest(url, headers={"Authorization": f"token {ALICE}"})
+        ws = await websocket_connect(connect)
+        msg_id = "lab-" + dt.datetime.now().strftime("%H%M%S%f")
+        request = {
+            "header": {
+                "msg_id": msg_id,
+                "msg_type": "execute_request",
+                "session": "lab",
+                "username": "u",
+                "date": dt.datetime.now(dt.timezone.utc).isoformat(),
+                "version": "5.3",
+            },
+            "parent_header": {},
+            "metadata": {},
+            "channel": "shell",
+            "buffers": [],
+            "content": {
+                "code": "import time\ntime.sleep(8)\ncut_off = 1",
+                "silent": False,
+                "store_history": True,
+                "user_expressions": {},
+                "allow_stdin": False,
+                "stop_on_error": True,
+            },
+        }
+        await ws.write_message(json.dumps(request))
+        await asyncio.sleep(3.0)  # running, and recorded as such
+        serve.kill9()
+        await serve.start()
+        ws = await websocket_connect(connect)  # the client reconnects, as jupyter_server does
+        deadline = time.monotonic() + 60
+        reply = None
+        while reply is None and time.monotonic() < deadline:
+            frame = await asyncio.wait_for(ws.read_message(), deadline - time.monotonic())
+            message = json.loads(frame)
+            if message.get("parent_header", {}).get("msg_id") == msg_id and message["channel"] == "shell":
+                reply = message
+        assert reply is not None, "no execute_reply reached the reconnected client"
+        assert reply["header"]["msg_type"] == "execute_reply" and reply["content"]["status"] == "ok", reply
+        ws.close()
+        result = await serve.execute(session["id"], "print(cut_off)")
+        assert result["text"] == "1\n"
+    finally:
+        await clean_up(serve, ids)

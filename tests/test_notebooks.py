@@ -20,6 +20,7 @@ from sandkernel.kernels.durable.store import open_store
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.reaper import reap
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.state_dir import use_state_dir
 
 from .conftest import container_ids_of
 from .gateway_fixtures import free_port, start_gateway, stop_gateway
@@ -207,9 +208,14 @@ async def test_sigkill_of_the_gateway_leaves_a_valid_notebook(tmp_path):
     records = await store.load()
     await store.close()
     assert session["id"] in {record.session_id for record in records}
-    for record in records:  # the session, and the warm pool's sandboxes
-        await KernelSession.discard(record.session_id, record.kernel)
-        assert container_ids_of(record.session_id) == []
+    previous = use_state_dir(tmp_path / "state")  # where their workspace disks are
+    try:
+        for record in records:  # the session, and the warm pool's sandboxes
+            await KernelSession.discard(record.session_id, record.kernel)
+            assert container_ids_of(record.session_id) == []
+    finally:
+        use_state_dir(previous)
+    assert not list((tmp_path / "state" / "workspaces").glob("*.img"))
 
 
 @pytest.mark.parametrize("name", ["sales-demo.ipynb", "error-recovery.ipynb"])

@@ -23,10 +23,12 @@ STATE_DIR_LABEL = "sandkernel.state_dir"
 _chosen: Path | None = None
 
 
-def use_state_dir(path: str | os.PathLike[str] | None) -> None:
-    """Make ``path`` this process's state dir (None: back to the default)."""
+def use_state_dir(path: str | os.PathLike[str] | None) -> Path | None:
+    """Make ``path`` this process's state dir (None: back to the default); returns the choice it
+    replaces, for a caller that is done with it to put back (an in-process gateway that stops)."""
     global _chosen
-    _chosen = Path(path).absolute() if path is not None else None
+    previous, _chosen = _chosen, Path(path).absolute() if path is not None else None
+    return previous
 
 
 def default_state_dir() -> Path:
