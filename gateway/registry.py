@@ -265,7 +265,7 @@ class SessionRegistry:
             raise TooManySessionsError(
                 f"session limit reached ({self.settings.max_sessions} per token); delete a session first"
             )
-        reserved = self.pool.size if self.pool else 0  # pooled sandboxes count toward the limit
+        reserved = self.pool.size if self.pool is not None else 0  # pooled sandboxes count toward the limit
         in_all = len(self._sessions) + len(self._lost) + sum(self._pending.values()) + reserved
         if in_all >= self.settings.max_sessions_total:
             raise TooManySessionsError(
@@ -273,7 +273,7 @@ class SessionRegistry:
             )
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         try:
-            session = await self.pool.acquire() if self.pool and self.pool.matches(chosen) else None
+            session = await self.pool.acquire() if self.pool is not None and self.pool.matches(chosen) else None
             session_id = session.id if session else uuid.uuid4().hex
             recorder = TranscriptRecorder(
                 notebook_path_for(session_id, self.settings.notebook_dir),
@@ -487,7 +487,7 @@ class SessionRegistry:
         lost = [s for s in self._lost.values() if not s.refused]
         self._sessions.clear()
         self._lost.clear()
-        pool_closed = self.pool.close() if self.pool else asyncio.sleep(0)
+        pool_closed = self.pool.close() if self.pool is not None else asyncio.sleep(0)
         await asyncio.gather(
             *(self._remove(s) for s in sessions),
             *(self._discard(s) for s in lost),

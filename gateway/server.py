@@ -86,7 +86,7 @@ class HealthHandler(BaseHandler):
         header = self.request.headers.get("Authorization")
         if self.auth is None or (header and self.auth.tenant_for(header) is not None):
             pool = self.registry.pool
-            health.update(sessions=len(self.registry), warm_pool=len(pool) if pool else 0)
+            health.update(sessions=len(self.registry), warm_pool=len(pool) if pool is not None else 0)
         self.write_json(health)
 
 

@@ -62,3 +62,19 @@ async def test_sessions_come_warm_fresh_and_are_never_reused(tmp_path):
     finally:
         await stop_gateway(gateway)
     assert not docker_containers(), "the pool must be drained on shutdown"
+
+
+async def test_a_gateway_stopping_while_its_empty_pool_refills_leaves_no_sandbox(tmp_path):
+    """An empty pool is still a pool: stopping while its only sandbox was just handed out and the
+    refill is starting must remove the refill's sandbox and its workspace disk (a bench run left
+    one running after its process exited)."""
+    gateway = await start_gateway(tmp_path, pool_size=1, max_sessions_total=3)
+    try:
+        await wait_for_pool(gateway, 1)
+        code, _ = await gateway.request("POST", "/api/sessions", {})  # empties the pool: a refill starts
+        assert code == 201 and await pool_size(gateway) == 0
+    finally:
+        await stop_gateway(gateway)
+    await asyncio.sleep(3)  # a container created after the stop would show up meanwhile
+    assert not docker_containers(), "a refill outlived its gateway"
+    assert not list(tmp_path.rglob("*.mnt")), "a workspace disk outlived its gateway"

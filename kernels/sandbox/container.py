@@ -23,6 +23,7 @@ from pathlib import Path
 import docker.errors
 from docker.types import LogConfig, Ulimit
 
+from sandkernel.blocking import made_or_undone
 from sandkernel.errors import KernelStartError
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.egress.proxy import CONTAINER_EGRESS_DIR, RELAY_PORT, SOCKET_NAME
@@ -90,9 +91,7 @@ class ContainerSpec:
             # Docker's default bind propagation (rprivate): later host mounts never reach the sandbox.
             volumes[str(self.workspace_mount)] = {"bind": WORKSPACE, "mode": "rw"}
         else:
-            tmpfs[WORKSPACE] = (
-                f"rw,nosuid,nodev,exec,size={p.workspace_mb}m,uid={self.uid},gid={SANDBOX_GID},mode=0700"
-            )
+            tmpfs[WORKSPACE] = f"rw,nosuid,nodev,exec,size={p.workspace_mb}m,uid={self.uid},gid={SANDBOX_GID},mode=0700"
         # No passwd entry exists for the per-sandbox uid: name the user for getpass and friends.
         environment = {"USER": "sandbox", "LOGNAME": "sandbox", **p.env}
         if p.wheelhouse:
@@ -202,7 +201,10 @@ class SandboxContainer:
                 raise translate_api_error(err, "cannot start the kernel container") from err
             return container.id
 
-        container_id = await engine.run(create_and_start)
+        async def remove(container_id: str) -> None:
+            await engine.run(engine.client.api.remove_container, container_id, force=True)
+
+        container_id = await made_or_undone(engine.run(create_and_start), remove)
         log.info("container started", extra={"session": spec.session_id, "container": container_id[:12]})
         return cls(engine, container_id, spec)
 

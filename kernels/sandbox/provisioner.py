@@ -27,6 +27,7 @@ from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.provisioning import KernelProvisionerBase
 from traitlets import Unicode
 
+from sandkernel.blocking import made_or_undone
 from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError
 from sandkernel.kernels.egress.proxy import EgressProxy
 from sandkernel.kernels.lifecycle.profiles import Profile, WorkspaceStorage, resolve_profile
@@ -154,13 +155,17 @@ class DockerProvisioner(KernelProvisionerBase):
         assert self.profile is not None and self.runtime_dir is not None
         egress_dir = self.egress.directory if self.egress else None
         if self.uid is None:  # kept when the container is replaced: one uid per session
-            self.uid = await asyncio.to_thread(UidAllocator(default_engine()).allocate)
+            allocator = UidAllocator(default_engine())
+            self.uid = await made_or_undone(
+                asyncio.to_thread(allocator.allocate), lambda uid: asyncio.to_thread(allocator.release, uid)
+            )
         mount = None
         if self.profile.workspace_storage is WorkspaceStorage.DISK:
             if self.workspace_disk is None:
                 size, owner = self.profile.workspace_mb, owner_label()
-                self.workspace_disk = await asyncio.to_thread(
-                    WorkspaceDisk.create, self.session_id, size, self.uid, SANDBOX_GID, owner
+                self.workspace_disk = await made_or_undone(
+                    asyncio.to_thread(WorkspaceDisk.create, self.session_id, size, self.uid, SANDBOX_GID, owner),
+                    lambda disk: asyncio.to_thread(disk.remove),
                 )
             else:
                 await asyncio.to_thread(self.workspace_disk.ensure_mounted)
