@@ -41,8 +41,13 @@ def sample_record(i: int) -> SandboxRecord:
         "connection": {"key": secrets.token_hex(32), "transport": "ipc", "signature_scheme": "hmac-sha256"},
         "profile": {"memory_mb": 1024, "cpus": 1.0, "pids": 256, "runtime": "runsc", "execute_timeout": 300.0},
     }
-    gateway = {"created": time.time(), "metadata": {"agent": "bench"}, "kernel_name": "python3",
-               "transcript": f"/var/lib/sandkernel/notebooks/{i}.ipynb", "last_activity": time.time()}
+    gateway = {
+        "created": time.time(),
+        "metadata": {"agent": "bench"},
+        "kernel_name": "python3",
+        "transcript": f"/var/lib/sandkernel/notebooks/{i}.ipynb",
+        "last_activity": time.time(),
+    }
     return SandboxRecord(f"bench-{i:06d}", "session", kernel, tenant="alice", gateway=gateway)
 
 

@@ -357,6 +357,4 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event | None = None) ->
         if settings.on_exit == "delete":
             print("gateway stopped; all sessions shut down", flush=True)
         else:
-            print(
-                f"gateway stopped; sessions left running, recorded in {state_dir()} for the next gateway", flush=True
-            )
+            print(f"gateway stopped; sessions left running, recorded in {state_dir()} for the next gateway", flush=True)

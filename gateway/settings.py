@@ -303,8 +303,14 @@ def _check(name: str, value: Any) -> None:
 
 
 def _kind_words(kind: type) -> str:
-    return {bool: "boolean", int: "whole number", float: "number", str: "string", Path: "path",
-            tuple: "list of strings"}[kind]
+    return {
+        bool: "boolean",
+        int: "whole number",
+        float: "number",
+        str: "string",
+        Path: "path",
+        tuple: "list of strings",
+    }[kind]
 
 
 def _field(name: str) -> dataclasses.Field:

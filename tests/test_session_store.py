@@ -73,7 +73,9 @@ async def test_records_round_trip_update_and_remove(tmp_path):
         await store.put(pooled)
         loaded = {r.session_id: r for r in await store.load()}
         assert loaded["a"].kernel == first.kernel and loaded["a"].gateway == first.gateway
-        assert loaded["a"].tenant == "alice" and loaded["a"].state is SandboxState.RUNNING and loaded["a"].running is None
+        assert (
+            loaded["a"].tenant == "alice" and loaded["a"].state is SandboxState.RUNNING and loaded["a"].running is None
+        )
         assert loaded["b"].kind is SandboxKind.POOL and loaded["b"].tenant is None
         assert loaded["a"].created_at == first.created_at
 

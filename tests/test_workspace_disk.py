@@ -233,7 +233,8 @@ async def test_a_memory_workspace_makes_no_disk(runtime):
         assert session.profile.workspace_storage is WorkspaceStorage.MEMORY
         assert session._kernel.provisioner.workspace_disk is None
         found = await run_json(
-            session, "import json; print(json.dumps([l.split()[2] for l in open('/proc/mounts') if ' /workspace ' in l]))"
+            session,
+            "import json; print(json.dumps([l.split()[2] for l in open('/proc/mounts') if ' /workspace ' in l]))",
         )
         assert found == ["tmpfs"]
     finally:
@@ -267,7 +268,18 @@ SID = "0123456789abcdef0123456789abcdef"
         {"session_id": SID, "size_mb": 64, "uid": 5, "gid": 5, "mount_point": "/"},
         "not an object",
     ],
-    ids=["dotdot", "absolute", "slash", "size-string", "uid-negative", "uid-bool", "image-elsewhere", "no-gid", "mount-root", "str"],
+    ids=[
+        "dotdot",
+        "absolute",
+        "slash",
+        "size-string",
+        "uid-negative",
+        "uid-bool",
+        "image-elsewhere",
+        "no-gid",
+        "mount-root",
+        "str",
+    ],
 )
 def test_a_tampered_record_is_refused(state, record):
     with pytest.raises(AdoptionRefusedError):

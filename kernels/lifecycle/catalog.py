@@ -89,7 +89,7 @@ def _ceilings_for(profile: Profile, configured: Any, where: str) -> Ceilings:
     if configured is None:
         configured = {}
     if not isinstance(configured, Mapping):
-        raise ConfigError(f"{where}: ceilings must be an object such as {{\"memory_mb\": 2048}}")
+        raise ConfigError(f'{where}: ceilings must be an object such as {{"memory_mb": 2048}}')
     unknown = set(configured) - set(LIMIT_SETTINGS) - {"runtimes"}
     if unknown:
         raise ConfigError(f"{where}: unknown ceilings {sorted(unknown)}; known: {[*LIMIT_SETTINGS, 'runtimes']}")
@@ -251,9 +251,7 @@ class ProfileCatalog:
         changes: dict[str, Any] = {}
         for key, value in request.items():
             if key not in TENANT_SETTINGS:
-                raise ConfigError(
-                    f"unknown setting {str(key)[:64]!r}; a session may set {sorted(TENANT_SETTINGS)}"
-                )
+                raise ConfigError(f"unknown setting {str(key)[:64]!r}; a session may set {sorted(TENANT_SETTINGS)}")
             if key == "network":
                 changes["network"] = self._network_for(profile, value)
                 continue

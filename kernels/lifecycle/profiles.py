@@ -152,9 +152,7 @@ def check_setting(name: str, value: Any) -> Any:
     raise ConfigError(f"profile setting {name!r} cannot be overridden")
 
 
-def resolve_profile(
-    name: str | Profile | None = None, overrides: Mapping[str, Any] | None = None
-) -> Profile:
+def resolve_profile(name: str | Profile | None = None, overrides: Mapping[str, Any] | None = None) -> Profile:
     """Return the named profile with validated per-session overrides applied.
 
     ``name`` may also be a :class:`Profile` already resolved (the gateway's catalog hands those

@@ -134,8 +134,10 @@ def reap_sync(
         label = labels.get(OWNER_LABEL, "")
         if labels.get(SESSION_LABEL) in keep:
             kept += 1
-        elif everything or (owner is not None and label == owner) or (
-            owner is None and not owner_alive(label) and not recorded(labels)
+        elif (
+            everything
+            or (owner is not None and label == owner)
+            or (owner is None and not owner_alive(label) and not recorded(labels))
         ):
             log.info("reaping container", extra={"container": container.name, "owner": label})
             try:

@@ -49,8 +49,18 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 # Calls that only read, by name (SDK methods and this module's own): sent again once when the
 # connection broke under them, since sending a read twice changes nothing.
 IDEMPOTENT_READS = frozenset(
-    {"inspect_container", "exec_inspect", "containers", "info", "ping", "version", "inspect_image", "images",
-     "runtimes_sync", "image_id_sync"}
+    {
+        "inspect_container",
+        "exec_inspect",
+        "containers",
+        "info",
+        "ping",
+        "version",
+        "inspect_image",
+        "images",
+        "runtimes_sync",
+        "image_id_sync",
+    }
 )
 
 

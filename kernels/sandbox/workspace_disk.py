@@ -175,9 +175,20 @@ class WorkspaceDisk:
                 disk.claim(owner)
             run_tool(
                 [
-                    tool("mkfs.ext4"), "-q", "-F", "-m", "0", "-b", "4096", "-i", str(BYTES_PER_INODE),
-                    "-E", f"lazy_itable_init=1,lazy_journal_init=1,root_owner={uid}:{gid}",
-                    "-L", "workspace", str(disk.image),
+                    tool("mkfs.ext4"),
+                    "-q",
+                    "-F",
+                    "-m",
+                    "0",
+                    "-b",
+                    "4096",
+                    "-i",
+                    str(BYTES_PER_INODE),
+                    "-E",
+                    f"lazy_itable_init=1,lazy_journal_init=1,root_owner={uid}:{gid}",
+                    "-L",
+                    "workspace",
+                    str(disk.image),
                 ]
             )
             disk.ensure_mounted(first=True)
