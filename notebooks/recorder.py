@@ -93,6 +93,7 @@ class TranscriptRecorder:
         self._changed = asyncio.Event()
         self._written_cond = asyncio.Condition()
         self._writer: asyncio.Task | None = None
+        self._reopened = False  # the file holds a previous process's cells (see reopen)
 
     @classmethod
     def reopen(
@@ -119,6 +120,7 @@ class TranscriptRecorder:
             )
             return recorder
         recorder.notebook = notebook
+        recorder._reopened = True
         recorder.notebook.metadata.setdefault("sandkernel", {}).update(metadata or {})
         for cell in notebook.cells:
             text = json.dumps(cell, sort_keys=True, indent=1, ensure_ascii=False)
@@ -131,10 +133,13 @@ class TranscriptRecorder:
         return recorder
 
     async def start(self) -> None:
-        """Create the file (empty notebook) and the writer task."""
+        """Create the file (empty notebook) and the writer task. A reopened transcript's file is
+        already there: it is rewritten in the background, not waited for (a restarted gateway
+        adopts many sessions before it listens)."""
         await asyncio.to_thread(self.path.parent.mkdir, parents=True, exist_ok=True)
         self._mark_changed()
-        await self.flushed()
+        if not self._reopened:
+            await self.flushed()
 
     async def record(
         self, code: str, result: ExecutionResult, tag: str | None = None, source: str | None = None
