@@ -79,7 +79,7 @@ def durable_state(provisioner: DockerProvisioner, km: AsyncKernelManager) -> dic
         "kernel_id": str(km.kernel_id),
         "container_id": container.id,
         "exec_id": container.exec_id,
-        "host_process": list(container._host_process) if container._host_process else None,
+        "host_process": list(container.host_process) if container.host_process else None,
         "uid": provisioner.uid,
         "runtime_dir": str(provisioner.runtime_dir.path),
         "connection_info": info,
@@ -202,9 +202,7 @@ async def reattach(session_id: str, state: dict[str, Any]) -> AsyncKernelManager
     )
     container = SandboxContainer(engine, state["container_id"], spec)
     container.exec_id = state.get("exec_id") if isinstance(state.get("exec_id"), str) else None
-    process = state.get("host_process")
-    if isinstance(process, list) and len(process) == 2 and isinstance(process[0], int) and isinstance(process[1], str):
-        container._host_process = (process[0], process[1])  # its liveness is read in /proc again
+    container.recall_host_process(state.get("host_process"))
     provisioner.profile = profile
     provisioner.session_id = session_id
     provisioner.image_id = state["image_id"]

@@ -208,6 +208,19 @@ class SandboxContainer:
         log.info("container started", extra={"session": spec.session_id, "container": container_id[:12]})
         return cls(engine, container_id, spec)
 
+    @property
+    def host_process(self) -> tuple[int, str] | None:
+        """The kernel exec's host pid and start time (recorded so a later process can check it)."""
+        return self._host_process
+
+    def recall_host_process(self, recorded: object) -> None:
+        """Take back a recorded :attr:`host_process` (re-adoption); anything else is ignored and
+        liveness falls back to asking Docker."""
+        if isinstance(recorded, (list, tuple)) and len(recorded) == 2:
+            pid, start = recorded
+            if isinstance(pid, int) and not isinstance(pid, bool) and isinstance(start, str):
+                self._host_process = (pid, start)
+
     # -- kernel process -------------------------------------------------------------------
 
     async def exec_kernel(self) -> None:
