@@ -84,11 +84,6 @@ class CatalogWriter:
             await asyncio.wait(list(self._pending), timeout=timeout)
 
 
-def running_record(request: ExecutionRequest) -> dict[str, Any]:
-    """What the catalog keeps of the execution in flight: the request and when it started."""
-    return request.to_dict()  # the session stamps started_at: one clock for the result and the record
-
-
 class CatalogObserver(SessionObserver):
     """Keeps the session's catalog record current: the execution in flight (``running``, set when
     it starts and cleared when it ends, with the last activity in the same write: one write per
@@ -100,7 +95,7 @@ class CatalogObserver(SessionObserver):
         self.writer = writer
 
     async def execution_started(self, request: ExecutionRequest) -> None:
-        self.writer.update(self.managed.id, running=running_record(request))
+        self.writer.update(self.managed.id, running=request.to_dict())  # with the session's own started_at
 
     async def execution_finished(self, request: ExecutionRequest, result: ExecutionResult) -> None:
         if result.status is ExecutionStatus.DETACHED and self.writer.stopping:

@@ -20,7 +20,6 @@ import asyncio
 import logging
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +31,17 @@ from sandkernel.errors import AdoptionRefusedError, SandboxLostError, Sandkernel
 from sandkernel.kernels.egress.proxy import EgressProxy
 from sandkernel.kernels.execution.transport import new_kernel_manager
 from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
-from sandkernel.kernels.lifecycle.reaper import KERNEL_LABEL, RUNTIME_DIR_LABEL, SESSION_LABEL, owner_label
+from sandkernel.kernels.lifecycle.reaper import (
+    KERNEL_LABEL,
+    RUNTIME_DIR_LABEL,
+    SESSION_LABEL,
+    own_runtime_dir,
+    owner_label,
+)
 from sandkernel.kernels.sandbox.container import ContainerSpec, SandboxContainer
 from sandkernel.kernels.sandbox.docker_engine import default_engine, translate_api_error
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
-from sandkernel.kernels.sandbox.runtime_dir import RUNTIME_DIR_NAME, RuntimeDir, default_base_dir, remove_runtime_dir
+from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir, default_base_dir, remove_runtime_dir
 from sandkernel.kernels.sandbox.uids import UID_LABEL, UidAllocator
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
 
@@ -96,19 +101,15 @@ def _field(state: dict[str, Any], name: str, kind: type) -> Any:
 
 
 def _checked_runtime_dir(label: str) -> Path:
-    """The recorded runtime dir, if it is literally ``<base>/<12 hex>`` and a real dir of ours."""
-    base = default_base_dir()
-    path = Path(label)
-    if os.path.normpath(label) != label or path.parent != base or not re.fullmatch(RUNTIME_DIR_NAME, path.name):
-        raise AdoptionRefusedError(f"recorded runtime dir {label!r} is not one of this host's runtime dirs")
-    for candidate in (base, path):
-        try:
-            st = os.lstat(candidate)
-        except OSError as err:
-            raise SandboxLostError(f"its runtime dir {candidate} is gone ({err.strerror})") from err
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-            raise AdoptionRefusedError(f"{candidate} is not a directory of this user's; refusing to connect")
-    return path
+    """The recorded runtime dir, if it is one of ours (the reaper's rule, :func:`own_runtime_dir`:
+    literally ``<base>/<12 hex>``, real directories of this user's, never followed); a well-formed
+    one that is gone means the sandbox is lost, anything else is refused."""
+    path = own_runtime_dir(label)
+    if path is not None:
+        return path
+    if Path(label).parent == default_base_dir() and not os.path.lexists(label):
+        raise SandboxLostError(f"its runtime dir {label} is gone")
+    raise AdoptionRefusedError(f"recorded runtime dir {label!r} is not one of this host's runtime dirs")
 
 
 # -- checks -------------------------------------------------------------------------------
@@ -260,14 +261,9 @@ async def discard(session_id: str, state: dict[str, Any]) -> None:
         labels = ((attrs or {}).get("Config") or {}).get("Labels") or {}
         if attrs is not None and labels.get(SESSION_LABEL) == session_id:
             await engine.run(lambda: engine.client.api.remove_container(container_id, force=True))
-    label = state.get("runtime_dir")
-    if isinstance(label, str):
-        try:
-            path = _checked_runtime_dir(label)
-        except (SandboxLostError, AdoptionRefusedError):
-            path = None
-        if path is not None:
-            await asyncio.to_thread(remove_runtime_dir, path)
+    path = own_runtime_dir(state["runtime_dir"]) if isinstance(state.get("runtime_dir"), str) else None
+    if path is not None:
+        await asyncio.to_thread(remove_runtime_dir, path)
     if state.get("workspace_disk") is not None:
         try:
             await asyncio.to_thread(WorkspaceDisk.from_dict(state["workspace_disk"]).remove)
