@@ -211,7 +211,18 @@ async def test_a_failed_execute_aborts_the_queue_behind_it(gw, session):
     assert last["outputs"][0]["text"] == "False False\n"
 
 
-async def test_websocket_interrupt_ends_the_execution_as_interrupted(gw, session):
+@pytest.fixture
+async def untimed_session(gw):
+    """A session whose timeout is far away, so only the client's interrupt can end its cell."""
+    limits = {**LIMITS, "runtime": gw.runtime, "execute_timeout": 600}
+    status, body = await gw.request("POST", "/api/sessions", {"limits": limits})
+    assert status == 201, body
+    yield body
+    await gw.request("DELETE", f"/api/sessions/{body['id']}")
+
+
+async def test_websocket_interrupt_ends_the_execution_as_interrupted(gw, untimed_session):
+    session = untimed_session
     ws = await connect(gw, session["kernel"]["id"])
     code = "import time; time.sleep(100)"
     try:
