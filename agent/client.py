@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ from sandkernel.agent.errors import (
 )
 from sandkernel.agent.execution import Execution, restart_message
 from sandkernel.output_text import readable_text
+from sandkernel.shell import ShellResult
 
 log = logging.getLogger(__name__)
 
@@ -380,14 +382,17 @@ class AsyncSession:
         on_result: Callable[[dict[str, Any]], Any] | None = None,
         on_error: Callable[[dict[str, Any]], Any] | None = None,
         check: bool = False,
+        source: str | None = None,
     ) -> Execution:
         """Run ``code`` in the session's kernel; state persists between calls.
 
         With a callback, outputs stream in as they happen (``on_output`` gets every output in
         nbformat shape; ``on_stdout``/``on_stderr`` get text; ``on_result`` MIME bundles;
         ``on_error`` the error output). ``tag`` is recorded in the transcript cell (e.g. a
-        tool-use id). An exception in the code is ``result.error``, not raised, unless
-        ``check=True``; timeouts, kernel deaths and OOM kills are statuses likewise.
+        tool-use id), and ``source`` too: the integration running the code (one of
+        :data:`sandkernel.doors.CLIENT_DOORS`; default ``session_api``). An exception in the
+        code is ``result.error``, not raised, unless ``check=True``; timeouts, kernel deaths and
+        OOM kills are statuses likewise.
 
         Raises :class:`~sandkernel.agent.errors.GatewayRestarted` when the gateway went away
         before the result (the connection dropped, or the gateway let go of the execution as it
@@ -399,24 +404,47 @@ class AsyncSession:
             body["timeout"] = timeout
         if tag is not None:
             body["tag"] = tag
+        if source is not None:
+            body["source"] = source
         request_timeout = (timeout + 120) if timeout else 3600.0
         callbacks = (on_output, on_stdout, on_stderr, on_result, on_error)
         if any(callbacks):
             dispatch = _dispatcher(*callbacks)
             reply = await self.client.stream_execute(self.id, body, dispatch, request_timeout)
         else:
-            try:
-                reply = await self.client.request(
-                    "POST", self._path("/execute"), body, idempotent=False, timeout=request_timeout
-                )
-            except GatewayUnreachableError as err:
-                if not err.sent:  # refused until restart_wait passed: the code never reached a gateway
-                    raise
-                raise await self.client.gateway_restarted("connection_lost") from err
+            reply = await self._post_cell("/execute", body, request_timeout)
         execution = Execution.from_reply(reply)
         if execution.status == "detached":  # cut by a stopping gateway; the code may still be running
             raise await self.client.gateway_restarted(execution.ended_by or "gateway_restart", execution)
         return execution.raise_for_status() if check else execution
+
+    async def shell(self, command: str, timeout: float | None = None, *, source: str | None = None) -> ShellResult:
+        """Run a ``/bin/sh`` command in /workspace, as a cell of the session's kernel (recorded in
+        the transcript). ``timeout`` (default the session's execute_timeout) kills the command's
+        whole process group and reports exit code 124; a non-zero exit is a result, not an error.
+        A gateway restart raises :class:`~sandkernel.agent.errors.GatewayRestarted` as in :meth:`run`."""
+        body: dict[str, Any] = {"command": command}
+        if timeout is not None:
+            body["timeout"] = timeout
+        if source is not None:
+            body["source"] = source
+        reply = await self._post_cell("/shell", body, (timeout + 120) if timeout else 3600.0)
+        if reply.get("status") == "detached":
+            raise await self.client.gateway_restarted(reply.get("ended_by") or "gateway_restart")
+        fields = {field.name for field in dataclasses.fields(ShellResult)}
+        return ShellResult(**{key: value for key, value in reply.items() if key in fields})
+
+    async def _post_cell(self, suffix: str, body: dict[str, Any], request_timeout: float) -> dict[str, Any]:
+        """POST something that runs as a cell: never resent; a connection lost after sending is a
+        gateway restart (the cell may have run), one refused before sending is raised as it is."""
+        try:
+            return await self.client.request(
+                "POST", self._path(suffix), body, idempotent=False, timeout=request_timeout
+            )
+        except GatewayUnreachableError as err:
+            if not err.sent:  # refused until restart_wait passed: the code never reached a gateway
+                raise
+            raise await self.client.gateway_restarted("connection_lost") from err
 
     async def interrupt(self) -> None:
         await self.client.request("POST", self._path("/interrupt"), idempotent=True)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from sandkernel.agent.client import AsyncSandkernel, AsyncSession
 from sandkernel.agent.errors import ClientError
 from sandkernel.agent.execution import Execution
+from sandkernel.shell import ShellResult
 
 T = TypeVar("T")
 
@@ -127,6 +128,10 @@ class Session:
         """See :meth:`AsyncSession.run` (callbacks run on the client's loop thread; a gateway
         restart raises :class:`~sandkernel.agent.errors.GatewayRestarted` here likewise)."""
         return self._call(self._async.run(code, timeout, **options))
+
+    def shell(self, command: str, timeout: float | None = None, **options: Any) -> ShellResult:
+        """See :meth:`AsyncSession.shell`."""
+        return self._call(self._async.shell(command, timeout, **options))
 
     def interrupt(self) -> None:
         self._call(self._async.interrupt())

@@ -40,6 +40,7 @@ from sandkernel.gateway.kernels_api import (
     KernelSpecHandler,
     KernelSpecsHandler,
 )
+from sandkernel.gateway.mcp.http import McpHandler, McpHttp
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.sessions_api import (
@@ -50,6 +51,7 @@ from sandkernel.gateway.sessions_api import (
     SessionActionHandler,
     SessionHandler,
     SessionsHandler,
+    ShellHandler,
 )
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.store import SessionStore, open_store
@@ -117,6 +119,7 @@ def make_app(
     settings: GatewaySettings,
     auth: TokenAuth | None,
     metrics: GatewayMetrics | None = None,
+    mcp: McpHttp | None = None,
 ) -> web.Application:
     """The route table: every handler gets its dependencies through ``initialize``."""
     deps = {"registry": registry, "auth": auth, "settings": settings}
@@ -138,6 +141,7 @@ def make_app(
         (r"/api/sessions/?", SessionsHandler, api),
         (rf"/api/sessions/{sid}/?", SessionHandler, api),
         (rf"/api/sessions/{sid}/execute/?", ExecuteHandler, api),
+        (rf"/api/sessions/{sid}/shell/?", ShellHandler, api),
         (rf"/api/sessions/{sid}/(?P<action>interrupt|restart)/?", SessionActionHandler, api),
         (rf"/api/sessions/{sid}/variables/?", VariablesHandler, api),
         (rf"/api/sessions/{sid}/egress/?", EgressHandler, api),
@@ -145,6 +149,7 @@ def make_app(
         (rf"/api/sessions/{sid}/markdown/?", MarkdownHandler, api),
         (rf"/api/sessions/{sid}/files/?", FilesHandler, api),
         (rf"/api/sessions/{sid}/files/(?P<path>.+)", FilesHandler, api),
+        *([(r"/mcp/?", McpHandler, {**api, "mcp": mcp})] if mcp is not None else []),
         (r".*", NotFoundHandler, api),
     ]
     return web.Application(
@@ -218,6 +223,7 @@ class Gateway:
         self._server = server
         self._culler = asyncio.create_task(_cull_forever(registry, settings.cull_interval))
         self._stopped = False
+        self.mcp: McpHttp | None = None  # /mcp, when the mcp extra is installed
 
     @property
     def url(self) -> str:
@@ -243,6 +249,7 @@ class Gateway:
         runtime = await choose_default_runtime(settings.default_runtime)
         catalog = ProfileCatalog.load(settings.profiles_file, runtime, load_egress_policy(settings.egress_policy_file))
         store = await asyncio.to_thread(open_store)
+        mcp: McpHttp | None = None
         try:
             default = catalog.profile("default")
             pool = WarmPool(settings.pool_size, default, store=store) if settings.pool_size > 0 else None
@@ -254,20 +261,24 @@ class Gateway:
             reaped = await reap(keep={record.session_id for record in records})
             if reaped.removed:
                 log.info("reaped orphaned containers", extra={"count": len(reaped.removed)})
+            mcp = await McpHttp.start(registry, settings)  # None without the mcp extra
             server = httpserver.HTTPServer(
-                make_app(registry, settings, auth, registry.metrics),
+                make_app(registry, settings, auth, registry.metrics, mcp),
                 max_body_size=MAX_BODY_BYTES * 2,
                 idle_connection_timeout=settings.header_timeout,
                 body_timeout=settings.body_timeout,
             )
             server.listen(settings.port, address=settings.ip)
         except BaseException:
+            if mcp is not None:
+                await mcp.stop()
             await store.close()
             raise
         if pool is not None:
             pool.start()
         gateway = cls(settings, registry, server, shown_token, runtime.value, store, report)
         gateway._previous_state_dir = previous_state_dir  # put back on stop (in-process gateways)
+        gateway.mcp = mcp
         return gateway
 
     async def stop(self) -> None:
@@ -290,6 +301,8 @@ class Gateway:
             if self.registry.writer is not None:
                 await self.registry.writer.flush()
         finally:
+            if self.mcp is not None:  # after the sessions' fate: an MCP session's end deletes nothing now
+                await self.mcp.stop()
             await self.store.close()
             use_state_dir(self._previous_state_dir)
             with contextlib.suppress(asyncio.TimeoutError):

@@ -23,12 +23,13 @@ from typing import Any
 
 from tornado.iostream import StreamClosedError
 
+from sandkernel import doors
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler, error_reply
 from sandkernel.gateway.budget import OutputBudget, apply_budget
 from sandkernel.gateway.registry import LostSession, ManagedSession, TooManySessionsError
+from sandkernel.gateway.replies import client_door, execution_reply, run_shell
 from sandkernel.kernels.execution.outputs import ExecutionResult
-from sandkernel.output_text import readable_text
 
 KEEPALIVE_SECONDS = 10.0
 MAX_CODE_BYTES = 1024 * 1024
@@ -170,24 +171,21 @@ class ExecuteHandler(SessionScoped):
         tag = body.get("tag")
         if tag is not None and not isinstance(tag, str):
             raise ApiError(400, "'tag' must be a string (e.g. the agent's tool-call id)")
+        source = client_door(body.get("source"), doors.SESSION_API)
         streaming = self.get_query_argument("stream", "") in ("1", "true") or "application/x-ndjson" in (
             self.request.headers.get("Accept") or ""
         )
         managed.touch()  # busy / idle follow the execution itself (gateway/session_observers.py)
         if streaming:
-            await self._stream(managed, code, timeout, tag)
+            await self._stream(managed, code, timeout, tag, source)
         else:
-            result = await managed.session.execute(code, timeout=timeout, tag=tag, source="session_api")
+            result = await managed.session.execute(code, timeout=timeout, tag=tag, source=source)
             self.write_json(self._reply(result))
 
     def _reply(self, result: ExecutionResult) -> dict[str, Any]:
-        data = result.to_dict()
-        data["outputs"], data["truncation"] = apply_budget(data["outputs"], self.gateway_settings.budget)
-        if result.chars_cut or result.outputs_dropped or result.bytes_omitted:
-            data["truncation"]["truncated"] = True
+        data = execution_reply(result, self.gateway_settings.budget)
         if data["truncation"]["truncated"]:
             self.metrics.record_reply_truncated()
-        data["text"] = readable_text(data["outputs"])
         return data
 
     def _summary(self, result: ExecutionResult, budget: StreamBudget) -> dict[str, Any]:
@@ -202,7 +200,7 @@ class ExecuteHandler(SessionScoped):
             self.metrics.record_reply_truncated()
         return data
 
-    async def _stream(self, managed: ManagedSession, code: str, timeout: Any, tag: str | None) -> None:
+    async def _stream(self, managed: ManagedSession, code: str, timeout: Any, tag: str | None, source: str) -> None:
         self.set_header("Content-Type", "application/x-ndjson")
         self.set_header("Cache-Control", "no-cache")
         budget = StreamBudget(self.gateway_settings.budget)
@@ -235,9 +233,7 @@ class ExecuteHandler(SessionScoped):
 
         helpers = [asyncio.create_task(keepalive()), asyncio.create_task(interrupt_on_disconnect())]
         try:
-            result = await managed.session.execute(
-                code, timeout=timeout, on_output=on_output, tag=tag, source="session_api"
-            )
+            result = await managed.session.execute(code, timeout=timeout, on_output=on_output, tag=tag, source=source)
         except SandkernelError as err:
             if not self._headers_written:
                 raise  # nothing sent yet: an ordinary JSON error
@@ -251,6 +247,18 @@ class ExecuteHandler(SessionScoped):
                 task.cancel()
         if not disconnected.is_set():
             self.finish()
+
+
+class ShellHandler(SessionScoped):
+    """POST {command, timeout?, source?} → {status, exit_code, output, timed_out, truncated, ...}:
+    a /bin/sh command run as a cell of the session's kernel (see :mod:`sandkernel.shell`)."""
+
+    async def post(self, session_id: str) -> None:
+        managed = self.managed(session_id)
+        body = self.json_body()
+        source = client_door(body.get("source"), doors.SESSION_API)
+        managed.touch()
+        self.write_json(await run_shell(managed, body.get("command"), body.get("timeout"), source))
 
 
 class NotebookHandler(SessionScoped):

@@ -5,8 +5,9 @@ included, are read with :mod:`ast` and checked against the layer rules below.
     kernels   sandkernel.kernels: base
     notebooks sandkernel.notebooks: kernels, base
     gateway   sandkernel.gateway: notebooks, kernels, base
-    agent     sandkernel.agent: base only (a client library must not pull in the server)
-    cli       sandkernel.cli, sandkernel.demo, sandkernel.local_gateway: anything
+    agent     sandkernel.agent, sandkernel.integrations: base only (a client library must not pull
+              in the server; framework integrations are client code)
+    cli       sandkernel.cli, sandkernel.demo, sandkernel.local_gateway, sandkernel.mcp_stdio: anything
 
 Imports under ``if TYPE_CHECKING:`` count too: a type named from a higher layer is still a
 dependency pointing up. Each violation is reported as ``file:line imports X (rule)``. The second
@@ -49,8 +50,11 @@ SUBPACKAGES = {
     f"{PACKAGE}.notebooks": Layer.NOTEBOOKS,
     f"{PACKAGE}.gateway": Layer.GATEWAY,
     f"{PACKAGE}.agent": Layer.AGENT,
+    f"{PACKAGE}.integrations": Layer.AGENT,
 }
-CLI_MODULES = frozenset({f"{PACKAGE}.cli", f"{PACKAGE}.demo", f"{PACKAGE}.local_gateway", f"{PACKAGE}.__main__"})
+CLI_MODULES = frozenset(
+    {f"{PACKAGE}.cli", f"{PACKAGE}.demo", f"{PACKAGE}.local_gateway", f"{PACKAGE}.mcp_stdio", f"{PACKAGE}.__main__"}
+)
 
 
 def layer_of(module: str) -> Layer | None:

@@ -1,0 +1,1 @@
+"""Framework integrations: sandkernel sessions as other agent frameworks' sandboxes and tools."""
