@@ -16,7 +16,7 @@ from .conftest import RUNTIMES, require_runtime
 from .gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway
 
 
-@pytest.mark.parametrize("command", ["echo hi", "a\x00b\nc", "{x} 'q' \"\"\" \\", "\u2028x", "# $ not a headline"])
+@pytest.mark.parametrize("command", ["echo hi", "a\x00b\nc", '{x} \'q\' """ \\', "\u2028x", "# $ not a headline"])
 def test_every_command_makes_a_valid_cell_that_names_it(command):
     cell = shell_code(command, 3)
     ast.parse(cell)  # NUL bytes, line separators and quotes cannot break the cell
