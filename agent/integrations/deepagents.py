@@ -1,0 +1,340 @@
+"""A sandkernel session as a deepagents sandbox: ``create_deep_agent(..., backend=SandkernelSandbox(session))``.
+
+    from sandkernel.agent import Sandkernel
+    from sandkernel.integrations.deepagents import SandkernelSandbox
+
+    with Sandkernel() as sk, sk.session() as session:
+        sandbox = SandkernelSandbox(session)
+        agent = create_deep_agent(model=..., backend=sandbox, tools=[sandbox.run_python_tool()])
+
+What deepagents 0.7's sandbox protocol (:class:`deepagents.backends.sandbox.BaseSandbox`) asks of a
+provider, and how sandkernel answers it:
+
+- ``execute(command, timeout=...)`` runs a ``/bin/sh`` command through the session's shell door
+  (``session.shell``, recorded with source ``"deepagents"``): a cell of the session's kernel, so it
+  is in the transcript, queued behind the session's other executions, and replayed with it. A
+  command stopped by its timeout reports exit code 124 (as ``timeout(1)`` does) with the output so
+  far; the session stays usable. ``timeout=None`` is the sandbox's default (the session profile's
+  execute_timeout, unless the sandbox was given its own); ``0`` is not "no limit" here (nothing in
+  sandkernel is unbounded) but the longest deepagents itself allows.
+- ``upload_files`` / ``download_files`` go through the session's files API, byte for byte. The
+  files API serves /workspace only, so an absolute path must lie under /workspace and a relative
+  one is taken relative to it; any other path is refused per file with ``invalid_path`` (the root
+  file system is read-only anyway, and /tmp is the kernel's scratch space, not a transfer target).
+  Refusals are values (``file_not_found``, ``is_directory``, ``invalid_path``, ``permission_denied``,
+  or sandkernel's own code such as ``too_large``), never exceptions; a gateway that cannot be
+  reached or a session that is gone raise the client's exception, as ``execute`` does.
+- ``ls``, ``read``, ``write``, ``edit``, ``grep``, ``glob`` and ``delete`` are BaseSandbox's, built
+  on ``execute`` (short ``python3``/``grep`` commands, which the kernel image has).
+
+Sync and async: the session may be a blocking :class:`sandkernel.agent.Session` or an
+:class:`sandkernel.agent.AsyncSession`. The ``a*`` methods never block the event loop: on an
+AsyncSession they await it directly, on a Session they run it in a worker thread. The blocking
+methods on an AsyncSession (deepagents calls some from a worker thread, e.g. ``adelete``) hand the
+call to the event loop the session was last used on; called on that loop itself they raise, since
+they could only deadlock it.
+
+:meth:`SandkernelSandbox.run_python_tool` is the other half of sandkernel's offer: a LangChain tool
+that runs Python in the same session's kernel, state kept between calls, with text, the traceback
+of an error, and displayed figures as images (recorded with source ``"deepagents"`` too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import posixpath
+from collections.abc import Awaitable, Callable, Coroutine, Generator
+from typing import Any, TypeVar
+
+try:
+    from deepagents.backends.protocol import (
+        FILE_NOT_FOUND,
+        INVALID_PATH,
+        IS_DIRECTORY,
+        PERMISSION_DENIED,
+        ExecuteResponse,
+        FileDownloadResponse,
+        FileUploadResponse,
+    )
+    from deepagents.backends.sandbox import BaseSandbox
+    from langchain_core.tools import BaseTool, StructuredTool, ToolException
+except ImportError as missing:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        f"sandkernel.integrations.deepagents needs deepagents and langchain ({missing.name} is not installed): "
+        "pip install 'sandkernel[deepagents]'"
+    ) from missing
+
+import contextlib
+
+from sandkernel.agent.client import AsyncSession
+from sandkernel.agent.errors import ClientError
+from sandkernel.agent.execution import Execution
+from sandkernel.agent.sync_client import Session
+from sandkernel.agent.tools import TOOLS, result_block
+from sandkernel.doors import DEEPAGENTS
+from sandkernel.shell import ShellResult
+
+__all__ = ["SandkernelSandbox", "run_python_tool"]
+
+T = TypeVar("T")
+
+WORKSPACE = "/workspace"
+# What ``timeout=0`` means here: deepagents' own ceiling for one command (FilesystemMiddleware's
+# max_execute_timeout default), since sandkernel runs nothing without a bound.
+LONGEST_TIMEOUT = 3600.0
+DEFAULT_PYTHON_TIMEOUT = 120.0
+# The files API's refusals (kernels/sandbox/workspace_files.py codes) in the protocol's words.
+PROTOCOL_ERRORS = {"not_found": FILE_NOT_FOUND, "bad_path": INVALID_PATH, "not_a_directory": FILE_NOT_FOUND}
+# Codes of a refused file request: a value in the response. Any other ClientError is the gateway
+# or the session failing, which raises.
+FILE_CODES = {*PROTOCOL_ERRORS, "not_regular", "too_large", "no_space", "not_written"}
+
+
+def workspace_path(path: str) -> str | None:
+    """The files API path (relative to /workspace) of a path deepagents gives, or None when it is
+    not a file path inside /workspace (``..`` that climbs out, another absolute path, a NUL)."""
+    if not isinstance(path, str) or not path or "\x00" in path:
+        return None
+    normalized = posixpath.normpath(path if path.startswith("/") else posixpath.join(WORKSPACE, path))
+    if not normalized.startswith(WORKSPACE + "/"):  # also refuses /workspace itself and //workspace
+        return None
+    return normalized[len(WORKSPACE) + 1 :]
+
+
+class _Bridge:
+    """Calls one client session's methods from sync and async code without blocking an event loop."""
+
+    def __init__(self, session: Session | AsyncSession) -> None:
+        if not isinstance(session, (Session, AsyncSession)):
+            raise TypeError(
+                f"SandkernelSandbox needs a sandkernel.agent Session or AsyncSession, not {type(session).__name__}"
+            )
+        self.session = session
+        self.is_async = isinstance(session, AsyncSession)
+        self.loop: asyncio.AbstractEventLoop | None = None  # where an AsyncSession was last used
+        with contextlib.suppress(RuntimeError):
+            self.loop = asyncio.get_running_loop()
+
+    def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``session.<name>(...)`` from blocking code."""
+        method = getattr(self.session, name)
+        if not self.is_async:
+            return method(*args, **kwargs)
+        return self._block_on(method(*args, **kwargs), name)
+
+    async def acall(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """``session.<name>(...)`` from async code: awaited on an AsyncSession, in a thread on a Session."""
+        method = getattr(self.session, name)
+        if not self.is_async:
+            return await asyncio.to_thread(method, *args, **kwargs)
+        self.loop = asyncio.get_running_loop()
+        return await method(*args, **kwargs)
+
+    def _block_on(self, coro: Coroutine[Any, Any, T], name: str) -> T:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        loop = self.loop
+        if running is not None or loop is None or loop.is_closed() or not loop.is_running():
+            coro.close()
+            where = "on the event loop" if running is not None else "with no event loop running the session"
+            raise RuntimeError(
+                f"SandkernelSandbox: the blocking {name}() was called {where}; with an AsyncSession use the "
+                "async API (await agent.ainvoke(...)), or give SandkernelSandbox a blocking sandkernel.agent.Session"
+            )
+        return asyncio.run_coroutine_threadsafe(coro, loop).result()
+
+
+class SandkernelSandbox(BaseSandbox):
+    """deepagents' sandbox protocol over one sandkernel session (see the module docstring).
+
+    ``session`` is a :class:`sandkernel.agent.Session` or :class:`sandkernel.agent.AsyncSession`;
+    the caller owns it (deleting it is theirs). ``timeout`` is the default for ``execute`` in
+    seconds (None: the session profile's execute_timeout). ``id`` is the session's id.
+    """
+
+    def __init__(self, session: Session | AsyncSession, *, timeout: float | None = None) -> None:
+        self._bridge = _Bridge(session)
+        self.session = session
+        self.default_timeout = timeout
+
+    @property
+    def id(self) -> str:
+        return self.session.id
+
+    def __repr__(self) -> str:
+        return f"<SandkernelSandbox {self.session.id}>"
+
+    # -- execute ---------------------------------------------------------------------------
+
+    def _seconds(self, timeout: int | float | None) -> float | None:
+        if timeout is None:
+            return self.default_timeout
+        if timeout < 0:
+            raise ValueError(f"timeout must be 0 or more seconds, not {timeout}")
+        return LONGEST_TIMEOUT if timeout == 0 else float(timeout)
+
+    def execute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:
+        """Run ``command`` with ``/bin/sh -c`` in /workspace; stdout and stderr merged."""
+        seconds = self._seconds(timeout)
+        return _response(self._bridge.call("shell", command, timeout=seconds, source=DEEPAGENTS), seconds)
+
+    async def aexecute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:
+        seconds = self._seconds(timeout)
+        return _response(await self._bridge.acall("shell", command, timeout=seconds, source=DEEPAGENTS), seconds)
+
+    # -- files -----------------------------------------------------------------------------
+
+    def upload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
+        """Write each file under /workspace (parents made); one response per file, in order."""
+        return [_drive(_upload_steps(path, data), self._bridge.call) for path, data in files]
+
+    async def aupload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
+        return [await _adrive(_upload_steps(path, data), self._bridge.acall) for path, data in files]
+
+    def download_files(self, paths: list[str]) -> list[FileDownloadResponse]:
+        """Read each file from /workspace, bytes exactly; one response per path, in order."""
+        return [_drive(_download_steps(path), self._bridge.call) for path in paths]
+
+    async def adownload_files(self, paths: list[str]) -> list[FileDownloadResponse]:
+        return [await _adrive(_download_steps(path), self._bridge.acall) for path in paths]
+
+    # -- run_python ------------------------------------------------------------------------
+
+    def run_python_tool(self, *, timeout: float = DEFAULT_PYTHON_TIMEOUT) -> BaseTool:
+        """A ``run_python`` LangChain tool over this sandbox's session (see :func:`run_python_tool`)."""
+        return run_python_tool(self.session, timeout=timeout, _bridge=self._bridge)
+
+
+def _response(result: ShellResult, seconds: float | None) -> ExecuteResponse:
+    output = result.output
+    if result.timed_out:  # said in words too: an exit code of 124 alone reads like the command's own
+        limit = f" of {seconds:g} s" if seconds is not None else ""
+        output += f"\n[sandkernel: the command was stopped at its timeout{limit}]"
+    elif result.exit_code is None:
+        output += "\n[sandkernel: the command did not report an exit code (its kernel cell did not finish)]"
+    return ExecuteResponse(output=output, exit_code=result.exit_code, truncated=result.truncated)
+
+
+# A file transfer is written once, as a generator of session calls: each ``yield`` is a call
+# ``(method, *args)`` that :func:`_drive` (blocking) or :func:`_adrive` (awaited) performs, sending
+# back its value or throwing its ClientError in. So the sync and async methods share one body.
+Steps = Generator[tuple[Any, ...], Any, T]
+
+
+def _upload_steps(path: str, data: bytes) -> Steps[FileUploadResponse]:
+    relative = workspace_path(path)
+    if relative is None:
+        return FileUploadResponse(path=path, error=INVALID_PATH)
+    try:
+        yield ("upload", relative, bytes(data))
+    except ClientError as refused:
+        return FileUploadResponse(path=path, error=(yield from _refusal(refused, relative)))
+    return FileUploadResponse(path=path, error=None)
+
+
+def _download_steps(path: str) -> Steps[FileDownloadResponse]:
+    relative = workspace_path(path)
+    if relative is None:
+        return FileDownloadResponse(path=path, content=None, error=INVALID_PATH)
+    try:
+        content = yield ("download", relative)
+    except ClientError as refused:
+        return FileDownloadResponse(path=path, content=None, error=(yield from _refusal(refused, relative)))
+    return FileDownloadResponse(path=path, content=bytes(content), error=None)
+
+
+def _refusal(refused: ClientError, relative: str) -> Steps[str]:
+    """The protocol's error value for a refused file request; re-raises what is not about the file."""
+    if refused.code not in FILE_CODES:
+        raise refused
+    if refused.code != "not_regular":
+        return PROTOCOL_ERRORS.get(refused.code, refused.code)
+    # Not a regular file: a directory is in the way (say so), or a device, a FIFO, a symlink.
+    try:
+        yield ("list_files", relative)
+    except ClientError:
+        return PERMISSION_DENIED
+    return IS_DIRECTORY
+
+
+def _drive(steps: Steps[T], call: Callable[..., Any]) -> T:
+    """Run a transfer's steps with blocking session calls."""
+    try:
+        step = next(steps)
+        while True:
+            try:
+                value = call(*step)
+            except ClientError as err:
+                step = steps.throw(err)
+            else:
+                step = steps.send(value)
+    except StopIteration as done:
+        return done.value
+
+
+async def _adrive(steps: Steps[T], call: Callable[..., Awaitable[Any]]) -> T:
+    """Run a transfer's steps with awaited session calls."""
+    try:
+        step = next(steps)
+        while True:
+            try:
+                value = await call(*step)
+            except ClientError as err:
+                step = steps.throw(err)
+            else:
+                step = steps.send(value)
+    except StopIteration as done:
+        return done.value
+
+
+# -- run_python ------------------------------------------------------------------------------
+
+RUN_PYTHON = next(tool for tool in TOOLS if tool["name"] == "run_python")
+
+
+def run_python_tool(
+    session: Session | AsyncSession, *, timeout: float = DEFAULT_PYTHON_TIMEOUT, _bridge: _Bridge | None = None
+) -> BaseTool:
+    """A LangChain tool ``run_python(code, timeout=None)`` that runs Python in ``session``'s kernel.
+
+    State persists between calls, and the files are the sandbox's (both work in /workspace). The
+    result is the agent loop's own (:func:`sandkernel.agent.tools.result_block`): text, then up to
+    four displayed images as image blocks; an exception or a timeout comes back as a tool error
+    (the ToolMessage's status ``"error"``, the API's ``is_error``) carrying the traceback. Each call
+    is a transcript cell with source ``"deepagents"``. ``timeout`` is the default per call, in seconds.
+    """
+    bridge = _bridge or _Bridge(session)
+    default_timeout = timeout
+
+    def checked(code: str, seconds: float | None) -> tuple[str, float]:
+        if not isinstance(code, str) or not code.strip():
+            raise ToolException("run_python needs non-empty 'code'")
+        return code, float(seconds) if isinstance(seconds, (int, float)) and seconds > 0 else default_timeout
+
+    def run(code: str, timeout: float | None = None) -> list[dict[str, Any]]:
+        code, seconds = checked(code, timeout)
+        return _tool_content(bridge.call("run", code, timeout=seconds, source=DEEPAGENTS))
+
+    async def arun(code: str, timeout: float | None = None) -> list[dict[str, Any]]:
+        code, seconds = checked(code, timeout)
+        return _tool_content(await bridge.acall("run", code, timeout=seconds, source=DEEPAGENTS))
+
+    return StructuredTool.from_function(
+        func=run,
+        coroutine=arun,
+        name="run_python",
+        description=RUN_PYTHON["description"],
+        args_schema=RUN_PYTHON["input_schema"],
+        handle_tool_error=lambda error: error.args[0] if error.args else "run_python failed",
+    )
+
+
+def _tool_content(execution: Execution) -> list[dict[str, Any]]:
+    """The tool's content blocks; a failed execution raises them as a ToolException (status error)."""
+    block = result_block("", execution)
+    content = block["content"] if isinstance(block["content"], list) else [{"type": "text", "text": block["content"]}]
+    if block["is_error"]:
+        raise ToolException(content)
+    return content
