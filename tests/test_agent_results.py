@@ -11,8 +11,9 @@ import zlib
 from PIL import Image as PILImage
 
 from sandkernel.agent.execution import Execution, Image
-from sandkernel.agent.images import MAX_EDGE, MAX_PIXELS, image_block
+from sandkernel.agent.images import image_block
 from sandkernel.agent.tools import MAX_RESULT_BYTES, code_for, result_block
+from sandkernel.images import MAX_EDGE, MAX_PIXELS
 
 
 def png(width: int, height: int) -> bytes:
