@@ -3,6 +3,7 @@
 sandkernel demo                 an agent analyses a CSV in a sandbox; leaves report.png and a notebook
 sandkernel agent TASK           run a task with Claude in a fresh sandbox (--file data.csv ...)
 sandkernel run CODE             execute code (or - for stdin) in a fresh sandbox and print the result
+sandkernel mcp                  serve MCP on stdin/stdout (Claude Code, Claude Desktop): Python sandboxes as tools
 sandkernel image build          build the kernel image (works with no registry)
 sandkernel doctor               check Docker, the image, runc and runsc, and say how to fix
 sandkernel kernelspec install   install the sandkernel-python kernelspecs for Jupyter tools
@@ -210,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sandkernel.agent.cli import add_parser as add_agent_parser
 
     add_agent_parser(sub, local_gateway=_local_gateway)
+    from sandkernel.mcp_stdio import add_parser as add_mcp_parser
+
+    add_mcp_parser(sub)
 
     serve = sub.add_parser(
         "serve",
