@@ -206,8 +206,17 @@ class McpHandler(BaseHandler):
             self._uncount()
 
     def data_received(self, chunk: bytes) -> None:
+        """Collect the body up to :data:`MAX_MCP_BODY_BYTES`; past it (a body without a
+        Content-Length), answer the JSON 413 now: tornado then drops the rest of the body and
+        closes the connection (an exception raised here would only be logged, and the client
+        would see the connection cut without an answer)."""
+        if self._finished:
+            return
         if self._received + len(chunk) > MAX_MCP_BODY_BYTES:
-            raise ApiError(413, f"an MCP message is limited to {MAX_MCP_BODY_BYTES} bytes", "too_large")
+            refusal = ApiError(413, f"an MCP message is limited to {MAX_MCP_BODY_BYTES} bytes", "too_large")
+            self._chunks = []
+            self.send_error(413, exc_info=(ApiError, refusal, None))
+            return
         super().data_received(chunk)
 
     async def post(self) -> None:

@@ -190,5 +190,9 @@ class HttpSessions:
             await self.closed(tenant, sid)
         return [sid for sid, _ in idle]
 
+    def legacy_sessions(self) -> dict[str, LegacySession]:
+        """The legacy MCP sessions open now, by ``Mcp-Session-Id``."""
+        return dict(self._legacy)
+
     def __len__(self) -> int:
         return len(self._legacy)

@@ -1,0 +1,309 @@
+"""MCP over streamable HTTP at ``/mcp``, driven by the official ``mcp`` SDK client against a real
+gateway (two tenants, real containers, runc and gVisor), in both protocol generations the client
+speaks: ``legacy`` (the initialize handshake, an ``Mcp-Session-Id`` per MCP session) and
+``2026-07-28`` (a self-contained POST per request). ``mode="auto"``, the client's default,
+discovers the modern one (checked below), so both are what real clients send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx2
+import pytest
+from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+from mcp_types import CallToolResult
+
+from .conftest import RUNTIMES, container_ids_of, require_runtime
+from .gateway_fixtures import ALICE, BOB, Gateway, start_gateway, stop_gateway
+
+LEGACY = "legacy"
+MODERN = "2026-07-28"
+MODES = [LEGACY, MODERN]
+MODERN_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": MODERN}
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+async def gateway(request, tmp_path_factory) -> AsyncIterator[Gateway]:
+    require_runtime(request.param)
+    gw = await start_gateway(tmp_path_factory.mktemp("mcp-http"), default_runtime=request.param, max_sessions=6)
+    yield gw
+    await stop_gateway(gw)
+
+
+@contextlib.asynccontextmanager
+async def mcp_client(
+    gw: Gateway, mode: str, token: str | None = ALICE, headers: dict[str, str] | None = None, terminate: bool = True
+) -> AsyncIterator[Client]:
+    """The SDK's own client over streamable HTTP, with the gateway token as a bearer header (what
+    ``claude mcp add --transport http ... --header "Authorization: Bearer TOKEN"`` sends)."""
+    sent = dict(headers or {})
+    if token is not None:
+        sent["Authorization"] = f"Bearer {token}"
+    http = httpx2.AsyncClient(headers=sent, timeout=httpx2.Timeout(60, read=300))
+    transport = streamable_http_client(f"{gw.url}/mcp", http_client=http, terminate_on_close=terminate)
+    async with http, Client(transport, mode=mode) as client:
+        yield client
+
+
+def text_of(result: CallToolResult) -> str:
+    return "\n".join(block.text for block in result.content if block.type == "text")
+
+
+async def run(client: Client, code: str, session_id: str | None = None) -> CallToolResult:
+    arguments: dict[str, Any] = {"code": code}
+    if session_id is not None:
+        arguments["session_id"] = session_id
+    return await client.call_tool("run_python", arguments)
+
+
+def leaves(err: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups."""
+    inner = getattr(err, "exceptions", None)  # BaseExceptionGroup (Python 3.11+, exceptiongroup before)
+    return [leaf for one in inner for leaf in leaves(one)] if inner else [err]
+
+
+def live_ids(gw: Gateway, tenant: str) -> set[str]:
+    return {m.id for m in gw.server.registry.list(tenant)}
+
+
+async def close_all(gw: Gateway, tenant: str, ids: set[str]) -> None:
+    for sid in ids & live_ids(gw, tenant):
+        await gw.server.registry.delete(tenant, sid)
+
+
+# -- state, transcripts, tenants ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_state_is_kept_across_calls_and_recorded_as_mcp(gateway: Gateway, mode: str) -> None:
+    before = live_ids(gateway, "alice")
+    async with mcp_client(gateway, mode) as client:
+        first = await run(client, "x = 41\nx")
+        assert not first.is_error, text_of(first)
+        sid = first.structured_content["session_id"]
+        if mode == LEGACY:
+            # the MCP session's default session: no id needed to come back to it
+            second = await run(client, "x + 1")
+            assert "new session" not in text_of(first)
+        else:
+            # nothing ties a modern call to the last one: the result names the session to pass
+            assert f'session_id="{sid}"' in text_of(first)
+            second = await run(client, "x + 1", session_id=sid)
+            assert "new session" not in text_of(second)
+            elsewhere = await run(client, "x")
+            assert elsewhere.is_error and "NameError" in text_of(elsewhere)
+            assert elsewhere.structured_content["session_id"] != sid
+        assert not second.is_error and text_of(second) == "42"
+        assert second.structured_content["session_id"] == sid
+        assert second.structured_content["execution_count"] == 2
+
+        notebook = await client.read_resource(f"sandkernel://sessions/{sid}/notebook")
+        cells = [c for c in json.loads(notebook.contents[0].text)["cells"] if c["cell_type"] == "code"]
+        assert [c["source"] for c in cells] == ["x = 41\nx", "x + 1"]
+        assert {c["metadata"]["sandkernel"]["source"] for c in cells} == {"mcp"}
+    await close_all(gateway, "alice", live_ids(gateway, "alice") - before)
+
+
+async def test_the_client_s_default_mode_speaks_the_modern_protocol(gateway: Gateway) -> None:
+    async with mcp_client(gateway, "auto") as client:
+        assert client.session.protocol_version == MODERN
+        assert "run_python" in {tool.name for tool in (await client.list_tools()).tools}
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_another_tenant_cannot_touch_a_session(gateway: Gateway, mode: str) -> None:
+    before = live_ids(gateway, "alice")
+    async with mcp_client(gateway, mode) as alice, mcp_client(gateway, mode, token=BOB) as bob:
+        made = await alice.call_tool("create_session", {"name": "alice's"})
+        sid = made.structured_content["session_id"]
+        assert not (await run(alice, "secret = 'alice-only'", session_id=sid)).is_error
+
+        unknown = uuid.uuid4().hex
+        for tool, extra in [("run_python", {"code": "secret = 'bob was here'"}), ("list_variables", {})]:
+            foreign = await bob.call_tool(tool, {**extra, "session_id": sid})
+            missing = await bob.call_tool(tool, {**extra, "session_id": unknown})
+            assert foreign.is_error and missing.is_error
+            assert text_of(foreign).replace(sid, "ID") == text_of(missing).replace(unknown, "ID")
+        closing = await bob.call_tool("close_session", {"session_id": sid})
+        assert closing.is_error
+        listed = await bob.call_tool("list_sessions", {})
+        assert sid not in text_of(listed) and sid not in json.dumps(listed.structured_content)
+        with pytest.raises(MCPError):  # the resource is refused too
+            await bob.read_resource(f"sandkernel://sessions/{sid}/notebook")
+
+        assert sid in live_ids(gateway, "alice")
+        kept = await run(alice, "secret", session_id=sid)
+        assert text_of(kept) == "'alice-only'"
+    await close_all(gateway, "alice", live_ids(gateway, "alice") - before)
+    await close_all(gateway, "bob", live_ids(gateway, "bob"))
+
+
+async def test_another_tenant_cannot_ride_a_legacy_mcp_session(gateway: Gateway) -> None:
+    """Bob holding Alice's Mcp-Session-Id gets the SDK's 404, as for an unknown id; sent with a
+    modern request (where the SDK ignores it) it does not pick Alice's default session either."""
+    before = live_ids(gateway, "alice")
+    async with mcp_client(gateway, LEGACY) as alice:
+        assert not (await run(alice, "secret = 'alice-only'")).is_error
+        (mcp_session,) = gateway.server.mcp.sessions.legacy_sessions()  # the one legacy MCP session open
+        listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+        headers = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": "2025-11-25"}
+        async with httpx2.AsyncClient() as raw:
+            for token, session in [(BOB, mcp_session), (ALICE, uuid.uuid4().hex)]:
+                answer = await raw.post(
+                    f"{gateway.url}/mcp",
+                    json=listing,
+                    headers={**headers, "Authorization": f"Bearer {token}", "Mcp-Session-Id": session},
+                )
+                assert answer.status_code == 404, answer.text
+        async with mcp_client(gateway, MODERN, token=BOB, headers={"Mcp-Session-Id": mcp_session}) as bob:
+            probe = await run(bob, "secret")
+            assert probe.is_error and "NameError" in text_of(probe)
+            await close_all(gateway, "bob", {probe.structured_content["session_id"]})
+        assert text_of(await run(alice, "secret")) == "'alice-only'"
+    await close_all(gateway, "alice", live_ids(gateway, "alice") - before)
+
+
+# -- the ends of legacy MCP sessions -------------------------------------------------------------
+
+
+async def test_a_closed_legacy_mcp_session_takes_its_default_sandbox_with_it(gateway: Gateway) -> None:
+    async with mcp_client(gateway, LEGACY) as client:
+        default = (await run(client, "1")).structured_content["session_id"]
+        made = await client.call_tool("create_session", {})
+        explicit = made.structured_content["session_id"]
+        assert container_ids_of(default) and container_ids_of(explicit)
+    # the client's DELETE is answered once the default session is gone
+    assert default not in live_ids(gateway, "alice")
+    assert container_ids_of(default) == []
+    # a session made with create_session is a handle of its own: it outlives the MCP session
+    assert explicit in live_ids(gateway, "alice")
+    await close_all(gateway, "alice", {explicit})
+    assert len(gateway.server.mcp.sessions) == 0
+
+
+async def test_an_abandoned_legacy_mcp_session_is_ended_when_idle(gateway: Gateway) -> None:
+    """A client killed without its DELETE: the idle sweep ends the MCP session in the SDK (its id
+    answers 404) and deletes its default session (no container left)."""
+    sessions = gateway.server.mcp.sessions
+    async with mcp_client(gateway, LEGACY, terminate=False) as client:
+        default = (await run(client, "1")).structured_content["session_id"]
+    ((mcp_session, legacy),) = sessions.legacy_sessions().items()
+    deadline = time.monotonic() + 30
+    while legacy.in_flight and time.monotonic() < deadline:  # the killed client's GET stream is seen closed
+        await asyncio.sleep(0.05)
+    idle = sessions.idle
+    sessions.idle = 0.0  # instead of waiting for the gateway's idle timeout
+    try:
+        assert await sessions.sweep() == [mcp_session]
+    finally:
+        sessions.idle = idle
+    assert default not in live_ids(gateway, "alice") and container_ids_of(default) == []
+    async with httpx2.AsyncClient() as raw:
+        gone = await raw.post(
+            f"{gateway.url}/mcp",
+            json={"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+            headers={
+                "Authorization": f"Bearer {ALICE}",
+                "Accept": "application/json, text/event-stream",
+                "MCP-Protocol-Version": "2025-11-25",
+                "Mcp-Session-Id": mcp_session,
+            },
+        )
+    assert gone.status_code == 404
+
+
+# -- refusals -------------------------------------------------------------------------------------
+
+
+async def test_no_token_or_a_wrong_one_is_refused_before_the_sdk(gateway: Gateway) -> None:
+    listing = {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}
+    async with httpx2.AsyncClient() as raw:
+        for method in ("POST", "GET", "DELETE"):
+            for auth in ({}, {"Authorization": "Bearer not-a-token-of-anyone"}):
+                answer = await raw.request(
+                    method,
+                    f"{gateway.url}/mcp",
+                    json=listing if method == "POST" else None,
+                    headers={**MODERN_HEADERS, **auth},
+                )
+                assert answer.status_code == 401, (method, answer.text)
+                assert answer.json()["error"] == "unauthorized"
+    with pytest.raises(BaseException) as refused:  # the client raises it inside its task groups
+        async with mcp_client(gateway, MODERN, token=None) as client:
+            await client.list_tools()
+    assert any(isinstance(err, MCPError) for err in leaves(refused.value))
+
+
+async def test_bad_input_gets_a_4xx_and_the_gateway_keeps_serving(gateway: Gateway) -> None:
+    auth = {"Authorization": f"Bearer {ALICE}"}
+    url = f"{gateway.url}/mcp"
+    legacy = {"Accept": "application/json, text/event-stream", "Content-Type": "application/json"}
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for _ in range(6):
+            yield b"x" * (1024 * 1024)
+
+    cases: list[tuple[str, dict[str, Any]]] = [
+        ("malformed JSON, modern", {"content": b"{not json", "headers": MODERN_HEADERS}),
+        ("malformed JSON, legacy", {"content": b"{not json", "headers": legacy}),
+        ("deeply nested JSON", {"content": b"[" * 100_000 + b"]" * 100_000, "headers": MODERN_HEADERS}),
+        ("a batch", {"json": [{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}] * 2, "headers": MODERN_HEADERS}),
+        ("not an object", {"json": 42, "headers": MODERN_HEADERS}),
+        ("no method", {"json": {"jsonrpc": "2.0", "id": 1}, "headers": MODERN_HEADERS}),
+        ("an unknown method", {"json": {"jsonrpc": "2.0", "id": 1, "method": "nope/nope"}, "headers": legacy}),
+        (
+            "an unknown protocol version",
+            {
+                "json": {"jsonrpc": "2.0", "id": 1, "method": "tools/list"},
+                "headers": {**MODERN_HEADERS, "MCP-Protocol-Version": "1999-01-01"},
+            },
+        ),
+        ("a huge body", {"content": b"x" * (5 * 1024 * 1024), "headers": MODERN_HEADERS}),
+        ("a huge body, chunked", {"content": chunks(), "headers": MODERN_HEADERS}),
+        (
+            "no Accept",
+            {"json": {"jsonrpc": "2.0", "id": 1, "method": "tools/list"}, "headers": {"MCP-Protocol-Version": MODERN}},
+        ),
+    ]
+    async with httpx2.AsyncClient(timeout=60) as raw:
+        for what, request in cases:
+            answer = await raw.post(url, **{**request, "headers": {**request["headers"], **auth}})
+            assert 400 <= answer.status_code < 500, (what, answer.status_code, answer.text[:300])
+            assert "Traceback" not in answer.text, what
+        for method in ("PUT", "PATCH"):
+            answer = await raw.request(method, url, headers=auth)
+            assert answer.status_code == 405, method
+        assert (await raw.get(f"{gateway.url}/api/health")).json()["status"] == "ok"
+    async with mcp_client(gateway, MODERN) as client:
+        served = await run(client, "6 * 7")
+        assert text_of(served).startswith("42")
+        await close_all(gateway, "alice", {served.structured_content["session_id"]})
+
+
+# -- the event loop ------------------------------------------------------------------------------
+
+
+async def test_the_sdk_runs_on_the_gateway_loop_and_a_long_call_blocks_nothing(gateway: Gateway) -> None:
+    assert gateway.server.mcp._runner.get_loop() is asyncio.get_running_loop()
+    async with mcp_client(gateway, MODERN) as client:
+        sid = (await run(client, "import time")).structured_content["session_id"]
+        long_call = asyncio.create_task(run(client, "time.sleep(4); 'slept'", session_id=sid))
+        while not gateway.server.registry.get("alice", sid).session.busy:
+            await asyncio.sleep(0.05)
+        async with httpx2.AsyncClient() as raw:
+            started = time.monotonic()
+            health = await raw.get(f"{gateway.url}/api/health")
+            answered = time.monotonic() - started
+        assert health.status_code == 200 and not long_call.done()
+        assert answered < 1.0, f"the gateway took {answered:.2f}s to answer while an MCP call ran"
+        assert text_of(await long_call) == "'slept'"
+    await close_all(gateway, "alice", {sid})
