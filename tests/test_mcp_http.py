@@ -307,3 +307,27 @@ async def test_the_sdk_runs_on_the_gateway_loop_and_a_long_call_blocks_nothing(g
         assert answered < 1.0, f"the gateway took {answered:.2f}s to answer while an MCP call ran"
         assert text_of(await long_call) == "'slept'"
     await close_all(gateway, "alice", {sid})
+
+
+# -- the gateway's lifecycle ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_a_gateway_stops_promptly_under_open_mcp_sessions(tmp_path, runtime: str) -> None:
+    """The SDK's session manager stops with the gateway: an open legacy MCP session (with its
+    server-to-client GET stream) and a modern client do not hold the stop up, and no container
+    is left behind."""
+    require_runtime(runtime)
+    gw = await start_gateway(tmp_path, default_runtime=runtime)
+    try:
+        async with mcp_client(gw, LEGACY, terminate=False) as legacy, mcp_client(gw, MODERN) as modern:
+            default = (await run(legacy, "1")).structured_content["session_id"]
+            other = (await run(modern, "2")).structured_content["session_id"]
+            assert len(gw.server.mcp.sessions) == 1
+            started = time.monotonic()
+            await stop_gateway(gw)
+            took = time.monotonic() - started
+    finally:
+        await stop_gateway(gw)  # a second stop does nothing
+    assert took < 30, f"the gateway took {took:.1f}s to stop"
+    assert container_ids_of(default) == [] and container_ids_of(other) == []
