@@ -108,7 +108,8 @@ async def serve_stdio(args: argparse.Namespace) -> int:
     )
     serving: asyncio.Task | None = None
     try:
-        gateway = await Gateway.start(settings)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout is the protocol's, even before it starts
+            gateway = await Gateway.start(settings)
         try:
             resolver = TenantResolver(gateway.registry, DEFAULT_TENANT, {"profile": args.profile})
             server = build_mcp_server(lambda ctx: resolver, settings.budget)
