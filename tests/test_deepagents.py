@@ -200,6 +200,22 @@ async def test_the_file_tools_work_in_the_sandbox_image(use):
     assert [e["path"] for e in (await use("ls", root)).entries] == [f"{root}/src"]
 
 
+async def test_pages_and_matches_larger_than_the_shells_output_still_read_right(use):
+    """A shell command brings back 64 KiB at most; read and grep must not hand a cut document on."""
+    lines = [f"{i:05d} " + "x" * 94 for i in range(3000)]  # 100 bytes a line, 300 KB
+    path = f"/workspace/big {use.flavor}/wide.txt"
+    await use("upload_files", [(path, "\n".join(lines).encode()), (f"{path}.one", b"y" * 100_000)])
+    page = await use("read", path)  # 2000 lines asked: 200 KB, so a smaller page comes back whole
+    assert page.error is None and page.start_line == 1 and page.end_line < 2000
+    assert page.file_data["content"] == "\n".join(lines[: page.end_line])
+    following = await use("read", path, offset=page.next_offset)
+    assert following.file_data["content"].split("\n")[0] == lines[page.end_line]
+    too_long = await use("read", f"{path}.one")
+    assert too_long.error and "64 KiB" in too_long.error and "execute" in too_long.error
+    grep = await use("grep", "xxxx", f"/workspace/big {use.flavor}", "*.txt")
+    assert grep.truncated and 0 < len(grep.matches) < 3000
+
+
 async def test_blocking_calls_on_an_async_session_from_its_own_loop_say_what_to_do(sessions):
     sandbox = SandkernelSandbox(sessions["async"])
     with pytest.raises(RuntimeError, match="ainvoke"):

@@ -42,8 +42,10 @@ of an error, and displayed figures as images (recorded with source ``"deepagents
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Generator
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 try:
@@ -55,6 +57,8 @@ try:
         ExecuteResponse,
         FileDownloadResponse,
         FileUploadResponse,
+        GrepResult,
+        ReadResult,
     )
     from deepagents.backends.sandbox import BaseSandbox
     from langchain_core.tools import BaseTool, StructuredTool, ToolException
@@ -64,15 +68,13 @@ except ImportError as missing:  # pragma: no cover - exercised only without the 
         "pip install 'sandkernel[deepagents]'"
     ) from missing
 
-import contextlib
-
 from sandkernel.agent.client import AsyncSession
 from sandkernel.agent.errors import ClientError
 from sandkernel.agent.execution import Execution
 from sandkernel.agent.sync_client import Session
 from sandkernel.agent.tools import TOOLS, result_block
 from sandkernel.doors import DEEPAGENTS
-from sandkernel.shell import ShellResult
+from sandkernel.shell import MAX_SHELL_OUTPUT_BYTES, ShellResult
 
 __all__ = ["SandkernelSandbox", "run_python_tool"]
 
@@ -184,6 +186,40 @@ class SandkernelSandbox(BaseSandbox):
         seconds = self._seconds(timeout)
         return _response(await self._bridge.acall("shell", command, timeout=seconds, source=DEEPAGENTS), seconds)
 
+    # -- file tools whose output can outgrow the shell's --------------------------------------
+    # A command brings back at most MAX_SHELL_OUTPUT_BYTES (head and tail, the middle cut), while
+    # BaseSandbox's read sends a page of up to 500 KiB as one JSON document: a cut page would
+    # not parse. So a page that came back cut is asked for again with half the lines (each read
+    # says where the next one starts), and a cut grep is flagged as incomplete.
+
+    def read(self, file_path: str, offset: int = 0, limit: int = 2000) -> ReadResult:
+        while True:
+            watch = _watch()
+            result = super().read(file_path, offset, limit)
+            if not watch.cut or limit <= 1:
+                return _whole_page(result, file_path, watch)
+            limit //= 2
+
+    async def aread(self, file_path: str, offset: int = 0, limit: int = 2000) -> ReadResult:
+        while True:
+            watch = _watch()
+            result = await super().aread(file_path, offset, limit)
+            if not watch.cut or limit <= 1:
+                return _whole_page(result, file_path, watch)
+            limit //= 2
+
+    def grep(
+        self, pattern: str, path: str | None = None, glob: str | None = None, *, max_count: int | None = None
+    ) -> GrepResult:
+        watch = _watch()
+        return _flag_cut(super().grep(pattern, path, glob, max_count=max_count), watch)
+
+    async def agrep(
+        self, pattern: str, path: str | None = None, glob: str | None = None, *, max_count: int | None = None
+    ) -> GrepResult:
+        watch = _watch()
+        return _flag_cut(await super().agrep(pattern, path, glob, max_count=max_count), watch)
+
     # -- files -----------------------------------------------------------------------------
 
     def upload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
@@ -207,7 +243,43 @@ class SandkernelSandbox(BaseSandbox):
         return run_python_tool(self.session, timeout=timeout, _bridge=self._bridge)
 
 
+class _Watch:
+    """Whether a command run for one file-tool call came back cut (set by :func:`_response`)."""
+
+    cut = False
+
+
+# The watch of the file-tool call under way, in a context variable so concurrent tool calls and
+# threads each see their own; it holds an object, not a flag, because BaseSandbox runs some
+# commands in a task of their own (asyncio.wait_for), which sees a copy of the context.
+_WATCH: ContextVar[_Watch | None] = ContextVar("sandkernel_file_tool_watch", default=None)
+
+
+def _watch() -> _Watch:
+    watch = _Watch()
+    _WATCH.set(watch)
+    return watch
+
+
+def _whole_page(result: ReadResult, file_path: str, watch: _Watch) -> ReadResult:
+    if not watch.cut:
+        return result
+    return ReadResult(
+        error=f"File '{file_path}': one line at this offset is longer than the sandbox's shell output limit "
+        f"({MAX_SHELL_OUTPUT_BYTES // 1024} KiB); read it with execute (e.g. cut -c or head -c)"
+    )
+
+
+def _flag_cut(result: GrepResult, watch: _Watch) -> GrepResult:
+    if not watch.cut or result.matches is None:
+        return result
+    return GrepResult(error=result.error, matches=result.matches, truncated=True)
+
+
 def _response(result: ShellResult, seconds: float | None) -> ExecuteResponse:
+    watch = _WATCH.get()
+    if watch is not None and result.truncated:
+        watch.cut = True
     output = result.output
     if result.timed_out:  # said in words too: an exit code of 124 alone reads like the command's own
         limit = f" of {seconds:g} s" if seconds is not None else ""
