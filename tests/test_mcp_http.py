@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -331,3 +332,22 @@ async def test_a_gateway_stops_promptly_under_open_mcp_sessions(tmp_path, runtim
         await stop_gateway(gw)  # a second stop does nothing
     assert took < 30, f"the gateway took {took:.1f}s to stop"
     assert container_ids_of(default) == [] and container_ids_of(other) == []
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_client_that_goes_away_mid_call_is_no_error(
+    gateway: Gateway, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client that gives up on a running call: the gateway logs no error, and the session
+    answers the next call."""
+    async with mcp_client(gateway, MODERN) as client:
+        sid = (await run(client, "import time")).structured_content["session_id"]
+    with caplog.at_level(logging.ERROR):
+        with pytest.raises(BaseException):  # noqa: B017 (the client's own give-up, in task groups)
+            async with mcp_client(gateway, mode) as client:
+                await asyncio.wait_for(run(client, "time.sleep(3); 'slept'", session_id=sid), 1.0)
+        async with mcp_client(gateway, MODERN) as client:
+            after = await run(client, "'still here'", session_id=sid)
+    assert text_of(after) == "'still here'"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    await close_all(gateway, "alice", {sid})

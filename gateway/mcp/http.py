@@ -248,8 +248,10 @@ class McpHandler(BaseHandler):
             await self.mcp.serve(scope, self._receive, self._send)
         finally:
             sessions.request_ended(self.tenant, mcp_session)
-        if self._status is None:  # the app answered nothing: a bug of ours or the SDK's
-            raise RuntimeError("the MCP app sent no response")
+        if self._status is None:
+            if self._gone.is_set():  # the client went away first: there is no one to answer
+                return
+            raise RuntimeError("the MCP app sent no response")  # a bug of ours or the SDK's
         if mcp_session is None and self._new_mcp_session is not None and self._status < 400:
             sessions.opened(self.tenant, self._new_mcp_session)  # an initialize opened a legacy session
         if request.method == "DELETE" and mcp_session and self._status < 300:
