@@ -111,6 +111,7 @@ async def serve_stdio(args: argparse.Namespace) -> int:
         with contextlib.redirect_stdout(sys.stderr):  # stdout is the protocol's, even before it starts
             gateway = await Gateway.start(settings)
         try:
+            gateway.registry.catalog.for_tenant(args.profile, {})  # a bad --profile stops here, not at the first call
             resolver = TenantResolver(gateway.registry, DEFAULT_TENANT, {"profile": args.profile})
             server = build_mcp_server(lambda ctx: resolver, settings.budget)
             print(

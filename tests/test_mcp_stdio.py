@@ -158,3 +158,13 @@ def test_a_signalled_server_leaves_no_container(runtime, sig, tmp_path):
     finally:
         client.kill()
         client.wait(10)
+
+
+@pytest.mark.parametrize("runtime", ["runc"])
+def test_a_bad_profile_is_refused_at_start_on_stderr_with_stdout_untouched(runtime):
+    require_runtime(runtime)
+    args = [sys.executable, "-m", "sandkernel.cli", "mcp", "--runtime", runtime, "--profile", "nosuch"]
+    done = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "unknown profile 'nosuch'" in done.stderr
+    assert done.stdout == ""  # stdout belongs to the protocol
