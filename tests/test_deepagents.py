@@ -200,6 +200,21 @@ async def test_the_file_tools_work_in_the_sandbox_image(use):
     assert [e["path"] for e in (await use("ls", root)).entries] == [f"{root}/src"]
 
 
+async def test_an_edit_too_large_to_send_inline_goes_through_tmp(use):
+    """deepagents sends old and new text over 50 KB as /tmp files; they are written by kernel cells."""
+    path = f"/workspace/large edit {use.flavor}.txt"
+    old, new = "a" * 40_000, "b" * 40_000
+    await use("upload_files", [(path, f"start\n{old}\nend\n".encode())])
+    edited = await use("edit", path, old, new)
+    assert edited.error is None and edited.occurrences == 1
+    [content] = await use("download_files", [path])
+    assert content.content == f"start\n{new}\nend\n".encode()
+    leftovers = await use("execute", "ls -a /tmp | grep -c deepagents_edit || true")
+    assert leftovers.output.strip() == "0"  # deepagents' own command removed its temp files
+    refused = await use("upload_files", [("/tmp/../etc/x", b"x"), ("/tmp/big", b"x" * 700_001)])
+    assert [r.error for r in refused] == ["invalid_path", "too_large"]
+
+
 async def test_pages_and_matches_larger_than_the_shells_output_still_read_right(use):
     """A shell command brings back 64 KiB at most; read and grep must not hand a cut document on."""
     lines = [f"{i:05d} " + "x" * 94 for i in range(3000)]  # 100 bytes a line, 300 KB

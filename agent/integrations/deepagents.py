@@ -19,8 +19,10 @@ provider, and how sandkernel answers it:
   sandkernel is unbounded) but the longest deepagents itself allows.
 - ``upload_files`` / ``download_files`` go through the session's files API, byte for byte. The
   files API serves /workspace only, so an absolute path must lie under /workspace and a relative
-  one is taken relative to it; any other path is refused per file with ``invalid_path`` (the root
-  file system is read-only anyway, and /tmp is the kernel's scratch space, not a transfer target).
+  one is taken relative to it. One exception: an upload to /tmp (deepagents' ``edit`` sends old
+  and new text of a large edit as /tmp files) is written by a kernel cell, so it is recorded and
+  replayed before the edit that reads it. Any other path is refused per file with
+  ``invalid_path`` (the root file system is read-only anyway).
   Refusals are values (``file_not_found``, ``is_directory``, ``invalid_path``, ``permission_denied``,
   or sandkernel's own code such as ``too_large``), never exceptions; a gateway that cannot be
   reached or a session that is gone raise the client's exception, as ``execute`` does.
@@ -42,6 +44,7 @@ of an error, and displayed figures as images (recorded with source ``"deepagents
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Generator
@@ -81,6 +84,9 @@ __all__ = ["SandkernelSandbox", "run_python_tool"]
 T = TypeVar("T")
 
 WORKSPACE = "/workspace"
+SCRATCH = "/tmp"
+# The largest /tmp upload a kernel cell carries: as base64 it stays under the gateway's 1 MiB code limit.
+MAX_SCRATCH_BYTES = 700_000
 # What ``timeout=0`` means here: deepagents' own ceiling for one command (FilesystemMiddleware's
 # max_execute_timeout default), since sandkernel runs nothing without a bound.
 LONGEST_TIMEOUT = 3600.0
@@ -101,6 +107,23 @@ def workspace_path(path: str) -> str | None:
     if not normalized.startswith(WORKSPACE + "/"):  # also refuses /workspace itself and //workspace
         return None
     return normalized[len(WORKSPACE) + 1 :]
+
+
+def scratch_path(path: str) -> str | None:
+    """The normalised path of an upload into /tmp (see the module docstring), or None."""
+    if not isinstance(path, str) or "\x00" in path or not path.startswith(SCRATCH + "/"):
+        return None
+    normalized = posixpath.normpath(path)
+    return normalized if normalized.startswith(SCRATCH + "/") else None
+
+
+def scratch_upload_code(path: str, data: bytes) -> str:
+    """The cell that writes ``data`` at ``path`` (a /tmp file) inside the sandbox."""
+    encoded = base64.b64encode(data).decode()
+    return (
+        f"# upload {path} ({len(data)} bytes)\n"
+        f"__import__('pathlib').Path({path!r}).write_bytes(__import__('base64').b64decode({encoded!r}))"
+    )
 
 
 class _Bridge:
@@ -290,7 +313,7 @@ def _response(result: ShellResult, seconds: float | None) -> ExecuteResponse:
 
 
 # A file transfer is written once, as a generator of session calls: each ``yield`` is a call
-# ``(method, *args)`` that :func:`_drive` (blocking) or :func:`_adrive` (awaited) performs, sending
+# ``(method, args, kwargs)`` that :func:`_drive` (blocking) or :func:`_adrive` (awaited) performs, sending
 # back its value or throwing its ClientError in. So the sync and async methods share one body.
 Steps = Generator[tuple[Any, ...], Any, T]
 
@@ -298,12 +321,25 @@ Steps = Generator[tuple[Any, ...], Any, T]
 def _upload_steps(path: str, data: bytes) -> Steps[FileUploadResponse]:
     relative = workspace_path(path)
     if relative is None:
-        return FileUploadResponse(path=path, error=INVALID_PATH)
+        return (yield from _scratch_upload_steps(path, bytes(data)))
     try:
-        yield ("upload", relative, bytes(data))
+        yield ("upload", (relative, bytes(data)), {})
     except ClientError as refused:
         return FileUploadResponse(path=path, error=(yield from _refusal(refused, relative)))
     return FileUploadResponse(path=path, error=None)
+
+
+def _scratch_upload_steps(path: str, data: bytes) -> Steps[FileUploadResponse]:
+    scratch = scratch_path(path)
+    if scratch is None:
+        return FileUploadResponse(path=path, error=INVALID_PATH)
+    if len(data) > MAX_SCRATCH_BYTES:
+        return FileUploadResponse(path=path, error="too_large")
+    execution = yield ("run", (scratch_upload_code(scratch, data),), {"timeout": 60, "source": DEEPAGENTS})
+    if execution.status == "ok":
+        return FileUploadResponse(path=path, error=None)
+    name = execution.error.name if execution.error else ""
+    return FileUploadResponse(path=path, error=IS_DIRECTORY if name == "IsADirectoryError" else PERMISSION_DENIED)
 
 
 def _download_steps(path: str) -> Steps[FileDownloadResponse]:
@@ -311,7 +347,7 @@ def _download_steps(path: str) -> Steps[FileDownloadResponse]:
     if relative is None:
         return FileDownloadResponse(path=path, content=None, error=INVALID_PATH)
     try:
-        content = yield ("download", relative)
+        content = yield ("download", (relative,), {})
     except ClientError as refused:
         return FileDownloadResponse(path=path, content=None, error=(yield from _refusal(refused, relative)))
     return FileDownloadResponse(path=path, content=bytes(content), error=None)
@@ -325,7 +361,7 @@ def _refusal(refused: ClientError, relative: str) -> Steps[str]:
         return PROTOCOL_ERRORS.get(refused.code, refused.code)
     # Not a regular file: a directory is in the way (say so), or a device, a FIFO, a symlink.
     try:
-        yield ("list_files", relative)
+        yield ("list_files", (relative,), {})
     except ClientError:
         return PERMISSION_DENIED
     return IS_DIRECTORY
@@ -337,7 +373,8 @@ def _drive(steps: Steps[T], call: Callable[..., Any]) -> T:
         step = next(steps)
         while True:
             try:
-                value = call(*step)
+                name, args, kwargs = step
+                value = call(name, *args, **kwargs)
             except ClientError as err:
                 step = steps.throw(err)
             else:
@@ -352,7 +389,8 @@ async def _adrive(steps: Steps[T], call: Callable[..., Awaitable[Any]]) -> T:
         step = next(steps)
         while True:
             try:
-                value = await call(*step)
+                name, args, kwargs = step
+                value = await call(name, *args, **kwargs)
             except ClientError as err:
                 step = steps.throw(err)
             else:
