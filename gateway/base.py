@@ -105,8 +105,10 @@ class BaseHandler(web.RequestHandler):
     """Thin handlers: dependencies come through ``initialize``; subclasses implement verbs.
 
     Bodies are streamed in so an oversized one is refused with a JSON 413 before it is read;
-    handlers use :attr:`body`.
+    handlers use :attr:`body`. A handler with a tighter limit sets :attr:`max_body_bytes`.
     """
+
+    max_body_bytes = MAX_BODY_BYTES
 
     registry: SessionRegistry
     auth: TokenAuth | None
@@ -138,8 +140,11 @@ class BaseHandler(web.RequestHandler):
             self._counted = True
         self.tenant = self.authenticate()
         declared = self.request.headers.get("Content-Length")
-        if declared and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes", "too_large")
+        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
+
+    def _too_large(self) -> ApiError:
+        return ApiError(413, f"request body is over the limit of {self.max_body_bytes} bytes", "too_large")
 
     def on_finish(self) -> None:
         self._uncount()
@@ -154,9 +159,18 @@ class BaseHandler(web.RequestHandler):
             self.registry.request_ended()
 
     def data_received(self, chunk: bytes) -> None:
+        """Collect the body up to :attr:`max_body_bytes`. Past it (a body sent without a
+        Content-Length), answer the JSON 413 now: tornado then drops the rest of the body and
+        closes the connection (an exception raised here would only be logged, and the client
+        would see the connection cut without an answer)."""
+        if self._finished:
+            return
         self._received += len(chunk)
-        if self._received > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body is over the limit of {MAX_BODY_BYTES} bytes", "too_large")
+        if self._received > self.max_body_bytes:
+            self._chunks = []
+            refusal = self._too_large()
+            self.send_error(413, exc_info=(ApiError, refusal, None))
+            return
         self._chunks.append(chunk)
 
     @property

@@ -26,7 +26,8 @@ from sandkernel.gateway.settings import GatewaySettings
 LOCAL_DEFAULTS: dict[str, Any] = {"pool_size": 0, "on_exit": "delete"}
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free now (the gateway binds it a moment later)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -40,7 +41,7 @@ async def local_gateway(notebook_dir: Path | None = None, **options: Any) -> Asy
     with tempfile.TemporaryDirectory(prefix="sandkernel-local-") as state:
         settings = GatewaySettings(
             ip="127.0.0.1",
-            port=_free_port(),
+            port=free_port(),
             token=token,
             notebook_dir=notebook_dir,
             **{**LOCAL_DEFAULTS, "state_dir": Path(state), **options},

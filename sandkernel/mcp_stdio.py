@@ -74,12 +74,6 @@ def run_from_args(args: argparse.Namespace) -> int:
     return asyncio.run(serve_stdio(args))
 
 
-def _free_port() -> int:
-    from sandkernel.local_gateway import _free_port as free
-
-    return free()
-
-
 async def serve_stdio(args: argparse.Namespace) -> int:
     """Serve until the client goes away; then delete every session and stop the gateway."""
     from sandkernel.gateway.auth import DEFAULT_TENANT
@@ -88,7 +82,7 @@ async def serve_stdio(args: argparse.Namespace) -> int:
     from sandkernel.gateway.server import Gateway
     from sandkernel.gateway.settings import GatewaySettings
     from sandkernel.kernels.lifecycle.reaper import owner_label
-    from sandkernel.local_gateway import LOCAL_DEFAULTS
+    from sandkernel.local_gateway import LOCAL_DEFAULTS, free_port
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -99,7 +93,7 @@ async def serve_stdio(args: argparse.Namespace) -> int:
     token = secrets.token_urlsafe(24)
     settings = GatewaySettings(
         ip="127.0.0.1",
-        port=args.port or _free_port(),
+        port=args.port or free_port(),
         token=token,
         notebook_dir=Path(args.notebook_dir) if args.notebook_dir else None,
         default_runtime=args.runtime,

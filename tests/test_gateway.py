@@ -292,6 +292,28 @@ async def test_oversized_body_gets_a_json_413(gateway):
     assert code == 200 and health["status"] == "ok"
 
 
+async def test_oversized_chunked_body_gets_a_json_413_not_a_cut_connection(gateway):
+    """Without a Content-Length the limit is only found while reading: the gateway still answers
+    413 (it used to log an uncaught exception and cut the connection) and goes on serving."""
+    from sandkernel.gateway.base import MAX_BODY_BYTES
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(
+        b"POST /api/sessions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        + f"Authorization: token {ALICE}\r\n\r\n".encode()
+    )
+    chunk = b"x" * (1024 * 1024)
+    # Just past the limit, then silence (no last chunk): the gateway must answer without the rest.
+    for _ in range(MAX_BODY_BYTES // len(chunk) + 1):
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    writer.close()  # (the rest can be cut by a reset: the gateway closes on an unread body)
+    assert head.startswith(b"HTTP/1.1 413") and b"application/json" in head, head
+    code, health = await gateway.request("GET", "/api/health", token=None)
+    assert code == 200 and health["status"] == "ok"
+
+
 async def test_gateway_tokens_never_reach_the_kernel(gateway):
     _, session = await gateway.request("POST", "/api/sessions", {})
     try:

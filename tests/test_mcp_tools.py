@@ -20,7 +20,8 @@ from mcp_types import EmbeddedResource, ImageContent, TextContent
 from PIL import Image
 
 from sandkernel.gateway.mcp.resolver import TenantResolver
-from sandkernel.gateway.mcp.tools import MAX_EDGE, build_mcp_server
+from sandkernel.gateway.mcp.tools import build_mcp_server
+from sandkernel.images import MAX_EDGE
 from sandkernel.notebooks.compare import Verdict
 from sandkernel.notebooks.replay import replay
 from tests.conftest import RUNTIMES, require_runtime

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tornado.iostream import StreamClosedError
 
-from sandkernel.gateway.base import ApiError, BaseHandler
+from sandkernel.gateway.base import BaseHandler
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
@@ -179,6 +179,7 @@ class McpHandler(BaseHandler):
     DELETE (end a legacy session), answered by the SDK behind the gateway's checks."""
 
     mcp: McpHttp
+    max_body_bytes = MAX_MCP_BODY_BYTES  # the SDK parses a message on the event loop: keep it small
 
     def initialize(  # type: ignore[override]
         self,
@@ -196,28 +197,11 @@ class McpHandler(BaseHandler):
         self._new_mcp_session: str | None = None
 
     def prepare(self) -> None:
-        super().prepare()  # 503 while stopping, 401/429 on the token, the gateway's body limit
-        declared = self.request.headers.get("Content-Length")
-        if declared and declared.isdigit() and int(declared) > MAX_MCP_BODY_BYTES:
-            raise ApiError(413, f"an MCP message is limited to {MAX_MCP_BODY_BYTES} bytes", "too_large")
+        super().prepare()  # 503 while stopping, 401/429 on the token, the body limit (max_body_bytes)
         if self.request.method == "GET":
             # A legacy session's GET stream stays open for the session's life and carries no
             # execution's answer: a stopping gateway must not wait for it (registry.requests_done).
             self._uncount()
-
-    def data_received(self, chunk: bytes) -> None:
-        """Collect the body up to :data:`MAX_MCP_BODY_BYTES`; past it (a body without a
-        Content-Length), answer the JSON 413 now: tornado then drops the rest of the body and
-        closes the connection (an exception raised here would only be logged, and the client
-        would see the connection cut without an answer)."""
-        if self._finished:
-            return
-        if self._received + len(chunk) > MAX_MCP_BODY_BYTES:
-            refusal = ApiError(413, f"an MCP message is limited to {MAX_MCP_BODY_BYTES} bytes", "too_large")
-            self._chunks = []
-            self.send_error(413, exc_info=(ApiError, refusal, None))
-            return
-        super().data_received(chunk)
 
     async def post(self) -> None:
         await self._bridge()

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 import mimetypes
 import re
@@ -36,7 +35,6 @@ from mcp_types import (
     TextContent,
     ToolAnnotations,
 )
-from PIL import Image as PILImage
 from pydantic import Field
 
 from sandkernel import __version__
@@ -47,6 +45,7 @@ from sandkernel.gateway.mcp.resolver import ResolverFor, SessionResolver
 from sandkernel.gateway.registry import ManagedSession
 from sandkernel.gateway.replies import execution_reply, run_shell
 from sandkernel.gateway.sessions_api import MAX_CODE_BYTES
+from sandkernel.images import fit_image
 from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFiles
 from sandkernel.mime import IMAGE_MIME_TYPES, is_api_image
 from sandkernel.truncation import clip_text, cut_marker
@@ -58,51 +57,22 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 INSTRUCTIONS = """\
 sandkernel runs your Python in a sandboxed, stateful Jupyter kernel (a locked-down container).
 State persists: variables, imports and files in /workspace stay between calls, like cells of one
-notebook. You get a default session, started on your first call; pass no session_id to use it.
-Start more with create_session and pass its session_id to keep separate states. Figures you
+notebook. Every result names the session it ran in (session_id): pass that session_id on your
+next calls to keep working in the same state (without one, a connection that keeps no MCP session
+starts a new sandbox each time). Start more with create_session to keep separate states. Figures you
 display (matplotlib, PIL) come back as images. Every call is recorded in the session's notebook
 (resource sandkernel://sessions/{session_id}/notebook)."""
 
 SessionId = Annotated[
     str | None,
-    Field(description="Which session to act on; omit it for your default session (started on first use)."),
+    Field(
+        description="The session to act on, as named by an earlier result or create_session; "
+        "omit it on your first call to start one."
+    ),
 ]
 
 
 # -- images -------------------------------------------------------------------------------------
-# The same bounds as agent/images.py (a model is shown at most ~1.15 megapixels, 1568 px on the
-# long edge). TODO(lead): move fit_image into the common base (sandkernel/images.py) and make
-# agent/images.py's image_block call it; until then the two copies must stay equal.
-MAX_EDGE = 1568
-MAX_PIXELS = 1_150_000
-MAX_BYTES = 3_750_000
-DECODE_CEILING = 50_000_000
-
-
-def fit_image(data: bytes, mime: str) -> tuple[bytes, str] | str:
-    """``data`` as a model may be shown it (bytes and MIME type), downscaled when over the bounds,
-    or a sentence saying why it cannot be shown. Images within bounds pass byte for byte; a
-    decompression bomb is refused unread."""
-    if not is_api_image(mime):
-        return f"[{mime} image not shown: models accept PNG, JPEG, GIF or WebP]"
-    try:
-        with PILImage.open(io.BytesIO(data)) as probe:  # reads the header only
-            width, height = probe.size
-            if width * height > DECODE_CEILING:
-                return f"[{width}x{height} image not shown: too large to decode safely]"
-            scale = min(1.0, MAX_EDGE / max(width, height), (MAX_PIXELS / (width * height)) ** 0.5)
-            if scale == 1.0 and len(data) <= MAX_BYTES:
-                return data, mime
-            size = (max(1, int(width * scale)), max(1, int(height * scale)))
-            mode = "RGBA" if probe.mode in ("RGBA", "LA", "P") else "RGB"
-            resized = probe.convert(mode).resize(size, PILImage.Resampling.LANCZOS)
-            buffer = io.BytesIO()
-            resized.save(buffer, format="PNG", optimize=True)
-            return buffer.getvalue(), "image/png"
-    except PILImage.DecompressionBombError:
-        return "[image not shown: too large to decode safely]"
-    except (OSError, ValueError) as err:
-        return f"[image not shown: it could not be read ({err})]"
 
 
 def _image_blocks(outputs: list[dict[str, Any]]) -> list[ContentBlock]:
