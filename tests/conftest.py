@@ -134,6 +134,7 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
          "test_widget_notebook_replays_the_same", "test_nbformat_3_notebook_is_converted_and_replayed",
          "test_until_leaves_later_cells_not_run"}
     ),
+    "tests/test_mcp_http.py": frozenset({"test_the_gateway_serves_without_the_mcp_extra"}),
     "tests/security/test_reaper.py": "*",
     "tests/security/test_sandbox_uids.py": frozenset(
         {"test_allocation_skips_subid_ranges_and_uids_in_use", "test_concurrent_processes_never_share_a_uid"}

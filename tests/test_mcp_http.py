@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -351,3 +352,49 @@ async def test_a_client_that_goes_away_mid_call_is_no_error(
     assert text_of(after) == "'still here'"
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
     await close_all(gateway, "alice", {sid})
+
+
+# -- without the extra ---------------------------------------------------------------------------
+
+WITHOUT_MCP = """
+import asyncio, importlib.abc, json, sys, tempfile, urllib.request, urllib.error
+from pathlib import Path
+
+class HideMcp(importlib.abc.MetaPathFinder):  # as if `pip install sandkernel` had no [mcp]
+    def find_spec(self, name, path=None, target=None):
+        if name == "mcp" or name.startswith(("mcp.", "mcp_types")):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return None
+
+sys.meta_path.insert(0, HideMcp())
+from sandkernel.gateway.server import Gateway
+from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.local_gateway import free_port
+
+async def main():
+    with tempfile.TemporaryDirectory() as state:
+        settings = GatewaySettings(ip="127.0.0.1", port=free_port(), token="t" * 32, pool_size=0,
+                                   state_dir=Path(state), on_exit="delete")
+        async with await Gateway.start(settings) as gateway:
+            def get(path):
+                request = urllib.request.Request(gateway.url + path, headers={"Authorization": "token " + "t" * 32})
+                try:
+                    return urllib.request.urlopen(request).status
+                except urllib.error.HTTPError as err:
+                    return err.code
+            print(json.dumps({"health": await asyncio.to_thread(get, "/api/health"),
+                              "mcp": await asyncio.to_thread(get, "/mcp"),
+                              "loaded": sorted(m for m in sys.modules if m.split(".")[0] == "mcp")}))
+
+asyncio.run(main())
+"""
+
+
+async def test_the_gateway_serves_without_the_mcp_extra() -> None:
+    """``/mcp`` is an optional extra: without the SDK the gateway starts, and /mcp is a 404."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", WITHOUT_MCP, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await asyncio.wait_for(child.communicate(), 120)
+    assert child.returncode == 0, err.decode()[-2000:]
+    assert json.loads(out.decode().strip().splitlines()[-1]) == {"health": 200, "mcp": 404, "loaded": []}

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -72,13 +71,14 @@ class McpHttp:
     async def start(cls, registry: SessionRegistry, settings: GatewaySettings) -> McpHttp | None:
         """Build the MCP server over ``registry`` and start serving it; None (logged) when the
         optional ``mcp`` package is not installed."""
-        if importlib.util.find_spec("mcp") is None:
-            log.info("MCP over HTTP is off: install sandkernel[mcp] for /mcp")
-            return None
-        from mcp.server.transport_security import TransportSecuritySettings
+        try:
+            from mcp.server.transport_security import TransportSecuritySettings
 
-        from sandkernel.gateway.mcp.http_sessions import HttpSessions, note_started_sessions
-        from sandkernel.gateway.mcp.tools import build_mcp_server
+            from sandkernel.gateway.mcp.http_sessions import HttpSessions, note_started_sessions
+            from sandkernel.gateway.mcp.tools import build_mcp_server
+        except ImportError as missing:
+            log.info("MCP over HTTP is off (%s): install sandkernel[mcp] for /mcp", missing)
+            return None
 
         idle = settings.idle_timeout if settings.idle_timeout is not None else DEFAULT_MCP_IDLE_SECONDS
         sessions = HttpSessions(registry, idle)
