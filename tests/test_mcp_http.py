@@ -8,6 +8,7 @@ discovers the modern one (checked below), so both are what real clients send.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import logging
@@ -30,6 +31,7 @@ from .gateway_fixtures import ALICE, BOB, Gateway, start_gateway, stop_gateway
 LEGACY = "legacy"
 MODERN = "2026-07-28"
 MODES = [LEGACY, MODERN]
+FIGURE = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
 MODERN_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": MODERN}
 
 
@@ -107,10 +109,15 @@ async def test_state_is_kept_across_calls_and_recorded_as_mcp(gateway: Gateway, 
         assert not second.is_error and text_of(second) == "42"
         assert second.structured_content["session_id"] == sid
         assert second.structured_content["execution_count"] == 2
+        failed = await run(client, "1 / 0", session_id=sid)
+        assert failed.is_error and "Traceback" in text_of(failed) and "ZeroDivisionError" in text_of(failed)
+        figure = await run(client, FIGURE, session_id=sid)
+        [image] = [block for block in figure.content if block.type == "image"]
+        assert image.mime_type == "image/png" and base64.b64decode(image.data).startswith(b"\x89PNG")
 
         notebook = await client.read_resource(f"sandkernel://sessions/{sid}/notebook")
         cells = [c for c in json.loads(notebook.contents[0].text)["cells"] if c["cell_type"] == "code"]
-        assert [c["source"] for c in cells] == ["x = 41\nx", "x + 1"]
+        assert [c["source"] for c in cells] == ["x = 41\nx", "x + 1", "1 / 0", FIGURE]
         assert {c["metadata"]["sandkernel"]["source"] for c in cells} == {"mcp"}
     await close_all(gateway, "alice", live_ids(gateway, "alice") - before)
 

@@ -10,6 +10,7 @@ check would not see them: each test looks for them by their ``sandkernel.session
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -86,7 +87,10 @@ async def test_stdio_server_keeps_state_records_the_notebook_and_cleans_up_on_ex
         second = await client.call_tool("run_python", {"code": "x + 1"})
         assert text_of(second) == "42"
         failed = await client.call_tool("run_python", {"code": "undefined_name"})
-        assert failed.is_error and "NameError" in text_of(failed)
+        assert failed.is_error and "NameError" in text_of(failed) and "Traceback" in text_of(failed)
+        figure = await client.call_tool("run_python", {"code": FIGURE})
+        [image] = [block for block in figure.content if block.type == "image"]
+        assert image.mime_type == "image/png" and base64.b64decode(image.data).startswith(b"\x89PNG")
         assert containers_of(session_id)
     # the client's exit closed stdin: the server deleted the session before it exited
     assert wait_until(lambda: not containers_of(session_id)), "the session's container outlived the client"
@@ -94,10 +98,12 @@ async def test_stdio_server_keeps_state_records_the_notebook_and_cleans_up_on_ex
     notebook = nbformat.read(path, as_version=4)
     nbformat.validate(notebook)
     cells = [c for c in notebook.cells if c.cell_type == "code"]
-    assert [c.source for c in cells] == ["x = 41", "x + 1", "undefined_name"]
+    assert [c.source for c in cells] == ["x = 41", "x + 1", "undefined_name", FIGURE]
     assert {c.metadata["sandkernel"]["source"] for c in cells} == {"mcp"}
     assert cells[1].outputs[0]["data"]["text/plain"] == "42"
 
+
+FIGURE = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
 
 CLIENT = """
 import asyncio, json, os, sys
