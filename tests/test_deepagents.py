@@ -209,7 +209,7 @@ async def test_an_edit_too_large_to_send_inline_goes_through_tmp(use):
     assert edited.error is None and edited.occurrences == 1
     [content] = await use("download_files", [path])
     assert content.content == f"start\n{new}\nend\n".encode()
-    leftovers = await use("execute", "ls -a /tmp | grep -c deepagents_edit || true")
+    leftovers = await use("execute", "find /tmp -maxdepth 1 -name '.deepagents_edit_*' | wc -l")  # not ls: gVisor
     assert leftovers.output.strip() == "0"  # deepagents' own command removed its temp files
     refused = await use("upload_files", [("/tmp/../etc/x", b"x"), ("/tmp/big", b"x" * 700_001)])
     assert [r.error for r in refused] == ["invalid_path", "too_large"]
