@@ -22,6 +22,10 @@ for runtime in "${runtimes[@]}"; do
     step "throughput, density and output ($runtime)"
     python throughput_density.py --runtime "$runtime" --sessions "$(n "$sessions" 3)" --seconds "$(n 5 1)" --repeats "$(n 5 1)"
 done
+for runtime in "${runtimes[@]}"; do
+    step "what each door adds to a call ($runtime): MCP over HTTP, shell, deepagents vs the session API"
+    python door_roundtrip.py --n "$(n 100 3)" --runtime "$runtime"
+done
 step "transcript recording overhead"
 python recording_overhead.py --n "$(n 300 5)"
 step "stateful session vs a fresh process per call (agent, CSV scenario)"

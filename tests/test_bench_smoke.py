@@ -25,6 +25,7 @@ def test_bench_suite_runs_and_summarises(tmp_path):
     acquire = json.loads((tmp_path / "session_acquire.json").read_text())
     assert {"warm pool", "cold start", "bare docker run + ipykernel"} <= set(acquire["runc"])
     names = ("cold_start.json", "execute_roundtrip.json", "recording_overhead.json", "agent_roundtrips.json")
+    assert "MCP run_python, legacy MCP session" in json.loads((tmp_path / "door_roundtrip.json").read_text())["runc"]
     for name in (*names, "throughput_density.json"):
         assert json.loads((tmp_path / name).read_text()), name
     summary = (tmp_path / "SUMMARY.md").read_text()
