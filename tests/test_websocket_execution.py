@@ -211,6 +211,17 @@ async def test_a_failed_execute_aborts_the_queue_behind_it(gw, session):
     assert last["outputs"][0]["text"] == "False False\n"
 
 
+async def stream_seen(ws, msg_id: str, text: str) -> None:
+    """Until the execution ``msg_id`` has printed ``text``."""
+    while True:
+        frame = await ws.read_message()
+        assert frame is not None, "websocket closed"
+        data = json.loads(frame)
+        mine = data.get("parent_header", {}).get("msg_id") == msg_id
+        if mine and data["msg_type"] == "stream" and text in data["content"]["text"]:
+            return
+
+
 @pytest.fixture
 async def untimed_session(gw):
     """A session whose timeout is far away, so only the client's interrupt can end its cell."""
@@ -224,11 +235,13 @@ async def untimed_session(gw):
 async def test_websocket_interrupt_ends_the_execution_as_interrupted(gw, untimed_session):
     session = untimed_session
     ws = await connect(gw, session["kernel"]["id"])
-    code = "import time; time.sleep(100)"
+    code = "import time; print('sleeping', flush=True); time.sleep(100)"
     try:
         msg = execute_request(code)
         await ws.write_message(json.dumps(msg))
-        await wait_for_busy(gw, session)
+        # Interrupt once the code runs: a SIGINT that reaches the kernel before it has started the
+        # cell (the session is already busy then) interrupts nothing, and the cell would sleep on.
+        await asyncio.wait_for(stream_seen(ws, msg["header"]["msg_id"], "sleeping"), 60)
         interrupt = execute_request("")
         interrupt["channel"] = "control"
         interrupt["header"]["msg_type"] = "interrupt_request"
