@@ -17,28 +17,19 @@ import argparse
 import asyncio
 import contextlib
 import json
-import statistics
 import time
 from collections.abc import Awaitable, Callable
 
 import httpx2
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
+from execute_roundtrip import stats
 from results_dir import results_path
 
 from sandkernel.integrations.deepagents import SandkernelSandbox
 from sandkernel.local_gateway import local_gateway
 
 BASELINE = "session API execute 1+1"
-
-
-def stats(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-    return {
-        "p50_ms": statistics.median(ordered) * 1000,
-        "p95_ms": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))] * 1000,
-        "n": len(ordered),
-    }
 
 
 @contextlib.asynccontextmanager
