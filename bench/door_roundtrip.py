@@ -21,9 +21,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 import httpx2
+from execute_roundtrip import stats
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from execute_roundtrip import stats
 from results_dir import results_path
 
 from sandkernel.integrations.deepagents import SandkernelSandbox
