@@ -37,13 +37,14 @@ session, whose default session it then closes when that MCP session ends).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from mcp.server.context import ServerRequestContext
 
-from sandkernel.errors import ConfigError
+from sandkernel.errors import ConfigError, KernelNotFoundError, SandboxLostError
 from sandkernel.gateway.registry import ManagedSession, SessionRegistry
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,8 @@ class TenantResolver:
             return self.registry.get(self.tenant, session_id)
         async with self._lock:
             if self.default_id is not None:
-                live = {m.id: m for m in self.registry.list(self.tenant)}
-                if self.default_id in live:
-                    return live[self.default_id]
+                with contextlib.suppress(KernelNotFoundError, SandboxLostError):
+                    return self.registry.get(self.tenant, self.default_id)
                 log.info("the default MCP session is gone; starting another", extra={"session": self.default_id})
             managed = await self.create(self.defaults)
             self.default_id = managed.id

@@ -17,6 +17,7 @@ generic tool error and logs it).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import json
@@ -75,7 +76,18 @@ SessionId = Annotated[
 # -- images -------------------------------------------------------------------------------------
 
 
-def _image_blocks(outputs: list[dict[str, Any]]) -> list[ContentBlock]:
+async def _fitted(data: bytes, mime: str) -> tuple[bytes, str] | str:
+    """:func:`fit_image` in a worker thread: decoding and resizing a large image would hold up
+    the gateway's event loop (every other session's traffic) for its whole duration."""
+    return await asyncio.to_thread(fit_image, data, mime)
+
+
+def _image_content(fitted: tuple[bytes, str]) -> ImageContent:
+    data, mime = fitted
+    return ImageContent(type="image", data=base64.b64encode(data).decode(), mime_type=mime)
+
+
+async def _image_blocks(outputs: list[dict[str, Any]]) -> list[ContentBlock]:
     """One image block per displayed image (the bundle's preferred image type), in order."""
     blocks: list[ContentBlock] = []
     for output in outputs:
@@ -90,11 +102,8 @@ def _image_blocks(outputs: list[dict[str, Any]]) -> list[ContentBlock]:
         except (binascii.Error, ValueError):
             blocks.append(TextContent(type="text", text=f"[{mime} image not shown: its data is not base64]"))
             continue
-        fitted = fit_image(raw, mime)
-        if isinstance(fitted, str):
-            blocks.append(TextContent(type="text", text=fitted))
-        else:
-            blocks.append(ImageContent(type="image", data=base64.b64encode(fitted[0]).decode(), mime_type=fitted[1]))
+        fitted = await _fitted(raw, mime)
+        blocks.append(TextContent(type="text", text=fitted) if isinstance(fitted, str) else _image_content(fitted))
     return blocks
 
 
@@ -192,7 +201,7 @@ class McpTools:
             "truncation": reply["truncation"],
             "error": {"name": reply["error"]["name"], "value": reply["error"]["value"]} if reply["error"] else None,
         }
-        images = _image_blocks(reply["outputs"])
+        images = await _image_blocks(reply["outputs"])
         return _result(_execution_text(reply), structured, reply["status"] != "ok", images)
 
     async def run_shell(
@@ -274,9 +283,9 @@ class McpTools:
         mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
         info: dict[str, Any] = {"session_id": managed.id, "path": path, "size": len(data), "mime_type": mime}
         if is_api_image(mime):
-            fitted = fit_image(data, mime)
+            fitted = await _fitted(data, mime)
             if not isinstance(fitted, str):
-                image = ImageContent(type="image", data=base64.b64encode(fitted[0]).decode(), mime_type=fitted[1])
+                image = _image_content(fitted)
                 return _result(f"{path}: {len(data)} bytes, {mime}", {**info, "encoding": "image"}, extra=[image])
         try:
             text = data.decode()
