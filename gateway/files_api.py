@@ -7,6 +7,7 @@ each with its own status (a closed session is a 404, a missing container too; ne
 
 from __future__ import annotations
 
+from sandkernel.doors import SESSION_API
 from sandkernel.gateway.base import ApiError
 from sandkernel.gateway.sessions_api import SessionScoped
 from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFiles
@@ -33,10 +34,7 @@ class FilesHandler(SessionScoped):
             raise ApiError(400, "PUT needs a file path: /api/sessions/{id}/files/{path}")
         if len(self.body) > MAX_FILE_BYTES:
             raise ApiError(413, f"upload is over the limit of {MAX_FILE_BYTES} bytes", "too_large")
-        written = await self._files(session_id).write(path, self.body)
-        recorder = self.managed(session_id).recorder
-        if recorder is not None:  # so a replay can restore the session's inputs
-            recorder.record_input(written.get("path", path), self.body)
+        written = await self.managed(session_id).write_file(path, self.body, door=SESSION_API)
         self.write_json(written, status=201)
 
 

@@ -17,11 +17,12 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import hashlib
 import logging
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandboxLostError
 from sandkernel.gateway.metrics import GatewayMetrics
@@ -32,9 +33,16 @@ from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
 from sandkernel.kernels.lifecycle.pool import WarmPool
+from sandkernel.kernels.lifecycle.profiles import Profile
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
+from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
 from sandkernel.notebooks.observer import attach_transcript
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
+
+if TYPE_CHECKING:
+    from sandkernel.gateway.audit.log import AuditLog
+    from sandkernel.gateway.breakers import SessionBreaker
+    from sandkernel.gateway.controls import SessionControls
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +88,17 @@ class ManagedSession:
     # websockets that (re)connect (settled_replies.py)
     settled_replies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     active_mono: float = dataclasses.field(default_factory=time.monotonic)
+    breaker: SessionBreaker | None = None  # its circuit breaker (gateway/controls.py attaches it)
+    audit: AuditLog | None = None  # the gateway's audit stream, when it writes one
 
     @property
     def id(self) -> str:
         return self.session.id
+
+    def audit_record(self, event: str, door: str | None = None, **fields: Any) -> None:
+        """Add a record about this session to the audit stream, if there is one."""
+        if self.audit is not None:
+            self.audit.record(event, tenant=self.tenant, session=self.id, door=door, **fields)
 
     def touch(self, state: str | None = None) -> None:
         self.last_activity = _now()
@@ -95,12 +110,34 @@ class ManagedSession:
         """Interrupt the running execution: what both the kernel and the session API's
         ``/interrupt`` do."""
         await self.session.interrupt()
+        self.audit_record("session_interrupted")
 
     async def restart(self) -> None:
         """Restart the kernel (memory state dropped, /workspace kept); the fresh kernel is idle
-        whatever was running before: what both the kernel and the session API's ``/restart`` do."""
+        whatever was running before: what both the kernel and the session API's ``/restart`` do.
+        A restart asked for is also how a caller takes a quarantined session back (its breaker
+        is cleared)."""
         await self.session.restart()
         self.touch("idle")
+        if self.breaker is not None:
+            self.breaker.clear()
+        self.audit_record("session_restarted")
+
+    async def write_file(self, path: str, data: bytes, door: str) -> dict[str, Any]:
+        """Write a tenant's file into /workspace (inside the sandbox), keep a copy in the
+        transcript so a replay can restore the session's inputs, and audit it: what every door
+        that uploads (the files API, MCP) does."""
+        written = await WorkspaceFiles(self.session.container).write(path, data)
+        if self.recorder is not None:
+            self.recorder.record_input(written.get("path", path), data)
+        self.audit_record(
+            "file_written",
+            door=door,
+            path=written.get("path", path),
+            size=len(data),
+            sha256=hashlib.sha256(data).hexdigest(),
+        )
+        return written
 
     def kernel_model(self) -> dict[str, Any]:
         """The Jupyter kernel model (what /api/kernels returns)."""
@@ -124,6 +161,7 @@ class ManagedSession:
             "profile": self.session.profile.to_dict(public=True),
             "metadata": self.metadata,
             "state": SandboxState.RUNNING.value,
+            "quarantined": self.breaker.quarantined if self.breaker is not None else None,
         }
 
     def gateway_record(self, **extra: Any) -> dict[str, Any]:
@@ -210,17 +248,20 @@ class SessionRegistry:
         pool: WarmPool | None = None,
         metrics: GatewayMetrics | None = None,
         store: SessionStore | None = None,
+        controls: SessionControls | None = None,
     ) -> None:
         """``settings`` gives the limits (sessions per tenant and in all, idle timeout, lifetime)
         and the notebook directory; ``catalog`` what tenants may ask for (built-in profiles when
         None); ``pool`` the warm sandboxes, if any; ``metrics`` the gateway's counters; ``store``
-        the session catalog every session is recorded in (None: sessions are not durable)."""
+        the session catalog every session is recorded in (None: sessions are not durable);
+        ``controls`` the operator's policy, breakers, accounting and audit (None: none)."""
         self.settings = settings
         self.metrics = metrics or GatewayMetrics()
         self.pool = pool
         self.catalog = catalog or ProfileCatalog.load()
         self.store = store
         self.writer = CatalogWriter(store) if store is not None else None
+        self.controls = controls
         self._sessions: dict[str, ManagedSession] = {}
         self._lost: dict[str, LostSession] = {}
         self._pending: dict[str, int] = {}
@@ -274,13 +315,14 @@ class SessionRegistry:
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         try:
             session = await self.pool.acquire() if self.pool is not None and self.pool.matches(chosen) else None
+            pooled = session is not None
             session_id = session.id if session else uuid.uuid4().hex
             recorder = TranscriptRecorder(
                 notebook_path_for(session_id, self.settings.notebook_dir),
-                {"tenant": tenant, "client_metadata": dict(metadata or {}), "warm_pool": session is not None},
+                {"tenant": tenant, "client_metadata": dict(metadata or {}), "warm_pool": pooled},
             )
             if session is None:
-                session = await KernelSession.start(profile=chosen, session_id=session_id)
+                session = await self._cold_start(chosen, session_id)
             await attach_transcript(session, recorder)
             kernel_name = kernel_name_for(session.profile.runtime)
             managed = ManagedSession(
@@ -289,10 +331,31 @@ class SessionRegistry:
             await self._record(managed)
         finally:
             self._pending[tenant] -= 1
-        observe(managed, self.metrics, self.writer)
+        self._observe(managed)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})
+        managed.audit_record(
+            "session_created",
+            door=origin,
+            profile=profile or "default",
+            runtime=session.profile.runtime.value,
+            warm_pool=pooled,
+        )
         return managed
+
+    async def _cold_start(self, profile: Profile, session_id: str) -> KernelSession:
+        """Start a sandbox (none was waiting in the pool), through the start breaker if any."""
+        if self.controls is None:
+            return await KernelSession.start(profile=profile, session_id=session_id)
+        return await self.controls.start_breaker.guard(
+            lambda: KernelSession.start(profile=profile, session_id=session_id)
+        )
+
+    def _observe(self, managed: ManagedSession) -> None:
+        """Attach the gateway's observers and the operator's controls to a session it takes on."""
+        observe(managed, self.metrics, self.writer)
+        if self.controls is not None:
+            self.controls.attach(managed)
 
     async def _record(self, managed: ManagedSession) -> None:
         """Write a new session to the catalog (replacing its pool record, if it was pooled);
@@ -314,7 +377,7 @@ class SessionRegistry:
 
     def add_adopted(self, managed: ManagedSession) -> None:
         """A session a previous gateway process made, adopted at start-up (gateway/adoption.py)."""
-        observe(managed, self.metrics, self.writer)
+        self._observe(managed)
         self._sessions[managed.id] = managed
 
     def add_lost(self, lost: LostSession) -> None:
@@ -357,13 +420,15 @@ class SessionRegistry:
         models += [s.session_model() for s in self._lost.values() if s.tenant == tenant]
         return models
 
-    async def delete(self, tenant: str, session_id: str, keep_notebook: bool = True) -> None:
+    async def delete(self, tenant: str, session_id: str, keep_notebook: bool = True, reason: str = "deleted") -> None:
         """Forget the session, remove its container and its catalog record. The removal is
         shielded: a cancelled caller (a culler stopped mid-way, a client gone) never leaves a
         container behind, and :meth:`shutdown_all` waits for removals still under way. A lost
         session's leftovers are discarded (a refused one's are left for the operator); its
-        transcript is kept."""
+        transcript is kept. ``reason`` goes in the audit record (deleted, culled, ...)."""
         found = self.find(tenant, session_id)
+        if self.controls is not None and self.controls.audit is not None:
+            self.controls.audit.record("session_deleted", tenant=tenant, session=session_id, reason=reason)
         if isinstance(found, LostSession):
             self._lost.pop(session_id, None)
             task = asyncio.create_task(self._discard(found))
@@ -404,6 +469,10 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
+    def quarantined(self) -> int:
+        """How many live sessions their circuit breaker has quarantined."""
+        return sum(1 for m in self._sessions.values() if m.breaker is not None and m.breaker.quarantined)
+
     async def cull(self) -> list[str]:
         """Delete sessions idle longer than ``idle_timeout`` or older than ``max_lifetime``
         (busy ones are left to finish). Returns the culled ids. Lost sessions are not culled:
@@ -422,7 +491,7 @@ class SessionRegistry:
         ]
         for managed in doomed:
             log.info("culling session", extra={"session": managed.id, "tenant": managed.tenant})
-            await self.delete(managed.tenant, managed.id)
+            await self.delete(managed.tenant, managed.id, reason="culled")
         return [m.id for m in doomed]
 
     # -- stopping ---------------------------------------------------------------------------

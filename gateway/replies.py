@@ -58,12 +58,19 @@ async def run_shell(managed: ManagedSession, command: object, timeout: object, s
         shell_code(command, seconds),
         timeout=min(execution_timeout(seconds), MAX_EXECUTE_TIMEOUT),
         source=source,
+        shell=command,
     )
     shell = shell_result(list(result.outputs), result.status.value)
-    return {
+    reply = {
         **shell.to_dict(),
         "duration": result.duration,
         "execution_count": result.execution_count,
         "ended_by": result.ended_by.value if result.ended_by else None,
         "state_lost": result.state_lost,
+        "accounting": result.accounting,
+        "policy": list(result.policy),
+        "refusal": result.refusal,
     }
+    if result.refusal is not None:  # nothing ran: the output is why, for the model to act on
+        reply["output"] = str(result.refusal.get("message", ""))
+    return reply

@@ -250,10 +250,13 @@ class Gateway:
         catalog = ProfileCatalog.load(settings.profiles_file, runtime, load_egress_policy(settings.egress_policy_file))
         store = await asyncio.to_thread(open_store)
         mcp: McpHttp | None = None
+        controls: Any = None
         try:
             default = catalog.profile("default")
             pool = WarmPool(settings.pool_size, default, store=store) if settings.pool_size > 0 else None
-            registry = SessionRegistry(settings, catalog, pool, GatewayMetrics(), store)
+            metrics = GatewayMetrics()
+            controls = None  # stage 1: SessionControls.from_settings once the helpers' modules land
+            registry = SessionRegistry(settings, catalog, pool, metrics, store, controls)
             records = await store.load()
             report = await adopt_all(registry, records)
             log.info("start-up adoption: %s", report.summary())
@@ -272,6 +275,8 @@ class Gateway:
         except BaseException:
             if mcp is not None:
                 await mcp.stop()
+            if controls is not None:
+                await controls.close()
             await store.close()
             raise
         if pool is not None:

@@ -47,6 +47,7 @@ ENV_PREFIX = "SANDKERNEL_"
 CONFIG_ENV = "SANDKERNEL_CONFIG"
 RUNTIME_CHOICES = ("auto", "runc", "runsc")
 ON_EXIT_CHOICES = ("keep", "delete")
+BREAKER_ACTIONS = ("quarantine", "restart")
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
 
@@ -173,6 +174,57 @@ class GatewaySettings:
     notebook_dir: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
         None, "where transcripts go", metavar="DIR", shown_default="~/.local/share/sandkernel/notebooks"
     )
+
+    # -- production controls: accounting, policy, breakers, audit ---------------------------
+    accounting: bool = _setting(
+        True, "measure every cell on the host: CPU, peak memory, files written (SHA-256), egress, packages"
+    )
+    exec_policy_file: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None,
+        "TOML execution policy: a static review of code before it runs, each rule allow / warn / deny "
+        "(advisory: the sandbox stays the boundary); see docs/exec-policy.example.toml",
+        flag="exec-policy",
+        metavar="FILE",
+        shown_default="off",
+    )
+    breaker_ooms: int = _setting(
+        3, "OOM kills in a row that quarantine a session (0: never)", metavar="N", maximum=1000
+    )
+    breaker_timeouts: int = _setting(
+        5, "timeouts in a row that quarantine a session (0: never)", metavar="N", maximum=1000
+    )
+    breaker_action: str = _setting(
+        "quarantine",
+        "what a tripped session breaker does: quarantine (executes refused until the session is restarted) "
+        "or restart (the kernel is restarted and the count starts again)",
+        choices=BREAKER_ACTIONS,
+    )
+    start_failures: int = _setting(
+        3,
+        "sandbox starts failing in a row (Docker down or too slow) before new sessions are refused at once "
+        "with 503 and Retry-After (0: never)",
+        metavar="N",
+        maximum=1000,
+    )
+    start_slow_seconds: float = _setting(
+        60.0, "a sandbox start slower than this counts as a failure", metavar="S", positive=True
+    )
+    start_cooldown: float = _setting(
+        10.0,
+        "seconds new sessions are refused once the start breaker opens, before it tries again",
+        metavar="S",
+        positive=True,
+        maximum=3600.0,
+    )
+    audit: bool = _setting(True, "write the audit stream: one tamper-evident JSON line per change of state")
+    audit_dir: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None, "where the audit stream goes (audit.jsonl, rotated)", metavar="DIR", shown_default="<state dir>/audit"
+    )
+    audit_code: bool = _setting(True, "keep the code itself in audit records (its SHA-256 is always kept)")
+    audit_max_bytes: int = _setting(
+        64 * 1024 * 1024, "size at which the audit file is rotated", metavar="BYTES", positive=True
+    )
+    audit_keep: int = _setting(10, "rotated audit files kept (older ones are deleted)", metavar="N", positive=True)
 
     # -- what one execute reply may carry (see gateway/budget.py) ---------------------------
     output_budget: int = _setting(64 * 1024, "bytes of text per execute reply", metavar="BYTES")

@@ -247,6 +247,10 @@ async def _run_cells(
         if until is not None and index > until:
             verdict = CellVerdict(index, Verdict.NOT_RUN)
             replayed = _unrun_cell(code, cell, new_id)
+        elif _recorded(cell).get("status") == ExecutionStatus.REFUSED.value:
+            # A gate refused it in the original session: it never ran then, so it is not run now.
+            verdict = CellVerdict(index, Verdict.NOT_RUN, note="refused when recorded: it never ran")
+            replayed = _unrun_cell(code, cell, new_id)
         else:
             for upload in uploads:
                 if upload.before_cell == index - 1:
@@ -265,6 +269,14 @@ async def _run_cells(
     if missing_ids:
         notes.append(f"{missing_ids} cells had no id (nbformat before 4.5); the replay gives every cell one")
     return cells, verdicts
+
+
+def _recorded(cell: dict[str, Any]) -> dict[str, Any]:
+    """What the original session recorded of a cell (``metadata.sandkernel``), or {} (any
+    notebook may be replayed: the field may be missing or of any type)."""
+    metadata = cell.get("metadata")
+    recorded = metadata.get("sandkernel") if isinstance(metadata, dict) else None
+    return recorded if isinstance(recorded, dict) else {}
 
 
 def _unrun_cell(code: str, cell: dict[str, Any], new_id: str) -> dict[str, Any]:
@@ -290,8 +302,7 @@ def judge(
     the original transcript recorded the same), else its outputs compared with the original's.
     ``lost`` (cell, sentence) is the last loss of the kernel's state: a difference after it
     says so, since a later NameError is then the restart's doing, not the cell's."""
-    recorded = original.get("metadata", {}).get("sandkernel", {}) if isinstance(original.get("metadata"), dict) else {}
-    recorded_status = recorded.get("status") if isinstance(recorded, dict) else None
+    recorded_status = _recorded(original).get("status")
     if result.status in (ExecutionStatus.KERNEL_DIED, ExecutionStatus.OOM, ExecutionStatus.TIMEOUT):
         if result.status is ExecutionStatus.TIMEOUT:
             verdict = Verdict.TIMED_OUT

@@ -42,6 +42,12 @@ def result_to_cell(
             "outputs_dropped": result.outputs_dropped,
             "bytes_omitted": result.bytes_omitted,
         }
+    if result.accounting is not None:  # JupyterLab shows it in the cell's metadata
+        info["accounting"] = result.accounting
+    if result.policy:
+        info["policy"] = list(result.policy)
+    if result.refusal is not None:  # nothing ran: replay skips the cell
+        info["refusal"] = result.refusal
     if tag:
         info["tag"] = tag
     if source:

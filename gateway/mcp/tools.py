@@ -256,11 +256,9 @@ class McpTools:
             raise ToolError(f"the file is {len(data)} bytes; the limit is {MAX_FILE_BYTES}")
         managed = await self.managed(ctx, session_id)
         try:
-            written = await WorkspaceFiles(managed.session.container).write(path, data)
+            written = await managed.write_file(path, data, door=SOURCE)
         except SandkernelError as err:
             raise _tool_error(err) from err
-        if managed.recorder is not None:  # a replay restores the session's inputs
-            managed.recorder.record_input(written.get("path", path), data)
         managed.touch()
         where = written.get("path", path)
         return _result(f"wrote {len(data)} bytes to /workspace/{where}", {"session_id": managed.id, **written})

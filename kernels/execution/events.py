@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Protocol
 
 from sandkernel.kernels.execution.outputs import ExecutionResult
 
@@ -36,11 +36,38 @@ class ExecutionRequest:
     tag: str | None = None
     silent: bool = False
     started_at: str = ""  # ISO 8601, UTC
+    # The command, when the door is the shell door: ``code`` is then the cell sandkernel.shell
+    # generated for it, and a reviewer judges the command, not that cell.
+    shell: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON for the session catalog: what a later process needs to settle it (see
         KernelSession.resume)."""
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What a gate says of an execution before it runs.
+
+    ``findings`` ride on the result (``policy``: warnings, and the rule behind a refusal);
+    ``refusal`` ({"by", "rule", "message"}) means the code does not reach the kernel."""
+
+    findings: tuple[dict[str, Any], ...] = ()
+    refusal: dict[str, Any] | None = None
+
+
+ALLOW = Verdict()
+
+
+class ExecutionGate(Protocol):
+    """Something that judges an execution before it reaches the kernel (the operator's execution
+    policy, a session's circuit breaker). Gates are asked in order, before the execute lock is
+    taken (a refused execution never waits in the queue); ``request.msg_id`` is still "" then.
+    A gate that raises is logged and counts as allowing: the sandbox, not the gate, is the
+    security boundary, and a broken reviewer must not stop every session."""
+
+    async def admit(self, request: ExecutionRequest) -> Verdict: ...
 
 
 class SessionObserver:

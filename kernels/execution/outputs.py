@@ -34,6 +34,9 @@ class ExecutionStatus(str, enum.Enum):
     # The gateway stopped (restart, upgrade) while the code ran: the caller got what was produced
     # so far; the code itself kept running in the kernel, and the next gateway records its end.
     DETACHED = "detached"
+    # A gate (the operator's execution policy, a session's circuit breaker) refused the code
+    # before it reached the kernel: nothing ran. ``refusal`` says who, which rule and why.
+    REFUSED = "refused"
 
 
 class TimeoutStep(str, enum.Enum):
@@ -72,6 +75,13 @@ class ExecutionResult:
     chars_cut: int = 0  # stream text cut to bound memory (see OutputCollector)
     outputs_dropped: int = 0
     bytes_omitted: int = 0  # rich output replaced by markers over the execution's byte budget
+    # What the cell cost, measured on the host (CellMeter: CPU, peak memory, files, egress,
+    # packages); None when accounting is off or the code never ran.
+    accounting: dict[str, Any] | None = None
+    # The execution policy's findings: {"rule", "action": "warn"|"deny", "message", "line"}.
+    policy: tuple[dict[str, Any], ...] = ()
+    # Why the code did not run (status ``refused``): {"by": "policy"|"breaker", "rule", "message"}.
+    refusal: dict[str, Any] | None = None
 
     @property
     def text(self) -> str:
@@ -83,9 +93,30 @@ class ExecutionResult:
         data["status"] = self.status.value
         data["ended_by"] = self.ended_by.value if self.ended_by else None
         data["outputs"] = list(self.outputs)
+        data["policy"] = list(self.policy)
         if self.error:
             data["error"]["traceback"] = list(self.error.traceback)
         return data
+
+
+REFUSED_ENAME = "ExecutionRefused"
+
+
+def refused_result(refusal: dict[str, Any], findings: tuple[dict[str, Any], ...], started_at: str) -> ExecutionResult:
+    """The result of an execution a gate refused: one error output carrying the message (so a
+    model, JupyterLab and the transcript all read why), no execution count, nothing ran."""
+    message = str(refusal.get("message", "the execution was refused"))
+    output = {"output_type": "error", "ename": REFUSED_ENAME, "evalue": message, "traceback": [message]}
+    return ExecutionResult(
+        status=ExecutionStatus.REFUSED,
+        outputs=(output,),
+        execution_count=None,
+        started_at=started_at,
+        duration=0.0,
+        error=ErrorInfo(REFUSED_ENAME, message, (message,)),
+        policy=findings,
+        refusal=dict(refusal),
+    )
 
 
 # What one execution may hold in memory, whatever the code prints: a cell printing 1 GB must

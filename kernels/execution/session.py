@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jupyter_client import AsyncKernelManager
 
@@ -34,7 +34,14 @@ from sandkernel.errors import (
 from sandkernel.kernels.durable.adoption import discard as discard_sandbox
 from sandkernel.kernels.durable.adoption import durable_state
 from sandkernel.kernels.execution.deaths import DeathClassifier
-from sandkernel.kernels.execution.events import ExecutionRequest, Observers, SessionObserver
+from sandkernel.kernels.execution.events import (
+    ALLOW,
+    ExecutionGate,
+    ExecutionRequest,
+    Observers,
+    SessionObserver,
+    Verdict,
+)
 from sandkernel.kernels.execution.kernel import SandboxedKernel
 from sandkernel.kernels.execution.outputs import (
     ExecutionResult,
@@ -42,6 +49,7 @@ from sandkernel.kernels.execution.outputs import (
     OutputCallback,
     OutputCollector,
     TimeoutStep,
+    refused_result,
 )
 from sandkernel.kernels.execution.replies import OrphanReply, OwnShellReplies, RelayedReply, ReplySource
 from sandkernel.kernels.execution.variables import list_variables
@@ -49,6 +57,9 @@ from sandkernel.kernels.execution.watch import ExecutionWatch
 from sandkernel.kernels.lifecycle.profiles import NUMERIC_RANGES, Profile, resolve_profile
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
+
+if TYPE_CHECKING:
+    from sandkernel.kernels.execution.accounting import CellMeter
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +108,9 @@ class KernelSession:
         self._running: ExecutionRequest | None = None
         self._orphan_task: asyncio.Task | None = None  # an execution a previous process left running
         self.observers = Observers(self.id)
+        self._gates: list[ExecutionGate] = []
+        # Measures each cell on the host (CPU, peak memory, files, egress, packages); None: off.
+        self.meter: CellMeter | None = None  # (stage 1: CellMeter lands with helper A)
         self._own_replies = OwnShellReplies(self._kernel.read_shell)
 
     @classmethod
@@ -208,6 +222,38 @@ class KernelSession:
 
     def remove_observer(self, observer: SessionObserver) -> None:
         self.observers.remove(observer)
+
+    def add_gate(self, gate: ExecutionGate) -> None:
+        """Ask ``gate`` about every execution from now on, before it reaches the kernel."""
+        self._gates.append(gate)
+
+    def remove_gate(self, gate: ExecutionGate) -> None:
+        if gate in self._gates:
+            self._gates.remove(gate)
+
+    def set_accounting(self, enabled: bool) -> None:
+        """Measure each cell (the default) or not (the operator turned accounting off)."""
+        if not enabled:
+            self.meter = None
+        elif self.meter is None:
+            pass  # stage 1
+
+    async def _admit(self, request: ExecutionRequest) -> Verdict:
+        """Every gate's verdict on ``request``, in order: the first refusal stops the asking;
+        findings add up. A gate that raises counts as allowing (see ExecutionGate)."""
+        if not self._gates:
+            return ALLOW
+        findings: list[dict[str, Any]] = []
+        for gate in list(self._gates):
+            try:
+                verdict = await gate.admit(request)
+            except Exception:
+                log.exception("execution gate %s failed; allowing", type(gate).__name__, extra={"session": self.id})
+                continue
+            findings.extend(verdict.findings)
+            if verdict.refusal is not None:
+                return Verdict(tuple(findings), verdict.refusal)
+        return Verdict(tuple(findings))
 
     async def note(self, text: str) -> None:
         """Tell the observers something a reader of the session's record must know (markdown)."""
@@ -380,11 +426,14 @@ class KernelSession:
         on_output: OutputCallback | None = None,
         tag: str | None = None,
         source: str = "python",
+        shell: str | None = None,
     ) -> ExecutionResult:
         """Run ``code`` in the kernel and return its ordered outputs and status.
 
         ``on_output`` is awaited with each output (nbformat shape) as it arrives, for streaming.
-        ``source`` names the door, for the observers (the transcript records it).
+        ``source`` names the door, for the observers (the transcript records it). ``shell`` is
+        the command when ``code`` is the cell sandkernel.shell made for it (gates review the
+        command). A gate may refuse the code: status ``refused``, nothing ran.
 
         ``timeout`` is wall-clock seconds (default: the profile's ``execute_timeout``). Errors
         in the code are returned as status ``error``; timeouts, interrupts, kernel deaths and
@@ -398,7 +447,7 @@ class KernelSession:
             assert self._kernel.client is not None
             return self._kernel.client.execute(code, allow_stdin=False, stop_on_error=False)
 
-        return await self._run(code, limit, send, self._own_replies, on_output, tag, source, silent=False)
+        return await self._run(code, limit, send, self._own_replies, on_output, tag, source, silent=False, shell=shell)
 
     async def execute_relayed(
         self,
@@ -417,7 +466,8 @@ class KernelSession:
         unchanged, and returns the request's msg_id. The door hands the kernel's
         ``execute_reply`` to ``reply`` when it arrives on its socket. Serialisation, the timeout
         ladder (default: the profile's ``execute_timeout``), death and OOM classification, output
-        budgets and events are those of every execution.
+        budgets and events are those of every execution. A refused execution (status
+        ``refused``) never calls ``send``: the door answers its client itself.
         """
         limit = self.profile.execute_timeout if timeout is None else check_timeout(timeout)
         return await self._run(code, limit, send, reply, None, None, source, silent=silent)
@@ -434,10 +484,20 @@ class KernelSession:
         silent: bool,
         holding: asyncio.Event | None = None,
         settle: Callable[[ExecutionResult], ExecutionResult] | None = None,
+        shell: str | None = None,
     ) -> ExecutionResult:
         """``holding`` is set once the lock is held; ``settle`` adjusts the result before the
-        observers hear of it (an execution left running by a previous process)."""
+        observers hear of it (an execution left running by a previous process: already running,
+        so no gate is asked)."""
         self._check_open()
+        verdict = ALLOW
+        if settle is None:
+            asked = ExecutionRequest(code, source, "", timeout, tag, silent, _utcnow(), shell)
+            verdict = await self._admit(asked)
+            if verdict.refusal is not None:
+                result = refused_result(verdict.refusal, verdict.findings, asked.started_at)
+                await self.observers.emit("execution_finished", asked, result)
+                return result
         async with self._lock:
             if holding is not None:
                 holding.set()
@@ -446,7 +506,7 @@ class KernelSession:
             try:
                 with self._kernel.drain.reading():
                     request, result = await self._execute_locked(
-                        code, timeout, send, replies, on_output, tag, source, silent
+                        code, timeout, send, replies, on_output, tag, source, silent, shell
                     )
             except Exception as err:
                 if self._closed:  # shut down under the execution: its sockets closed, say so plainly
@@ -454,6 +514,8 @@ class KernelSession:
                 raise
             finally:
                 self._running = None
+            if verdict.findings:
+                result = dataclasses.replace(result, policy=verdict.findings)
             if settle is not None:
                 result = settle(result)
             await self.observers.emit("execution_finished", request, result)
@@ -470,17 +532,21 @@ class KernelSession:
         tag: str | None,
         source: str,
         silent: bool,
+        shell: str | None,
     ) -> tuple[ExecutionRequest, ExecutionResult]:
         if not await self._kernel.is_alive():
             status = await self._deaths.classify(self.container, None)
             await self._restart_kernel(self._deaths.sentence(status, between_executes=True))
         state_lost, self._pending_state_lost = self._pending_state_lost, None
         oom_before = await self._deaths.baseline(self.container)
+        meter = self.meter
+        if meter is not None:
+            await meter.start()
         started_at, t0 = _utcnow(), time.monotonic()
         epoch = self._kernel.epoch
         self._interrupt_requested = False
         msg_id = send()
-        request = ExecutionRequest(code, source, msg_id, timeout, tag, silent, started_at)
+        request = ExecutionRequest(code, source, msg_id, timeout, tag, silent, started_at, shell)
         self._running = request
         await self.observers.emit("execution_started", request)
         collector = OutputCollector(self._output_callback(request, on_output))
@@ -500,18 +566,21 @@ class KernelSession:
             status = await watch.reply_status()
         # A restart during this execution is reported now and again by the next one.
         state_lost = self._pending_state_lost or state_lost
+        duration = round(time.monotonic() - t0, 6)
+        accounting = await meter.finish(duration) if meter is not None else None
         result = ExecutionResult(
             status=status,
             outputs=collector.finished_outputs(),
             execution_count=collector.execution_count,
             started_at=started_at,
-            duration=round(time.monotonic() - t0, 6),
+            duration=duration,
             error=collector.error,
             ended_by=ended_by,
             state_lost=state_lost,
             chars_cut=collector.chars_cut,
             outputs_dropped=collector.outputs_dropped,
             bytes_omitted=collector.bytes_omitted,
+            accounting=accounting,
         )
         return request, result
 

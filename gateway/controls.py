@@ -1,0 +1,79 @@
+"""The operator's production controls, attached to every session the gateway holds.
+
+One object built at start-up from the settings: the execution policy (a gate asked before any
+code reaches a kernel), the session circuit breaker (a gate and an observer), per-cell
+accounting (on or off), the audit stream (an observer, plus the records the registry writes for
+session lifecycle and files) and the start breaker (around every cold sandbox start). The
+registry calls :meth:`SessionControls.attach` wherever it takes a session on (created, handed
+out of the pool, adopted), so no door can run code around them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from sandkernel.gateway.audit.log import AuditLog
+from sandkernel.gateway.audit.observer import AuditObserver
+from sandkernel.gateway.breakers import SessionBreaker, StartBreaker
+from sandkernel.gateway.metrics import GatewayMetrics
+from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.kernels.policy import ExecPolicy, PolicyGate, load_policy
+from sandkernel.kernels.sandbox.state_dir import state_dir
+
+if TYPE_CHECKING:
+    from sandkernel.gateway.registry import ManagedSession
+
+AUDIT_SUBDIR = "audit"
+
+
+@dataclasses.dataclass
+class SessionControls:
+    """What the operator turned on, and the one place it is attached to a session."""
+
+    settings: GatewaySettings
+    metrics: GatewayMetrics
+    start_breaker: StartBreaker
+    policy: ExecPolicy | None = None
+    audit: AuditLog | None = None
+
+    @classmethod
+    def from_settings(cls, settings: GatewaySettings, metrics: GatewayMetrics) -> SessionControls:
+        """Read the policy file (ConfigError names the line at fault) and open the audit stream
+        (both blocking: called once at start-up, before the gateway listens)."""
+        policy = load_policy(settings.exec_policy_file) if settings.exec_policy_file is not None else None
+        audit = None
+        if settings.audit:
+            audit = AuditLog.open(
+                audit_dir(settings),
+                include_code=settings.audit_code,
+                max_bytes=settings.audit_max_bytes,
+                keep=settings.audit_keep,
+            )
+        return cls(settings, metrics, StartBreaker(settings, metrics), policy, audit)
+
+    def attach(self, managed: ManagedSession) -> None:
+        """Put the controls on a session the registry takes on: policy first (a refused cell
+        never counts toward the breaker), then the breaker, accounting and the audit observer."""
+        session = managed.session
+        session.set_accounting(self.settings.accounting)
+        if self.policy is not None:
+            session.add_gate(PolicyGate(self.policy))
+        breaker = SessionBreaker(managed, self.settings, self.metrics)
+        managed.breaker = breaker
+        session.add_gate(breaker)
+        session.add_observer(breaker)
+        managed.audit = self.audit
+        if self.audit is not None:
+            session.add_observer(AuditObserver(managed, self.audit))
+
+    async def close(self) -> None:
+        """Flush the audit stream (the gateway stops)."""
+        if self.audit is not None:
+            await self.audit.close()
+
+
+def audit_dir(settings: GatewaySettings) -> Path:
+    """Where the audit stream goes: the operator's choice, else under the state dir."""
+    return settings.audit_dir if settings.audit_dir is not None else state_dir(AUDIT_SUBDIR)
