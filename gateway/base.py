@@ -5,13 +5,16 @@ them: :func:`error_reply` is the one mapping (the websocket handler uses it too)
 :class:`~sandkernel.errors.SandkernelError` carries its own status and code (see
 sandkernel/errors.py), so handlers simply let session-layer errors propagate; an :class:`ApiError`
 is a handler's own refusal of a request. Anything else is a bug: it is logged once with its
-traceback and the client gets a 500 whose message says only that it was logged.
+traceback and the client gets a 500 whose message says only that it was logged. An error that
+carries ``retry_after`` (seconds) is answered with ``Retry-After`` (:func:`retry_after_of`), so a
+client waits for an engine that restarts, an open start breaker or a gateway that restarts.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from http import HTTPStatus
 from typing import Any
 
@@ -34,15 +37,25 @@ RETRY_AFTER_SECONDS = 2
 class ApiError(web.HTTPError):
     """A handler's refusal of a request: an HTTP status, a machine code and a sentence for people."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, retry_after: float | None = None) -> None:
         super().__init__(status, reason=HTTPStatus(status).phrase)
         self.message = message
         self.code = code or _phrase_code(status)
+        self.retry_after = retry_after
 
 
 def restarting_error() -> ApiError:
     """The 503 a request gets while the gateway stops: the next process will serve it."""
-    return ApiError(503, RESTARTING_MESSAGE, "gateway_restarting")
+    return ApiError(503, RESTARTING_MESSAGE, "gateway_restarting", retry_after=RETRY_AFTER_SECONDS)
+
+
+def retry_after_of(err: BaseException | None) -> int | None:
+    """The ``Retry-After`` seconds for an error that says when to retry (whole seconds, at least
+    1, as HTTP wants them), or None."""
+    seconds = getattr(err, "retry_after", None)
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds != seconds:
+        return None
+    return max(1, math.ceil(seconds))
 
 
 def _phrase_code(status: int) -> str:
@@ -222,8 +235,9 @@ class BaseHandler(web.RequestHandler):
             message = code.replace("_", " ")
         else:
             _, code, message = error_reply(exc)
-        if code == "gateway_restarting":
-            self.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
+        retry_after = retry_after_of(exc)
+        if retry_after is not None:
+            self.set_header("Retry-After", str(retry_after))
         self.set_header("Content-Type", "application/json")
         self.finish(json.dumps({"error": code, "message": message}))
 

@@ -2,15 +2,26 @@
 
 One registry per gateway instance, so tests and embedded gateways do not share counters.
 Executions are counted by an observer attached to every session (:class:`MetricsObserver`), so
-every door's executions count: the session API, the Jupyter websocket, the agent.
+every door's executions count: the session API, the Jupyter websocket, the agent. The same
+observer counts what the results carry since issue 15: policy findings, refusals (by the policy
+or a session's breaker) and the CPU seconds cells used (accounting). The circuit breakers
+(breakers.py) count their trips here, and the start breaker's state is read at each scrape.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
+
+if TYPE_CHECKING:
+    from sandkernel.gateway.breakers import StartBreaker
+
+# A label value longer than this is cut (a custom policy check names its own rules).
+MAX_LABEL_CHARS = 64
 
 
 class GatewayMetrics:
@@ -35,9 +46,72 @@ class GatewayMetrics:
         self.kernel_deaths = Counter(
             "sandkernel_kernel_deaths", "Kernels that died (crash or OOM kill)", ["cause"], registry=self.registry
         )
+        self.quarantined = Gauge(
+            "sandkernel_sessions_quarantined",
+            "Live sessions whose breaker refuses executes (repeated OOM kills or timeouts); set at each scrape",
+            registry=self.registry,
+        )
+        self.breaker_trips = Counter(
+            "sandkernel_breaker_trips",
+            "Circuit breakers that tripped: a session's (oom, timeout) or the gateway's start breaker (start)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.start_breaker_state = Gauge(
+            "sandkernel_start_breaker_state",
+            "The start breaker's state: 1 for the current one (closed, open, half_open)",
+            ["state"],
+            registry=self.registry,
+        )
+        self.start_failures = Counter(
+            "sandkernel_sandbox_start_failures",
+            "Sandbox starts that failed or were too slow because of the Docker engine",
+            registry=self.registry,
+        )
+        self.starts_refused = Counter(
+            "sandkernel_sandbox_starts_refused",
+            "New sessions refused at once (503) because the start breaker was open",
+            registry=self.registry,
+        )
+        self.policy_findings = Counter(
+            "sandkernel_policy_findings",
+            "Execution policy findings, by rule and action (warn, deny)",
+            ["rule", "action"],
+            registry=self.registry,
+        )
+        self.refused = Counter(
+            "sandkernel_refused_executions",
+            "Executions refused before they ran, by who refused them (policy, breaker)",
+            ["by"],
+            registry=self.registry,
+        )
+        self.cpu_seconds = Counter(
+            "sandkernel_cell_cpu_seconds",
+            "CPU seconds (user + system) cells used in their sandboxes, as accounting measured them",
+            registry=self.registry,
+        )
+
+    def watch_start_breaker(self, breaker: StartBreaker) -> None:
+        """Read ``breaker``'s state at every scrape (it changes with time: open -> half_open)."""
+        from sandkernel.gateway.breakers import STATES
+
+        for state in STATES:
+            self.start_breaker_state.labels(state).set_function(
+                lambda state=state: 1.0 if breaker.health()["state"] == state else 0.0
+            )
 
     def record_execution(self, result: ExecutionResult) -> None:
         self.executes.labels(result.status.value).inc()
+        for finding in result.policy:
+            rule = str(finding.get("rule", ""))[:MAX_LABEL_CHARS]
+            self.policy_findings.labels(rule, str(finding.get("action", ""))[:MAX_LABEL_CHARS]).inc()
+        if result.status is ExecutionStatus.REFUSED:
+            by = (result.refusal or {}).get("by", "")
+            self.refused.labels(str(by)[:MAX_LABEL_CHARS]).inc()
+            return  # nothing ran: no duration, no cost
+        cpu = (result.accounting or {}).get("cpu_seconds")
+        if isinstance(cpu, (int, float)) and not isinstance(cpu, bool) and cpu > 0:
+            self.cpu_seconds.inc(cpu)
         self.duration.observe(result.duration)
         if result.status is ExecutionStatus.TIMEOUT:
             self.limit_hits.labels("timeout").inc()

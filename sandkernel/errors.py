@@ -13,6 +13,9 @@ gets one from its name (``UnknownProfileError`` -> ``unknownprofile``), as it al
 subclass inherits its parent's ``status``. An error whose instances carry their own ``code``
 (the sandbox's file refusals: ``not_found``, ``too_large``, ...) takes the status of that code
 from :data:`STATUS_FOR_CODE`, which holds the codes that mean the same everywhere in the API.
+An error that will likely pass by itself carries ``retry_after`` (seconds): the gateway sends it
+as ``Retry-After``, so clients wait instead of hammering (the engine restarting, a start breaker
+that is open, a gateway that is restarting).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class SandkernelError(Exception):
 
     status: int = 500
     code: str = "sandkernel_error"
+    # Seconds after which the same request may well succeed (sent as Retry-After); None: no hint.
+    retry_after: float | None = None
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -64,6 +69,20 @@ class DockerUnavailableError(SandkernelError):
     """The Docker engine cannot be reached."""
 
     status = 503
+    retry_after = 5.0  # a restarting dockerd is back within seconds (live-restore keeps the sandboxes)
+
+
+class EngineUnavailableError(DockerUnavailableError):
+    """New sandboxes are refused at once: starts kept failing or were too slow (the Docker engine
+    is down or overloaded), so the gateway's start breaker is open (gateway/breakers.py).
+    Nothing was started; retry after ``retry_after`` seconds, when the breaker tries again.
+    Existing sessions are not affected."""
+
+    code = "sandbox_engine_unavailable"
+
+    def __init__(self, message: str, retry_after: float = 5.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class ImageNotFoundError(SandkernelError, LookupError):
@@ -109,6 +128,7 @@ class SessionDetachedError(SessionClosedError):
 
     status = 503
     code = "gateway_restarting"
+    retry_after = 2.0
 
 
 class ImageBuildError(SandkernelError):

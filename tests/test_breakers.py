@@ -1,0 +1,323 @@
+"""Circuit breakers (issue 15): a session that keeps getting OOM-killed is quarantined; a Docker
+engine that is down makes new sessions fail fast with 503 and Retry-After, and they start again
+by themselves once it is back, while existing sessions keep working throughout.
+
+Pure tier: the start breaker driven by real Docker calls against a stand-in dockerd on a unix
+socket (tests/test_docker_restart.py's FakeDockerd: stopped, the calls fail as they do when
+dockerd is away), with a clock the test moves instead of sleeping through the cooldown; the
+session breaker's counting on real ExecutionResults; the Retry-After mapping.
+
+Docker tier: through a real gateway. Three OOM kills in a row quarantine a session, the fourth
+execute is refused with the reason and how to get out, another session keeps running, a restart
+clears it. The engine test STOPS THE MACHINE'S DOCKERD for a few seconds (live-restore keeps
+every container running; other tests' Docker calls fail meanwhile, as in test_docker_restart).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from types import SimpleNamespace
+
+import docker
+import pytest
+
+from sandkernel.errors import (
+    DockerUnavailableError,
+    EngineUnavailableError,
+    KernelStartError,
+    SessionDetachedError,
+)
+from sandkernel.gateway.base import error_reply, restarting_error, retry_after_of
+from sandkernel.gateway.breakers import PROBE_RETRY_SECONDS, SessionBreaker, StartBreaker
+from sandkernel.gateway.metrics import GatewayMetrics
+from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.kernels.execution.events import ExecutionRequest
+from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, TimeoutStep
+from sandkernel.kernels.sandbox.docker_engine import DockerEngine
+
+from .test_docker_restart import FakeDockerd
+
+
+class Clock:
+    """A monotonic clock the test moves (the cooldown passes without a sleep)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def dockerd(tmp_path):
+    server = FakeDockerd(tmp_path / "docker.sock")
+    yield server
+    with contextlib.suppress(OSError, AssertionError):
+        server.stop()
+
+
+def engine_on(server: FakeDockerd) -> DockerEngine:
+    return DockerEngine(docker.DockerClient(base_url=f"unix://{server.path}", version="1.41", timeout=10))
+
+
+def breaker_for(engine: DockerEngine, clock: Clock, metrics: GatewayMetrics | None = None, **settings) -> StartBreaker:
+    options = {"start_failures": 3, "start_cooldown": 10.0, "start_slow_seconds": 30.0, **settings}
+    return StartBreaker(GatewaySettings(**options), metrics, engine=engine, clock=clock)
+
+
+class Starts:
+    """A sandbox start that is a real Docker call (create a container) on ``engine``; counts calls."""
+
+    def __init__(self, engine: DockerEngine) -> None:
+        self.engine = engine
+        self.calls = 0
+
+    async def __call__(self) -> dict:
+        self.calls += 1
+        return await self.engine.run(self.engine.client.api.create_container, "sandkernel-kernel", "true")
+
+
+def metric(metrics: GatewayMetrics, name: str) -> float:
+    for line in metrics.render().decode().splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not in the metrics")
+
+
+# -- the start breaker ----------------------------------------------------------------------------
+
+
+async def test_a_stopped_engine_opens_the_breaker_then_starts_fail_at_once_and_heal_by_themselves(dockerd):
+    clock, metrics = Clock(), GatewayMetrics()
+    engine = engine_on(dockerd)
+    start = Starts(engine)
+    breaker = breaker_for(engine, clock, metrics)
+    assert (await breaker.guard(start))["Id"].startswith("POST ")  # the engine answers
+    assert breaker.health() == {"state": "closed", "consecutive_failures": 0, "retry_after": 0}
+
+    dockerd.stop()  # dockerd goes away: the socket is gone
+    for n in (1, 2, 3):
+        with pytest.raises(DockerUnavailableError) as caught:
+            await breaker.guard(start)
+        assert not isinstance(caught.value, EngineUnavailableError)  # the engine's own failure, passed on
+        assert breaker.consecutive_failures == n
+    assert start.calls == 4
+    health = breaker.health()
+    assert health["state"] == "open" and health["retry_after"] == 10 and "not answering" in health["last_failure"]
+    assert metric(metrics, 'sandkernel_start_breaker_state{state="open"}') == 1.0
+    assert metric(metrics, 'sandkernel_breaker_trips_total{kind="start"}') == 1.0
+
+    # Open: refused at once, the engine is not even asked, and the answer says when to come back.
+    clock.advance(4)
+    began = time.monotonic()
+    with pytest.raises(EngineUnavailableError) as caught:
+        await breaker.guard(start)
+    assert time.monotonic() - began < 0.5 and start.calls == 4
+    refusal = caught.value
+    assert refusal.http_status == 503 and refusal.code == "sandbox_engine_unavailable"
+    assert retry_after_of(refusal) == 6 and "Existing sessions keep working" in str(refusal)
+    assert metric(metrics, "sandkernel_sandbox_starts_refused_total") == 1.0
+
+    # Half open after the cooldown: the probe pings the engine, which is still away: open again.
+    clock.advance(6)
+    assert breaker.health()["state"] == "half_open"
+    with pytest.raises(EngineUnavailableError, match="still does not answer"):
+        await breaker.guard(start)
+    assert start.calls == 4 and breaker.health()["state"] == "open" and breaker.health()["retry_after"] == 10
+
+    # dockerd is back: the next start after the cooldown is the probe, and it closes the breaker.
+    dockerd.listen()
+    clock.advance(10)
+    assert (await breaker.guard(start))["Id"].startswith("POST ")
+    assert breaker.health() == {"state": "closed", "consecutive_failures": 0, "retry_after": 0}
+    assert metric(metrics, 'sandkernel_start_breaker_state{state="closed"}') == 1.0
+    assert metric(metrics, 'sandkernel_breaker_trips_total{kind="start"}') == 1.0  # one trip, however long
+
+
+async def test_while_the_probe_runs_other_starts_are_refused(dockerd):
+    clock = Clock()
+    engine = engine_on(dockerd)
+    breaker = breaker_for(engine, clock, start_failures=1)
+    dockerd.stop()
+    with pytest.raises(DockerUnavailableError):
+        await breaker.guard(Starts(engine))
+    dockerd.listen()
+    clock.advance(10)
+    release, probing = asyncio.Event(), asyncio.Event()
+
+    async def slow_start() -> str:
+        probing.set()
+        await release.wait()
+        return "started"
+
+    probe = asyncio.create_task(breaker.guard(slow_start))
+    await probing.wait()
+    with pytest.raises(EngineUnavailableError) as caught:
+        await breaker.guard(Starts(engine))
+    assert caught.value.retry_after == PROBE_RETRY_SECONDS
+    release.set()
+    assert await probe == "started" and breaker.health()["state"] == "closed"
+
+
+async def test_a_start_that_fails_while_the_engine_answers_is_the_sandboxs_own_failure(dockerd):
+    """A tenant can ask for limits its kernel cannot start under (start_timeout 1 s, cpus 0.05):
+    with the engine answering promptly that must not shut new sessions out for everyone."""
+    clock = Clock()
+    breaker = breaker_for(engine_on(dockerd), clock)
+
+    async def kernel_gives_up() -> None:
+        clock.advance(1)
+        raise KernelStartError("sandboxed kernel did not answer within 1s")
+
+    for _ in range(5):
+        with pytest.raises(KernelStartError):
+            await breaker.guard(kernel_gives_up)
+    assert breaker.health()["state"] == "closed" and breaker.consecutive_failures == 0
+
+    dockerd.stop()  # the same failure with the engine gone counts
+    for _ in range(3):
+        with pytest.raises(KernelStartError):
+            await breaker.guard(kernel_gives_up)
+    assert breaker.health()["state"] == "open"
+    assert "does not answer" in breaker.health()["last_failure"]
+
+
+async def test_slow_starts_count_when_the_engine_is_slow_too(dockerd):
+    clock = Clock()
+    breaker = breaker_for(engine_on(dockerd), clock, start_slow_seconds=30.0)
+
+    async def crawls() -> str:
+        clock.advance(45)
+        return "started, late"
+
+    assert await breaker.guard(crawls) == "started, late"  # the engine answers: the sandbox was slow
+    assert breaker.consecutive_failures == 0
+    dockerd.stop()
+    for n in (1, 2, 3):
+        assert await breaker.guard(crawls) == "started, late"  # each caller still gets its session
+        assert breaker.consecutive_failures == n
+    assert breaker.health()["state"] == "open" and "took 45.0s" in breaker.health()["last_failure"]
+
+
+async def test_starts_piling_up_on_a_hung_engine_refuse_the_next_at_once(dockerd):
+    clock = Clock()
+    breaker = breaker_for(engine_on(dockerd), clock, start_slow_seconds=30.0)
+    hung = asyncio.Event()
+    waiting = []
+
+    async def stuck() -> None:
+        waiting.append(1)
+        await hung.wait()
+
+    tasks = [asyncio.create_task(breaker.guard(stuck)) for _ in range(3)]
+    while len(waiting) < 3:
+        await asyncio.sleep(0)
+    clock.advance(31)
+    assert await breaker.guard(lambda: asyncio.sleep(0, "ok")) == "ok"  # the engine answers pings: let it
+    dockerd.stop()
+    with pytest.raises(EngineUnavailableError, match="piling up"):
+        await breaker.guard(lambda: asyncio.sleep(0, "never"))
+    hung.set()
+    await asyncio.gather(*tasks)
+
+
+async def test_zero_start_failures_turns_the_breaker_off(dockerd):
+    engine = engine_on(dockerd)
+    breaker = breaker_for(engine, Clock(), start_failures=0)
+    dockerd.stop()
+    for _ in range(5):
+        with pytest.raises(DockerUnavailableError) as caught:
+            await breaker.guard(Starts(engine))
+        assert not isinstance(caught.value, EngineUnavailableError)
+    assert breaker.health()["state"] == "closed"
+
+
+# -- Retry-After --------------------------------------------------------------------------------
+
+
+def test_errors_that_will_pass_say_when_to_retry():
+    assert error_reply(EngineUnavailableError("open", retry_after=7.2))[:2] == (503, "sandbox_engine_unavailable")
+    assert retry_after_of(EngineUnavailableError("open", retry_after=7.2)) == 8
+    assert retry_after_of(EngineUnavailableError("open", retry_after=0.01)) == 1
+    assert retry_after_of(DockerUnavailableError("restarting")) == 5
+    assert retry_after_of(SessionDetachedError("restarting")) == 2 == retry_after_of(restarting_error())
+    assert retry_after_of(KernelStartError("no")) is None and retry_after_of(RuntimeError("x")) is None
+
+
+# -- the session breaker, on real results ---------------------------------------------------------
+
+
+def result(status: ExecutionStatus, ended_by: TimeoutStep | None = None) -> ExecutionResult:
+    return ExecutionResult(status, (), None, "2026-01-01T00:00:00Z", 1.0, ended_by=ended_by)
+
+
+class Session:
+    """What the breaker uses of a session: its id, notes and restart (recorded)."""
+
+    def __init__(self) -> None:
+        self.id = "s1"
+        self.notes: list[str] = []
+        self.restarts = 0
+
+    async def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    async def restart(self) -> None:
+        self.restarts += 1
+
+
+def session_breaker(**settings) -> tuple[SessionBreaker, Session, GatewayMetrics]:
+    session, metrics = Session(), GatewayMetrics()
+    managed = SimpleNamespace(id=session.id, session=session)
+    return SessionBreaker(managed, GatewaySettings(**settings), metrics), session, metrics  # type: ignore[arg-type]
+
+
+REQUEST = ExecutionRequest("x", "session_api", "", 10.0)
+
+
+async def test_only_results_in_a_row_count():
+    breaker, session, metrics = session_breaker(breaker_ooms=3, breaker_timeouts=2)
+    oom, timeout = result(ExecutionStatus.OOM), result(ExecutionStatus.TIMEOUT, TimeoutStep.INTERRUPT)
+    for r in (oom, oom, result(ExecutionStatus.ERROR), oom, oom, result(ExecutionStatus.REFUSED), timeout):
+        await breaker.execution_finished(REQUEST, r)
+    assert breaker.quarantined is None and (breaker.ooms, breaker.timeouts) == (2, 1)
+    assert (await breaker.admit(REQUEST)).refusal is None
+    await breaker.execution_finished(REQUEST, oom)
+    quarantined = breaker.quarantined
+    assert (
+        quarantined is not None and quarantined["ooms"] == 3 and "OOM-killed 3 times in a row" in quarantined["reason"]
+    )
+    refusal = (await breaker.admit(REQUEST)).refusal
+    assert refusal is not None and refusal["by"] == "breaker" and refusal["rule"] == "quarantine"
+    assert "POST /api/sessions/s1/restart" in refusal["message"] and "did not run" in refusal["message"]
+    assert session.notes and "quarantined" in session.notes[0] and session.restarts == 0
+    assert metric(metrics, 'sandkernel_breaker_trips_total{kind="oom"}') == 1.0
+    breaker.clear()
+    assert breaker.quarantined is None and (await breaker.admit(REQUEST)).refusal is None
+    await breaker.execution_finished(REQUEST, timeout)
+    await breaker.execution_finished(REQUEST, timeout)
+    assert breaker.quarantined is not None and "timeout 2 times" in breaker.quarantined["reason"]
+
+
+async def test_zero_thresholds_never_trip():
+    breaker, _, _ = session_breaker(breaker_ooms=0, breaker_timeouts=0)
+    for _ in range(20):
+        await breaker.execution_finished(REQUEST, result(ExecutionStatus.OOM))
+        await breaker.execution_finished(REQUEST, result(ExecutionStatus.TIMEOUT, TimeoutStep.INTERRUPT))
+    assert breaker.quarantined is None
+
+
+async def test_the_restart_action_restarts_a_kernel_that_still_runs_and_refuses_nothing():
+    breaker, session, _ = session_breaker(breaker_timeouts=2, breaker_ooms=2, breaker_action="restart")
+    for _ in range(2):  # interrupted at its timeout: the kernel (and the runaway's state) still there
+        await breaker.execution_finished(REQUEST, result(ExecutionStatus.TIMEOUT, TimeoutStep.INTERRUPT))
+    assert session.restarts == 1 and breaker.quarantined is None and breaker.timeouts == 0
+    for _ in range(2):  # an OOM kill already restarted it: nothing more to do than say so
+        await breaker.execution_finished(REQUEST, result(ExecutionStatus.OOM))
+    assert session.restarts == 1 and breaker.ooms == 0 and len(session.notes) == 2
+    assert (await breaker.admit(REQUEST)).refusal is None
