@@ -1,0 +1,240 @@
+"""Per-cell accounting: what one execution cost the host and what it changed.
+
+The session calls :meth:`CellMeter.start` right before it sends a cell and
+:meth:`CellMeter.finish` once the cell ended (the timeout ladder included); the dict finish
+returns rides on the result (``ExecutionResult.accounting``) into the transcript, the session
+API and the audit log::
+
+    {"wall_seconds", "cpu_seconds", "cpu_user_seconds", "cpu_system_seconds", "peak_memory_bytes",
+     "files": {"created": [{"path", "size", "sha256"}], "modified": [...], "deleted": [{"path"}],
+               "hashed": n, "unhashed": n, "omitted": n} | null,
+     "egress": {"allowed": n, "refused": n, "failed": n} | null,
+     "packages": {"installed": ["name==version"], "removed": [...]} | null,
+     "notes": [str]}
+
+Sources: the sandbox's cgroup (kernels/sandbox/cgroup.py: CPU as a delta, peak memory reset at
+the start), the workspace disk's host mount (kernels/sandbox/workspace_scan.py: snapshots
+before and after, hashed where they differ), the session's egress proxy records. Accounting
+never breaks an execution: a part that cannot be measured is null and ``notes`` says why.
+The cgroup reads, the walk and the hashing run in one worker thread per call (``start`` and
+``finish`` each cost the loop one ``asyncio.to_thread``); the egress records are counted on
+the loop, where the proxy appends them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from sandkernel.kernels.lifecycle.profiles import WorkspaceStorage
+from sandkernel.kernels.sandbox import workspace_scan
+from sandkernel.kernels.sandbox.cgroup import Cgroup, CpuTimes, PeakWindow, locate
+
+if TYPE_CHECKING:
+    from sandkernel.kernels.egress.proxy import EgressProxy, EgressRecord
+    from sandkernel.kernels.execution.session import KernelSession
+
+log = logging.getLogger(__name__)
+
+MEMORY_WORKSPACE = "the workspace is in memory (tmpfs), which the host does not scan: files and packages are not known"
+
+
+@dataclass
+class _Cell:
+    """What :meth:`CellMeter.start` saw, for :meth:`CellMeter.finish` to compare with."""
+
+    container_id: str | None = None
+    cgroup: Cgroup | None = None
+    cpu: CpuTimes | None = None
+    peak: PeakWindow | None = None
+    mount: Path | None = None
+    files: workspace_scan.Snapshot | None = None
+    proxy: EgressProxy | None = None
+    last_record: EgressRecord | None = None
+    seen_records: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    def close(self) -> None:
+        if self.peak is not None:
+            self.peak.close()
+            self.peak = None
+
+
+class CellMeter:
+    """Measures one cell at a time for a :class:`KernelSession` (created by the session, called
+    under its execute lock). The container can be replaced between cells and within one: its id
+    is read at every call, and its cgroup is looked up once per id."""
+
+    def __init__(self, session: KernelSession) -> None:
+        self._session = session
+        self._cgroups: dict[str, Cgroup | None] = {}
+        self._cell: _Cell | None = None
+
+    # -- what to measure, read from the session each time -----------------------------------
+
+    def _container(self) -> tuple[str | None, Path | None, str | None]:
+        """The container's id, the workspace's host mount, and a note when either is unknown."""
+        try:
+            container = self._session.container
+        except Exception as err:  # no container (shut down, being replaced)
+            return None, None, f"no container to measure ({type(err).__name__})"
+        if self._session.profile.workspace_storage is not WorkspaceStorage.DISK:
+            return container.id, None, MEMORY_WORKSPACE
+        return container.id, container.spec.workspace_mount, None
+
+    def _proxy(self) -> EgressProxy | None:
+        try:
+            return self._session.provisioner.egress
+        except Exception:
+            return None
+
+    def _cgroup(self, container_id: str) -> Cgroup | None:
+        """The cgroup of ``container_id``, looked up once (blocking: called in the worker thread)."""
+        if container_id not in self._cgroups:
+            if len(self._cgroups) > 16:  # a long session replaced many containers: forget the old ones
+                self._cgroups.clear()
+            self._cgroups[container_id] = locate(container_id)
+        return self._cgroups[container_id]
+
+    # -- start --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Take the cell's starting point (cgroup counters, peak reset, workspace snapshot,
+        egress mark). Never raises: what cannot be read is left out and noted."""
+        if self._cell is not None:
+            self._cell.close()  # a finish that never came
+        cell = _Cell()
+        self._cell = cell
+        try:
+            container_id, mount, note = self._container()
+            if note:
+                cell.notes.append(note)
+            cell.container_id, cell.mount = container_id, mount
+            cell.proxy = self._proxy()
+            if cell.proxy is not None:
+                cell.seen_records = len(cell.proxy.records)
+                cell.last_record = cell.proxy.records[-1] if cell.proxy.records else None
+            await asyncio.to_thread(self._start_sync, cell)
+        except Exception as err:
+            log.warning("accounting could not start: %s", err, exc_info=True, extra={"session": self._session.id})
+            cell.notes.append(f"accounting could not start: {type(err).__name__}")
+
+    def _start_sync(self, cell: _Cell) -> None:
+        if cell.container_id is not None:
+            cell.cgroup = self._cgroup(cell.container_id)
+            if cell.cgroup is None:
+                cell.notes.append("the container's cgroup was not found: CPU and memory are not known")
+            else:
+                try:
+                    cell.cpu = cell.cgroup.cpu_times()
+                    cell.peak = cell.cgroup.open_peak()
+                except (OSError, ValueError, KeyError) as err:
+                    cell.notes.append(f"the container's cgroup could not be read ({type(err).__name__})")
+        if cell.mount is not None:
+            try:
+                cell.files = workspace_scan.snapshot(cell.mount)
+            except OSError as err:
+                cell.notes.append(f"the workspace could not be scanned ({err.strerror or type(err).__name__})")
+
+    # -- finish -------------------------------------------------------------------------------
+
+    async def finish(self, wall_seconds: float) -> dict[str, Any]:
+        """The cell's accounting (the dict of the module docstring). Never raises."""
+        cell, self._cell = self._cell, None
+        if cell is None:
+            cell = _Cell(notes=["accounting was not started for this cell"])
+        report: dict[str, Any] = {
+            "wall_seconds": round(float(wall_seconds), 6),
+            "cpu_seconds": None,
+            "cpu_user_seconds": None,
+            "cpu_system_seconds": None,
+            "peak_memory_bytes": None,
+            "files": None,
+            "egress": None,
+            "packages": None,
+            "notes": cell.notes,
+        }
+        try:
+            report["egress"] = self._egress(cell)
+            container_id, mount, _ = self._container()
+            if container_id != cell.container_id and cell.container_id is not None:
+                cell.notes.append(
+                    "the container was replaced during the cell: CPU and memory are not known"
+                    if container_id
+                    else "the container is gone: CPU and memory are not known"
+                )
+                cell.close()
+                cell.cgroup = None
+            if mount != cell.mount:
+                cell.files = None
+            await asyncio.to_thread(self._finish_sync, cell, report)
+        except Exception as err:
+            log.warning("accounting could not finish: %s", err, exc_info=True, extra={"session": self._session.id})
+            cell.notes.append(f"accounting could not finish: {type(err).__name__}")
+        finally:
+            cell.close()
+        return report
+
+    def _finish_sync(self, cell: _Cell, report: dict[str, Any]) -> None:
+        try:
+            self._finish_cgroup(cell, report)
+        finally:
+            cell.close()
+        if cell.files is not None and cell.mount is not None:
+            try:
+                after = workspace_scan.snapshot(cell.mount)
+            except OSError as err:
+                cell.notes.append(f"the workspace could not be scanned ({err.strerror or type(err).__name__})")
+                return
+            report["files"], notes = workspace_scan.diff(cell.mount, cell.files, after)
+            cell.notes.extend(notes)
+            report["packages"] = workspace_scan.package_changes(cell.files, after)
+
+    @staticmethod
+    def _finish_cgroup(cell: _Cell, report: dict[str, Any]) -> None:
+        if cell.cgroup is None:
+            return
+        gone = "the container's cgroup is gone (the container ended during the cell)"
+        if cell.cpu is not None:
+            try:
+                spent = cell.cgroup.cpu_times().since(cell.cpu)
+                report["cpu_seconds"] = spent.total
+                report["cpu_user_seconds"] = spent.user
+                report["cpu_system_seconds"] = spent.system
+            except (OSError, ValueError, KeyError):
+                cell.notes.append(gone)
+                return
+        if cell.peak is not None:
+            try:
+                report["peak_memory_bytes"], note = cell.peak.peak()
+            except (OSError, ValueError):
+                cell.notes.append(gone)
+                return
+            if note:
+                cell.notes.append(note)
+
+    def _egress(self, cell: _Cell) -> dict[str, int] | None:
+        """Counts of the proxy records added since start (on the loop, where they are added)."""
+        proxy = self._proxy()
+        if proxy is None:
+            return None
+        counts = {"allowed": 0, "refused": 0, "failed": 0}
+        verdicts = {"allowed": "allowed", "denied": "refused", "failed": "failed"}
+        records = proxy.records
+        if proxy is not cell.proxy:  # a new provisioner (the container was replaced): all of its records
+            new = len(records)
+        elif cell.last_record is not None and records.maxlen is not None and len(records) >= records.maxlen:
+            # The deque is full, so its length no longer grows: count back to the record last seen.
+            new = next((i for i, record in enumerate(reversed(records)) if record is cell.last_record), None)
+            if new is None:
+                new = len(records)
+                cell.notes.append("egress counts are a lower bound: more requests than the proxy keeps")
+        else:
+            new = len(records) - cell.seen_records
+        for record in itertools.islice(reversed(records), max(new, 0)):
+            counts[verdicts.get(record.verdict, "failed")] += 1
+        return counts
