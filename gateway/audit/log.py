@@ -1,0 +1,495 @@
+"""The gateway's audit stream: an append-only, rotated, hash-chained JSON Lines log.
+
+One :class:`AuditLog` per gateway process, opened at start-up (:meth:`AuditLog.open`, blocking,
+before the gateway listens) and closed when it stops. Callers on the event loop call
+:meth:`AuditLog.record`, which only queues: one worker thread bounds the fields (fields.py),
+numbers and seals each record (chain.py), appends it, and fsyncs once per batch, in the order
+the records were made. Nothing the disk does reaches a request: a full queue drops records and a
+failed write loses one, and either is itself recorded (``records_lost``) as soon as writing
+works again, so a gap is never silent.
+
+The chain survives what a gateway lives through:
+
+* Rotation: past ``max_bytes`` the file becomes ``audit-<first seq>.jsonl``; the next record
+  (``log_rotated``) starts the new ``audit.jsonl`` and links to the rotated file's last record.
+  Rotated files past ``keep`` are deleted, oldest first, and the ``log_rotated`` record names them.
+  The head (last hash) of each rotated file is also written to the gateway's own log, an
+  external anchor (see verify.py for what an anchor proves).
+* Restart: :meth:`open` reads the end of the current file and continues its chain; the first
+  record of every process is ``chain_resumed`` (``chain_started`` for a new log), saying whether
+  the previous process closed the log cleanly.
+* A damaged tail (a crash mid-write, a bad sector): the file is set aside as a rotated file
+  untouched, and ``chain_resumed`` records where the damage starts, its size and SHA-256, linking
+  to the last intact record; ``sandkernel audit verify`` accepts exactly that recorded damage.
+
+Files are 0600 in a 0700 directory of ours (a looser mode is narrowed, a symlinked file or
+another user's directory refused); every file operation is relative to the directory opened
+once. One writer per directory: an exclusive ``flock`` on ``audit.lock``, or two gateways would
+fork the chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import datetime as dt
+import fcntl
+import hashlib
+import logging
+import os
+import stat
+import threading
+from pathlib import Path
+from typing import Any
+
+from sandkernel.errors import ConfigError
+from sandkernel.gateway.audit.chain import (
+    CURRENT_NAME,
+    GENESIS,
+    BrokenRecord,
+    rotated_name,
+    rotated_seq,
+    seal,
+    unseal,
+)
+from sandkernel.gateway.audit.fields import MAX_RECORD_BYTES, fit, prepare
+
+log = logging.getLogger(__name__)
+
+LOCK_NAME = "audit.lock"
+# Records waiting for the worker; past it, record() drops (and counts) rather than grow memory.
+QUEUE_LIMIT = 10_000
+# Bytes read from a file's end to find its last intact record (records are at most MAX_RECORD_BYTES).
+TAIL_WINDOW = 2 * MAX_RECORD_BYTES + 4096
+CLOSE_TIMEOUT = 30.0
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
+_STOP = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Head:
+    """The last record written: its seq and hash (what the next record's ``prev`` will be)."""
+
+    seq: int
+    hash: str
+
+
+def utc_now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+@dataclasses.dataclass
+class _Tail:
+    """What the end of a file holds: its last intact record (None: none found), and anything
+    after that record (the damaged tail)."""
+
+    last: dict[str, Any] | None
+    damaged: dict[str, Any] | None
+
+
+def _read_tail(fd: int, name: str) -> _Tail:
+    size = os.fstat(fd).st_size
+    start = max(0, size - TAIL_WINDOW)
+    data = os.pread(fd, size - start, start)
+    end = data.rfind(b"\n")
+    while end >= 0:
+        begin = data.rfind(b"\n", 0, end) + 1
+        if begin == 0 and start > 0:
+            break  # the window starts inside this line
+        try:
+            record = unseal(data[begin:end])
+        except BrokenRecord:
+            end = begin - 1
+            continue
+        good = start + end + 1
+        return _Tail(record, _damage(name, good, data[end + 1 :]) if good < size else None)
+    if start == 0:
+        return _Tail(None, _damage(name, 0, data) if data else None)
+    return _Tail(None, {"file": name, "offset": None, "bytes": size, "note": "no intact record near the end"})
+
+
+def _damage(name: str, offset: int, rest: bytes) -> dict[str, Any]:
+    """How a damaged tail is recorded: enough for verify to check that this, and only this, is
+    what was set aside."""
+    return {"file": name, "offset": offset, "bytes": len(rest), "sha256": hashlib.sha256(rest).hexdigest()}
+
+
+def _open_directory(directory: Path) -> int:
+    """The directory, created 0700 or narrowed to 0700, opened once; ConfigError if it is not a
+    directory of ours."""
+    try:
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(directory, _DIR_FLAGS)
+    except OSError as err:
+        raise ConfigError(f"cannot use the audit directory {directory}: {err}") from err
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid():
+        os.close(fd)
+        raise ConfigError(f"the audit directory {directory} belongs to another user (uid {st.st_uid})")
+    if st.st_mode & 0o077:
+        log.warning("narrowing the audit directory %s to mode 0700 (was %o)", directory, st.st_mode & 0o777)
+        os.fchmod(fd, 0o700)
+    return fd
+
+
+def _lock(dir_fd: int, directory: Path) -> int:
+    fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(
+            f"the audit log in {directory} is written by another process (pid {holder}): one gateway per audit "
+            "directory (two writers would fork the chain). Give this gateway another --audit-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _open_file(dir_fd: int, name: str, create: bool) -> int | None:
+    """``name`` opened for appending (None when absent and not ``create``); a regular file of
+    ours narrowed to 0600, else ConfigError."""
+    flags = _FILE_FLAGS | (os.O_CREAT | os.O_EXCL if create else 0)
+    try:
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # ELOOP: a symlink planted where the log goes
+        raise ConfigError(f"cannot open the audit file {name}: {err}") from err
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise ConfigError(f"the audit file {name} is not a regular file of this user")
+    if st.st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+    return fd
+
+
+def _first_seq(fd: int) -> int | None:
+    head = os.pread(fd, TAIL_WINDOW, 0)
+    try:
+        return unseal(head[: head.index(b"\n")])["seq"]
+    except (ValueError, BrokenRecord):
+        return None
+
+
+class AuditLog:
+    """The audit stream of one gateway. Build with :meth:`open`; :meth:`record` from the event
+    loop (never blocks, never raises); :meth:`close` when the gateway stops."""
+
+    def __init__(self, directory: Path, dir_fd: int, lock_fd: int, include_code: bool, max_bytes: int, keep: int):
+        self.directory = directory
+        self.include_code = include_code
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self._dir_fd = dir_fd
+        self._lock_fd = lock_fd
+        self._fd = -1
+        self._size = 0
+        self._first_seq = 0
+        self._head = Head(-1, GENESIS)
+        self._cond = threading.Condition()
+        self._items: collections.deque[Any] = collections.deque()
+        self._queued = 0
+        self._dropped = 0  # queue full (counted under _cond)
+        self._failed = 0  # writes that failed (worker only)
+        self._failure = ""
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._stopped: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    # -- opening: where the chain stands ------------------------------------------------------
+    @classmethod
+    def open(cls, directory: Path, *, include_code: bool = True, max_bytes: int = 64 << 20, keep: int = 10) -> AuditLog:
+        """Open (or create) the audit log in ``directory`` and write this process's first record.
+        Blocking: call once at start-up. Raises ConfigError when the directory or its files
+        cannot be used (another user's, a symlinked file, another gateway holding the lock, the
+        first record not writable): an operator who asked for an audit log gets one or no gateway."""
+        directory = Path(directory)
+        dir_fd = _open_directory(directory)
+        lock_fd = -1
+        try:
+            lock_fd = _lock(dir_fd, directory)
+            audit = cls(directory, dir_fd, lock_fd, include_code, max_bytes, keep)
+            audit._resume()
+        except BaseException:
+            if lock_fd >= 0:
+                os.close(lock_fd)
+            os.close(dir_fd)
+            raise
+        audit._thread = threading.Thread(target=audit._run, name="sandkernel-audit", daemon=True)
+        audit._thread.start()
+        return audit
+
+    def _resume(self) -> None:
+        """Find the last intact record (current file, else the newest rotated one), set a damaged
+        current file aside, and write ``chain_resumed`` (or ``chain_started``)."""
+        fields: dict[str, Any] = {"pid": os.getpid()}
+        tail = _Tail(None, None)
+        fd = _open_file(self._dir_fd, CURRENT_NAME, create=False)
+        if fd is not None and os.fstat(fd).st_size == 0:
+            os.close(fd)
+            os.unlink(CURRENT_NAME, dir_fd=self._dir_fd)  # created, never written: nothing to keep
+            fd = None
+        if fd is not None:
+            tail = _read_tail(fd, CURRENT_NAME)
+            if tail.damaged is None and tail.last is not None:
+                self._fd, self._size = fd, os.fstat(fd).st_size
+                first = _first_seq(fd)
+                self._first_seq = first if first is not None else tail.last["seq"]
+            else:  # keep the damaged file as it is, under a rotated name, and start a fresh one
+                first = _first_seq(fd)
+                os.close(fd)
+                aside = self._set_aside(first if first is not None else (tail.last or {}).get("seq"))
+                if tail.damaged is not None:
+                    tail.damaged["file"] = aside
+        if tail.last is None:  # no chain in a current file: it goes on from the newest rotated one
+            for name in self._rotated()[-1:]:
+                rfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
+                try:
+                    found = _read_tail(rfd, name)
+                finally:
+                    os.close(rfd)
+                tail = _Tail(found.last, tail.damaged or found.damaged)
+        if tail.last is not None:
+            self._head = Head(tail.last["seq"], tail.last["hash"])
+            fields["clean_shutdown"] = tail.last["event"] == "log_closed"
+        if tail.damaged is not None:
+            fields["damaged_tail"] = tail.damaged
+            log.warning("the audit log's tail was damaged; set aside and recorded", extra=dict(tail.damaged))
+        if self._fd < 0:
+            self._fd = self._create_current()
+            self._first_seq = self._head.seq + 1
+        event = "chain_resumed" if tail.last is not None else "chain_started"
+        if not self._append(utc_now(), event, fields):
+            raise ConfigError(f"cannot write the audit log in {self.directory}: {self._failure}")
+        self._sync()
+        log.info("audit log %s at seq %d, head %s", self.directory / CURRENT_NAME, self._head.seq, self._head.hash)
+
+    def _set_aside(self, first_seq: int | None) -> str:
+        if first_seq is None:
+            name = f"audit-unreadable-{utc_now().replace(':', '')}.jsonl"
+        else:
+            name = next(rotated_name(first_seq, i) for i in range(1000) if not self._exists(rotated_name(first_seq, i)))
+        os.rename(CURRENT_NAME, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        os.fsync(self._dir_fd)
+        return name
+
+    def _exists(self, name: str) -> bool:
+        try:
+            os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _rotated(self) -> list[str]:
+        """Rotated files, oldest first."""
+        names = [(seq, n) for n in os.listdir(self._dir_fd) if (seq := rotated_seq(n)) is not None]
+        return [n for _, n in sorted(names)]
+
+    def _create_current(self) -> int:
+        fd = _open_file(self._dir_fd, CURRENT_NAME, create=True)
+        assert fd is not None
+        os.fsync(self._dir_fd)
+        self._size = 0
+        return fd
+
+    # -- the event loop's side ----------------------------------------------------------------
+    @property
+    def head(self) -> Head:
+        """The last record written so far (records still queued are not in it; see :meth:`flush`)."""
+        return self._head
+
+    def record(self, event: str, **fields: Any) -> None:
+        """Queue one record: ``event`` plus ``fields`` (anything JSON-like; bounded and escaped by
+        the worker). Never blocks on the disk and never raises; the time is taken now. Call from
+        one thread (the event loop) for the records to keep the order of the calls."""
+        item = (utc_now(), event, fields)
+        with self._cond:
+            if self._closed:
+                self._dropped += 1
+                return
+            if self._queued >= QUEUE_LIMIT:
+                self._dropped += 1
+                return
+            self._items.append(item)
+            self._queued += 1
+            self._cond.notify()
+
+    async def flush(self, timeout: float = CLOSE_TIMEOUT) -> Head | None:
+        """Wait until every record queued so far is written and synced; the head then (None if
+        the worker did not answer within ``timeout`` seconds)."""
+        waiter: concurrent.futures.Future[Head] = concurrent.futures.Future()
+        with self._cond:
+            if self._closed:
+                return self._head
+            self._items.append(waiter)
+            self._cond.notify()
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(waiter), timeout)
+        except asyncio.TimeoutError:
+            return None
+
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Write what is queued and a last record (``log_closed``), sync, and let go of the files.
+        Idempotent."""
+        with self._cond:
+            if not self._closed:
+                self._closed = True
+                self._items.append((utc_now(), "log_closed", {"pid": os.getpid()}))
+                self._items.append(_STOP)
+                self._cond.notify()
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self._stopped), timeout)
+        except asyncio.TimeoutError:
+            log.error("the audit log did not close within %s s", timeout)
+
+    # -- the worker thread --------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:  # never expected: say so loudly, and let close() return
+            log.exception("the audit log's writer stopped")
+        finally:
+            self._finish()
+
+    def _loop(self) -> None:
+        stop = False
+        while not stop:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                batch = list(self._items)
+                self._items.clear()
+                self._queued = 0
+                dropped, self._dropped = self._dropped, 0
+            waiters = []
+            self._failed_or_dropped(dropped)
+            for item in batch:
+                if item is _STOP:
+                    stop = True
+                elif isinstance(item, concurrent.futures.Future):
+                    waiters.append(item)
+                else:
+                    self._append(*item)
+            self._sync()
+            for waiter in waiters:
+                _settle(waiter, self._head)
+
+    def _failed_or_dropped(self, dropped: int) -> None:
+        """Record the records lost since the last batch, before anything else."""
+        if not dropped and not self._failed:
+            return
+        fields: dict[str, Any] = {"dropped": dropped, "failed": self._failed}
+        if self._failed:
+            fields["error"] = self._failure
+        failed = self._failed
+        if self._append(utc_now(), "records_lost", fields):
+            self._failed -= failed
+        else:
+            self._failed -= 1  # the note itself is not one of the records it counts
+        log.error("audit records lost: %d dropped (queue full), %d failed writes", dropped, failed)
+
+    def _append(self, time: str, event: str, fields: dict[str, Any]) -> bool:
+        """Seal and write one record (rotating first when it would pass ``max_bytes``). False
+        (the record counted as failed) when it could not be written; never raises."""
+        try:
+            body = fit({"seq": 0, "time": time, "event": event, **prepare(fields, self.include_code)})
+            line, digest = self._seal(body)
+            if self._size and self._size + len(line) > self.max_bytes and event != "log_rotated":
+                self._rotate()
+                line, digest = self._seal(body)
+            self._write(line)
+        except Exception as err:  # the disk, or a value no bound foresaw: count it, go on
+            self._failed += 1
+            self._failure = f"{type(err).__name__}: {err}"
+            if self._failed == 1 or self._failed % 1000 == 0:
+                log.error("cannot write an audit record (%s)", self._failure, extra={"audit_event": event})
+            return False
+        self._size += len(line)
+        self._head = Head(body["seq"], digest)
+        return True
+
+    def _seal(self, body: dict[str, Any]) -> tuple[bytes, str]:
+        body["seq"] = self._head.seq + 1
+        body["prev"] = self._head.hash
+        return seal(body)
+
+    def _write(self, line: bytes) -> None:
+        view = memoryview(line)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError:
+            # a partial line must not stay: cut the file back to the last whole record
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise
+
+    def _sync(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError as err:
+            log.error("cannot sync the audit log: %s", err)
+
+    def _rotate(self) -> None:
+        """Rename the current file after its first seq, delete rotated files past ``keep``, open
+        a fresh current file and start it with ``log_rotated``. A failure leaves the current
+        file in use (over its size) rather than losing records."""
+        previous = self._head
+        try:
+            os.fsync(self._fd)
+            name = self._set_aside(self._first_seq)
+        except OSError as err:
+            log.error("cannot rotate the audit log: %s", err)
+            self.max_bytes *= 2  # do not retry on every record
+            return
+        try:
+            new_fd = self._create_current()
+        except (OSError, ConfigError) as err:  # keep writing to the renamed file
+            log.error("cannot start a new audit file: %s", err)
+            self.max_bytes *= 2
+            return
+        old_fd, self._fd = self._fd, new_fd
+        os.close(old_fd)
+        removed = []
+        for stale in self._rotated()[: -self.keep] if self.keep > 0 else self._rotated():
+            try:
+                os.unlink(stale, dir_fd=self._dir_fd)
+                removed.append(stale)
+            except OSError as err:
+                log.error("cannot delete the old audit file %s: %s", stale, err)
+        first_previous, self._first_seq = self._first_seq, previous.seq + 1
+        log.info(
+            "audit log rotated: %s holds seq %d..%d, head %s",
+            name,
+            first_previous,
+            previous.seq,
+            previous.hash,
+            extra={"audit_head": previous.hash, "audit_seq": previous.seq},
+        )
+        self._append(
+            utc_now(),
+            "log_rotated",
+            {"previous_file": name, "previous_first_seq": first_previous, "removed": removed},
+        )
+
+    def _finish(self) -> None:
+        self._sync()
+        log.info("audit log closed at seq %d, head %s", self._head.seq, self._head.hash)
+        for fd in (self._fd, self._lock_fd, self._dir_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        _settle(self._stopped, None)
+
+
+def _settle(future: concurrent.futures.Future[Any], value: Any) -> None:
+    """Give a waiter its value unless it stopped waiting (a timed-out flush cancels it)."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        future.set_result(value)

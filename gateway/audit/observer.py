@@ -1,0 +1,73 @@
+"""The audit stream's session observer: one record per execution and per kernel restart.
+
+Attached by the gateway to every session it holds (gateway/controls.py), whichever door runs
+the code, so the record is written where the result is known: after the execution ended, with
+the accounting (CPU, memory, files written with their SHA-256, egress, packages), the policy's
+findings and any refusal. Session lifecycle and file API records are written by the registry
+with :meth:`AuditLog.record` directly. Everything here runs on the event loop and only queues:
+bounding, hashing the code and writing happen on the log's worker thread.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from sandkernel.gateway.audit.log import AuditLog
+from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserver
+from sandkernel.kernels.execution.outputs import ExecutionResult
+
+if TYPE_CHECKING:
+    from sandkernel.gateway.registry import ManagedSession
+
+
+def execution_fields(request: ExecutionRequest, result: ExecutionResult) -> dict[str, Any]:
+    """The fields of an ``execution`` record (besides tenant and session)."""
+    fields: dict[str, Any] = {
+        "door": request.source,
+        "msg_id": request.msg_id,
+        "code": request.code,  # the log keeps its SHA-256, and the text unless the operator turned that off
+        "status": result.status.value,
+        "execution_count": result.execution_count,
+        "started_at": result.started_at,
+        "duration": result.duration,
+    }
+    if request.shell is not None:
+        fields["shell"] = request.shell
+    if request.silent:
+        fields["silent"] = True
+    if request.tag is not None:
+        fields["tag"] = request.tag
+    if result.error is not None:
+        fields["error"] = result.error.name
+    if result.ended_by is not None:
+        fields["ended_by"] = result.ended_by.value
+    if result.state_lost:
+        fields["state_lost"] = result.state_lost
+    if result.accounting is not None:
+        fields["accounting"] = result.accounting
+    if result.policy:
+        fields["policy"] = list(result.policy)
+    if result.refusal is not None:
+        fields["refusal"] = result.refusal
+    return fields
+
+
+class AuditObserver(SessionObserver):
+    """Writes a session's executions, restarts and notes to the audit stream."""
+
+    def __init__(self, managed: ManagedSession, audit: AuditLog) -> None:
+        self.managed = managed
+        self.audit = audit
+
+    def _record(self, event: str, **fields: Any) -> None:
+        self.audit.record(event, tenant=self.managed.tenant, session=self.managed.id, **fields)
+
+    async def execution_finished(self, request: ExecutionRequest, result: ExecutionResult) -> None:
+        self._record("execution", **execution_fields(request, result))
+
+    async def kernel_restarted(self, reason: str, container_replaced: bool) -> None:
+        self._record("kernel_restarted", reason=reason, container_replaced=container_replaced)
+
+    async def note_added(self, text: str) -> None:
+        # hidden requests that ran code (silent executes, debugger evaluations), state lost, ...
+        self._record("note", text=text)
