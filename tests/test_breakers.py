@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import re
+import shutil
 import time
 from types import SimpleNamespace
 
 import docker
 import pytest
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from sandkernel.errors import (
     DockerUnavailableError,
@@ -37,7 +42,16 @@ from sandkernel.kernels.execution.events import ExecutionRequest
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, TimeoutStep
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine
 
-from .test_docker_restart import FakeDockerd
+from .conftest import RUNTIMES, RunscState, require_runtime, runsc_required, runsc_state
+from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+from .test_docker_restart import (
+    FakeDockerd,
+    docker_answers,
+    dockerd_pid,
+    dockerd_pidfile,
+    start_dockerd,
+    stop_dockerd,
+)
 
 
 class Clock:
@@ -321,3 +335,134 @@ async def test_the_restart_action_restarts_a_kernel_that_still_runs_and_refuses_
         await breaker.execution_finished(REQUEST, result(ExecutionStatus.OOM))
     assert session.restarts == 1 and breaker.ooms == 0 and len(session.notes) == 2
     assert (await breaker.admit(REQUEST)).refusal is None
+
+
+# -- through a real gateway -----------------------------------------------------------------------
+
+BOMB = "b = bytearray(2 * 1024**3)"  # far over the 256 MiB limit: OOM-killed every time
+
+
+@pytest.fixture
+async def gateway(tmp_path):
+    """A gateway whose start breaker cools down in 1 s (the engine test waits that out)."""
+    gw = await start_gateway(tmp_path, audit=False, start_cooldown=1.0, max_sessions=6)
+    yield gw
+    await stop_gateway(gw)
+
+
+async def create(gw, runtime: str) -> dict:
+    status, body = await gw.request("POST", "/api/sessions", {"limits": {"runtime": runtime, "memory_mb": 256}})
+    assert status == 201, body
+    return body
+
+
+async def execute(gw, session: dict, code: str) -> dict:
+    status, body = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": code, "timeout": 120})
+    assert status == 200, body
+    return body
+
+
+def scraped(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_three_ooms_in_a_row_quarantine_the_session_and_a_restart_clears_it(gateway, runtime):
+    require_runtime(runtime)
+    hog, other = await asyncio.gather(create(gateway, runtime), create(gateway, runtime))
+    assert hog["quarantined"] is None
+    for n in (1, 2, 3):
+        result = await execute(gateway, hog, BOMB)
+        assert result["status"] == "oom", result
+        status, model = await gateway.request("GET", f"/api/sessions/{hog['id']}")
+        assert (model["quarantined"] is None) == (n < 3), model
+
+    quarantined = model["quarantined"]
+    assert quarantined["ooms"] == 3 and "OOM-killed 3 times in a row" in quarantined["reason"]
+    refused = await execute(gateway, hog, "print('should not run')")
+    assert refused["status"] == "refused" and refused["execution_count"] is None
+    assert refused["refusal"]["by"] == "breaker" and refused["refusal"]["rule"] == "quarantine"
+    message = refused["refusal"]["message"]
+    assert "quarantined" in message and f"POST /api/sessions/{hog['id']}/restart" in message
+    assert [(o["ename"], o["evalue"]) for o in refused["outputs"]] == [("ExecutionRefused", message)]
+
+    assert (await execute(gateway, other, "print(6 * 7)"))["text"] == "42\n"  # its neighbour is unaffected
+
+    status, model = await gateway.request("POST", f"/api/sessions/{hog['id']}/restart")
+    assert status == 200 and model["quarantined"] is None
+    back = await execute(gateway, hog, "print('back')")
+    assert back["status"] == "ok" and back["text"] == "back\n"
+
+    status, metrics = await gateway.request("GET", "/metrics")
+    assert scraped(metrics, 'sandkernel_breaker_trips_total{kind="oom"}') == 1.0
+    assert scraped(metrics, 'sandkernel_refused_executions_total{by="breaker"}') == 1.0
+
+
+@pytest.mark.slow
+async def test_a_stopped_engine_makes_new_sessions_fail_fast_and_they_start_again_once_it_is_back(gateway):
+    """STOPS THE MACHINE'S DOCKERD for a few seconds (live-restore keeps the containers)."""
+    if os.geteuid() != 0 or shutil.which("dockerd") is None or (pid := dockerd_pid()) is None:
+        pytest.skip(f"needs root and a dockerd to stop (its pid in {dockerd_pidfile()})")
+    runtimes = ["runc"]
+    if runsc_state() is RunscState.REGISTERED:
+        runtimes.append("runsc")
+    elif runsc_required():
+        pytest.fail("runsc is required but not registered")
+    existing = [await create(gateway, runtime) for runtime in runtimes]
+    for session in existing:
+        assert (await execute(gateway, session, "x = 41"))["status"] == "ok"
+    failures = gateway.settings.start_failures
+
+    await asyncio.to_thread(stop_dockerd, pid)
+    try:
+        assert not await asyncio.to_thread(docker_answers)
+        answers = []
+        for _ in range(failures + 2):
+            began = time.monotonic()
+            answers.append((*await post_session(gateway), time.monotonic() - began))
+        for session in existing:  # kernels talk ZMQ, not Docker: they keep answering
+            assert (await execute(gateway, session, "x + 1"))["text"] == "42\n"
+        status, metrics = await gateway.request("GET", "/metrics")
+    finally:
+        await asyncio.to_thread(start_dockerd)
+
+    assert all(status == 503 and retry_after for status, _, retry_after, _ in answers), answers
+    # The first ones asked the engine and got its 503; then the breaker answers without asking it.
+    codes = [code for _, code, _, _ in answers]
+    assert codes == ["dockerunavailable"] * failures + ["sandbox_engine_unavailable"] * 2, answers
+    assert all(seconds < 10 for *_, seconds in answers[:failures]), answers
+    assert all(seconds < 1 for *_, seconds in answers[failures:]), answers
+    assert scraped(metrics, 'sandkernel_start_breaker_state{state="open"}') == 1.0
+    assert scraped(metrics, "sandkernel_sandbox_starts_refused_total") == 2.0
+
+    # Back: after Retry-After, a new session starts (the probe), with no gateway restart.
+    deadline = time.monotonic() + 120
+    while (answer := await post_session(gateway))[0] != 201:
+        status, _, retry_after = answer
+        assert status == 503 and retry_after is not None, answer
+        assert time.monotonic() < deadline, "new sessions did not start again within 120 s of dockerd's return"
+        await asyncio.sleep(retry_after)  # as a client does
+    status, metrics = await gateway.request("GET", "/metrics")
+    assert scraped(metrics, 'sandkernel_start_breaker_state{state="closed"}') == 1.0
+    for session in existing:
+        assert (await execute(gateway, session, "x"))["text"] == "41\n"
+
+
+async def post_session(gw) -> tuple[int, str | None, int | None]:
+    """POST a runc session: (status, error code or None, Retry-After seconds or None)."""
+    request = HTTPRequest(
+        gw.url + "/api/sessions",
+        method="POST",
+        body=b'{"limits": {"runtime": "runc"}}',
+        headers={"Authorization": f"token {ALICE}"},
+        request_timeout=300,
+    )
+    try:
+        response = await AsyncHTTPClient().fetch(request)
+    except HTTPClientError as err:
+        assert err.response is not None, err
+        response = err.response
+    code = json.loads(response.body)["error"] if response.code >= 400 else None
+    retry_after = response.headers.get("Retry-After")
+    return response.code, code, int(retry_after) if retry_after is not None else None
