@@ -292,7 +292,7 @@ class _Reviewer:
             mode = _string(node.args[1]) if len(node.args) > 1 else None
             mode = next((_string(k.value) for k in node.keywords if k.arg == "mode"), mode)
             if mode is not None and any(flag in mode for flag in "wax+"):
-                self._write(node.args[0] if node.args else None, node, f"open(..., {mode!r})")
+                self._write(node.args[0] if node.args else _keyword(node, "file"), node, f"open(..., {mode!r})")
         elif name == "os.open" and len(node.args) > 1:
             flags = {n.attr if isinstance(n, ast.Attribute) else getattr(n, "id", "") for n in ast.walk(node.args[1])}
             if flags & OS_OPEN_WRITE_FLAGS:
