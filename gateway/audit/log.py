@@ -35,38 +35,32 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
-import datetime as dt
-import fcntl
-import hashlib
 import logging
 import os
-import stat
 import threading
 from pathlib import Path
 from typing import Any
 
 from sandkernel.errors import ConfigError
-from sandkernel.gateway.audit.chain import (
-    CURRENT_NAME,
-    GENESIS,
-    BrokenRecord,
-    rotated_name,
-    rotated_seq,
-    seal,
-    unseal,
+from sandkernel.gateway.audit.chain import CURRENT_NAME, GENESIS, seal
+from sandkernel.gateway.audit.fields import fit, prepare
+from sandkernel.gateway.audit.files import (
+    Tail,
+    first_seq,
+    lock_directory,
+    open_directory,
+    open_file,
+    read_tail,
+    rotated_names,
+    set_aside,
+    utc_now,
 )
-from sandkernel.gateway.audit.fields import MAX_RECORD_BYTES, fit, prepare
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = "audit.lock"
 # Records waiting for the worker; past it, record() drops (and counts) rather than grow memory.
 QUEUE_LIMIT = 10_000
-# Bytes read from a file's end to find its last intact record (records are at most MAX_RECORD_BYTES).
-TAIL_WINDOW = 2 * MAX_RECORD_BYTES + 4096
 CLOSE_TIMEOUT = 30.0
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
-_FILE_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 _STOP = object()
 
 
@@ -76,107 +70,6 @@ class Head:
 
     seq: int
     hash: str
-
-
-def utc_now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
-
-
-@dataclasses.dataclass
-class _Tail:
-    """What the end of a file holds: its last intact record (None: none found), and anything
-    after that record (the damaged tail)."""
-
-    last: dict[str, Any] | None
-    damaged: dict[str, Any] | None
-
-
-def _read_tail(fd: int, name: str) -> _Tail:
-    size = os.fstat(fd).st_size
-    start = max(0, size - TAIL_WINDOW)
-    data = os.pread(fd, size - start, start)
-    end = data.rfind(b"\n")
-    while end >= 0:
-        begin = data.rfind(b"\n", 0, end) + 1
-        if begin == 0 and start > 0:
-            break  # the window starts inside this line
-        try:
-            record = unseal(data[begin:end])
-        except BrokenRecord:
-            end = begin - 1
-            continue
-        good = start + end + 1
-        return _Tail(record, _damage(name, good, data[end + 1 :]) if good < size else None)
-    if start == 0:
-        return _Tail(None, _damage(name, 0, data) if data else None)
-    return _Tail(None, {"file": name, "offset": None, "bytes": size, "note": "no intact record near the end"})
-
-
-def _damage(name: str, offset: int, rest: bytes) -> dict[str, Any]:
-    """How a damaged tail is recorded: enough for verify to check that this, and only this, is
-    what was set aside."""
-    return {"file": name, "offset": offset, "bytes": len(rest), "sha256": hashlib.sha256(rest).hexdigest()}
-
-
-def _open_directory(directory: Path) -> int:
-    """The directory, created 0700 or narrowed to 0700, opened once; ConfigError if it is not a
-    directory of ours."""
-    try:
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(directory, _DIR_FLAGS)
-    except OSError as err:
-        raise ConfigError(f"cannot use the audit directory {directory}: {err}") from err
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid():
-        os.close(fd)
-        raise ConfigError(f"the audit directory {directory} belongs to another user (uid {st.st_uid})")
-    if st.st_mode & 0o077:
-        log.warning("narrowing the audit directory %s to mode 0700 (was %o)", directory, st.st_mode & 0o777)
-        os.fchmod(fd, 0o700)
-    return fd
-
-
-def _lock(dir_fd: int, directory: Path) -> int:
-    fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(
-            f"the audit log in {directory} is written by another process (pid {holder}): one gateway per audit "
-            "directory (two writers would fork the chain). Give this gateway another --audit-dir"
-        ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
-
-
-def _open_file(dir_fd: int, name: str, create: bool) -> int | None:
-    """``name`` opened for appending (None when absent and not ``create``); a regular file of
-    ours narrowed to 0600, else ConfigError."""
-    flags = _FILE_FLAGS | (os.O_CREAT | os.O_EXCL if create else 0)
-    try:
-        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    except OSError as err:  # ELOOP: a symlink planted where the log goes
-        raise ConfigError(f"cannot open the audit file {name}: {err}") from err
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        os.close(fd)
-        raise ConfigError(f"the audit file {name} is not a regular file of this user")
-    if st.st_mode & 0o077:
-        os.fchmod(fd, 0o600)
-    return fd
-
-
-def _first_seq(fd: int) -> int | None:
-    head = os.pread(fd, TAIL_WINDOW, 0)
-    try:
-        return unseal(head[: head.index(b"\n")])["seq"]
-    except (ValueError, BrokenRecord):
-        return None
 
 
 class AuditLog:
@@ -212,10 +105,10 @@ class AuditLog:
         cannot be used (another user's, a symlinked file, another gateway holding the lock, the
         first record not writable): an operator who asked for an audit log gets one or no gateway."""
         directory = Path(directory)
-        dir_fd = _open_directory(directory)
+        dir_fd = open_directory(directory)
         lock_fd = -1
         try:
-            lock_fd = _lock(dir_fd, directory)
+            lock_fd = lock_directory(dir_fd, directory)
             audit = cls(directory, dir_fd, lock_fd, include_code, max_bytes, keep)
             audit._resume()
         except BaseException:
@@ -231,32 +124,32 @@ class AuditLog:
         """Find the last intact record (current file, else the newest rotated one), set a damaged
         current file aside, and write ``chain_resumed`` (or ``chain_started``)."""
         fields: dict[str, Any] = {"pid": os.getpid()}
-        tail = _Tail(None, None)
-        fd = _open_file(self._dir_fd, CURRENT_NAME, create=False)
+        tail = Tail(None, None)
+        fd = open_file(self._dir_fd, CURRENT_NAME, create=False)
         if fd is not None and os.fstat(fd).st_size == 0:
             os.close(fd)
             os.unlink(CURRENT_NAME, dir_fd=self._dir_fd)  # created, never written: nothing to keep
             fd = None
         if fd is not None:
-            tail = _read_tail(fd, CURRENT_NAME)
+            tail = read_tail(fd, CURRENT_NAME)
             if tail.damaged is None and tail.last is not None:
                 self._fd, self._size = fd, os.fstat(fd).st_size
-                first = _first_seq(fd)
+                first = first_seq(fd)
                 self._first_seq = first if first is not None else tail.last["seq"]
             else:  # keep the damaged file as it is, under a rotated name, and start a fresh one
-                first = _first_seq(fd)
+                first = first_seq(fd)
                 os.close(fd)
-                aside = self._set_aside(first if first is not None else (tail.last or {}).get("seq"))
+                aside = set_aside(self._dir_fd, first if first is not None else (tail.last or {}).get("seq"))
                 if tail.damaged is not None:
                     tail.damaged["file"] = aside
         if tail.last is None:  # no chain in a current file: it goes on from the newest rotated one
-            for name in self._rotated()[-1:]:
+            for name in rotated_names(self._dir_fd)[-1:]:
                 rfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dir_fd)
                 try:
-                    found = _read_tail(rfd, name)
+                    found = read_tail(rfd, name)
                 finally:
                     os.close(rfd)
-                tail = _Tail(found.last, tail.damaged or found.damaged)
+                tail = Tail(found.last, tail.damaged or found.damaged)
         if tail.last is not None:
             self._head = Head(tail.last["seq"], tail.last["hash"])
             fields["clean_shutdown"] = tail.last["event"] == "log_closed"
@@ -272,29 +165,8 @@ class AuditLog:
         self._sync()
         log.info("audit log %s at seq %d, head %s", self.directory / CURRENT_NAME, self._head.seq, self._head.hash)
 
-    def _set_aside(self, first_seq: int | None) -> str:
-        if first_seq is None:
-            name = f"audit-unreadable-{utc_now().replace(':', '')}.jsonl"
-        else:
-            name = next(rotated_name(first_seq, i) for i in range(1000) if not self._exists(rotated_name(first_seq, i)))
-        os.rename(CURRENT_NAME, name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
-        os.fsync(self._dir_fd)
-        return name
-
-    def _exists(self, name: str) -> bool:
-        try:
-            os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def _rotated(self) -> list[str]:
-        """Rotated files, oldest first."""
-        names = [(seq, n) for n in os.listdir(self._dir_fd) if (seq := rotated_seq(n)) is not None]
-        return [n for _, n in sorted(names)]
-
     def _create_current(self) -> int:
-        fd = _open_file(self._dir_fd, CURRENT_NAME, create=True)
+        fd = open_file(self._dir_fd, CURRENT_NAME, create=True)
         assert fd is not None
         os.fsync(self._dir_fd)
         self._size = 0
@@ -445,7 +317,7 @@ class AuditLog:
         previous = self._head
         try:
             os.fsync(self._fd)
-            name = self._set_aside(self._first_seq)
+            name = set_aside(self._dir_fd, self._first_seq)
         except OSError as err:
             log.error("cannot rotate the audit log: %s", err)
             self.max_bytes *= 2  # do not retry on every record
@@ -459,7 +331,7 @@ class AuditLog:
         old_fd, self._fd = self._fd, new_fd
         os.close(old_fd)
         removed = []
-        for stale in self._rotated()[: -self.keep] if self.keep > 0 else self._rotated():
+        for stale in rotated_names(self._dir_fd)[: -self.keep] if self.keep > 0 else rotated_names(self._dir_fd):
             try:
                 os.unlink(stale, dir_fd=self._dir_fd)
                 removed.append(stale)
