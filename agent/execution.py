@@ -36,7 +36,9 @@ class Image:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    status: str  # ok | error | timeout | interrupted | kernel_died | oom | detached (see GatewayRestarted)
+    # ok | error | timeout | interrupted | kernel_died | oom | detached (see GatewayRestarted) |
+    # refused (the gateway's execution policy or a quarantined session refused it: nothing ran)
+    status: str
     outputs: list[dict[str, Any]]
     execution_count: int | None
     duration: float
@@ -46,6 +48,11 @@ class Execution:
     ended_by: str | None = None
     state_lost: str | None = None
     truncation: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The execution policy's findings ({"rule", "action": "warn"|"deny", "message", "line"}): warnings
+    # on code that ran, and the denials behind a refusal.
+    policy: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Why nothing ran (status ``refused``): {"by": "policy"|"breaker", "rule", "message"}.
+    refusal: dict[str, Any] | None = None
 
     @classmethod
     def from_reply(cls, reply: dict[str, Any]) -> Execution:
@@ -61,11 +68,23 @@ class Execution:
             ended_by=reply.get("ended_by"),
             state_lost=reply.get("state_lost"),
             truncation=reply.get("truncation") or {},
+            policy=list(reply.get("policy") or []),
+            refusal=reply.get("refusal"),
         )
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def refused(self) -> bool:
+        """True when the gateway refused the code before it ran (:attr:`refusal` says why)."""
+        return self.status == "refused"
+
+    @property
+    def warnings(self) -> list[dict[str, Any]]:
+        """The policy findings that let the code run but flagged it (action ``warn``)."""
+        return [finding for finding in self.policy if finding.get("action") == "warn"]
 
     @property
     def truncated(self) -> bool:

@@ -9,6 +9,11 @@ package) burns turns; after ``replan_after`` similar failures in a row the tool 
 note asking the model to step back and re-plan (or report that the sandbox cannot do it), and
 after ``give_up_after`` the loop stops as ``stuck``. Turns, tokens and wall time are capped.
 
+Code the gateway's execution policy refuses (status ``refused``: nothing ran) is an error result
+whose text starts with the policy's message, written for the model, so it rewrites the code
+rather than retrying it; repeated refusals of one rule count toward re-planning like any repeated
+failure. Policy warnings on code that ran are appended to its result, so the model learns them.
+
 A gateway restart during a step is not the model's failure and not the end of the run: the
 tool result says the step may not have finished (check before re-running), the transcript gets
 a note, and the loop goes on (the client has waited for the gateway to answer again). A sandbox
@@ -26,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from sandkernel.agent.client import AsyncSession
 from sandkernel.agent.errors import ClientError, SandboxLostError
-from sandkernel.agent.tools import FINAL_ANSWER, GATEWAY_RESTARTED, TOOLS, ToolOutcome, run_tool
+from sandkernel.agent.tools import FINAL_ANSWER, GATEWAY_RESTARTED, MAX_RESULT_BYTES, TOOLS, ToolOutcome, run_tool
+from sandkernel.truncation import clip_text
 
 if TYPE_CHECKING:  # anthropic takes ~1.7 s to import: only the caller that makes a client pays it
     import anthropic
@@ -48,6 +54,14 @@ REPLAN_NOTE = (
     "the sandbox cannot do this at all (it has no network access, for example), call final_answer "
     "and say so plainly instead of retrying."
 )
+
+REFUSED = "refused"
+REWRITE_NOTE = (
+    "[sandkernel] This code was NOT run: the sandbox's code policy refused it before execution, so "
+    "nothing in the session changed. Rewrite the code as the message above says and call the tool "
+    "again; the same code would be refused again."
+)
+NOT_RUN_NOTE = "[sandkernel] This code was NOT run; nothing in the session changed."
 
 
 @dataclasses.dataclass
@@ -210,7 +224,9 @@ class ClaudeAgent:
     async def _call_tool(self, use: dict[str, Any], run: AgentRun) -> ToolOutcome:
         self.progress("tool_start", {"id": use["id"], "name": use["name"], "input": use["input"]})
         began = time.monotonic()
-        outcome = await run_tool(self.session, use["id"], use["name"], use["input"], self.config.tool_timeout)
+        outcome = policy_view(
+            await run_tool(self.session, use["id"], use["name"], use["input"], self.config.tool_timeout)
+        )
         seconds = time.monotonic() - began
         run.tool_calls.append(ToolCall(use["id"], use["name"], outcome.status, seconds, use["input"]))
         self.progress("tool_end", {"id": use["id"], "name": use["name"], "status": outcome.status, "seconds": seconds})
@@ -223,3 +239,39 @@ class ClaudeAgent:
                     "the step may not have finished (the model was told to check before re-running)."
                 )
         return outcome
+
+
+def policy_view(outcome: ToolOutcome) -> ToolOutcome:
+    """The tool result as the model should read it when the execution policy had its say.
+
+    Refused: an error result whose text is the refusal's message first (which rule, which line,
+    how to rewrite), then a note that nothing ran; its failure signature names the rule, so the
+    same refusal again counts toward re-planning. Warned: the warnings follow the output."""
+    execution = outcome.execution
+    if execution is None:
+        return outcome
+    block = dict(outcome.block)
+    if execution.refused:
+        refusal = execution.refusal or {}
+        message = str(refusal.get("message") or (execution.error.value if execution.error else "refused"))
+        note = REWRITE_NOTE if refusal.get("by", "policy") == "policy" else NOT_RUN_NOTE
+        text = clip_text(f"{message}\n\n{note}", MAX_RESULT_BYTES, why="to fit the tool result").text
+        block.update(content=[{"type": "text", "text": text}], is_error=True)
+        failure = f"refused by {refusal.get('by', 'policy')} rule {refusal.get('rule', '?')}"
+        return dataclasses.replace(outcome, block=block, status=REFUSED, failure=failure)
+    if not execution.warnings:
+        return outcome
+    warnings = "\n".join(_warning_line(warning) for warning in execution.warnings)
+    content = block.get("content")
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content or [])
+    if parts and parts[0].get("type") == "text":
+        parts[0] = {**parts[0], "text": f"{parts[0]['text']}\n\n{warnings}"}
+    else:
+        parts.insert(0, {"type": "text", "text": warnings})
+    block["content"] = parts
+    return dataclasses.replace(outcome, block=block)
+
+
+def _warning_line(warning: dict[str, Any]) -> str:
+    where = f", line {warning['line']}" if warning.get("line") else ""
+    return f"[sandkernel policy warning{where}] {warning.get('message', '')}"

@@ -1,8 +1,8 @@
-"""Three scripted agent sessions: their input files (made here, deterministic) and the
+"""Four scripted agent sessions: their input files (made here, deterministic) and the
 conversation a model would have, for the offline Messages API server.
 
 Used by ``sandkernel demo`` (the sales scenario, when no API key is set), by the test suite (all
-three, end to end through the real SDK, gateway and containers) and by bench/agent_roundtrips.py.
+of them, end to end through the real SDK, gateway and containers) and by bench/agent_roundtrips.py.
 The code in the scripts is what a model writes; it runs for real in the sandbox.
 """
 
@@ -33,6 +33,8 @@ class Scenario:
     task: str
     make_files: Callable[[Path], list[Path]]  # writes the inputs under a directory, returns what to upload
     turns: Callable[[], list[ScriptedTurn]]
+    # The execution policy (TOML) the gateway must run with for the script to hold; None: none.
+    exec_policy: str | None = None
 
 
 # -- sales: a CSV → quarterly totals and average order value → report.png -------------------
@@ -271,8 +273,67 @@ def network_turns() -> list[ScriptedTurn]:
     ]
 
 
+# -- policy: the gateway's execution policy refuses the first code; the model rewrites it -----
+
+POLICY_FILES = {"orders.csv": 41, "returns.csv": 7}  # name -> lines, header included
+POLICY_TASK = "How many lines does each CSV file in the workspace have? Save the counts in line_counts.csv."
+POLICY_TOML = """# The operator's policy for the policy scenario: no programs started from Python.
+default = "allow"
+
+[rules.subprocess]
+action = "deny"
+
+[rules.shell]
+action = "warn"
+"""
+POLICY_FIRST_TRY = """import subprocess
+out = subprocess.run(["wc", "-l", "orders.csv", "returns.csv"], capture_output=True, text=True)
+print(out.stdout)"""
+POLICY_SECOND_TRY = """from pathlib import Path
+import csv
+
+counts = {path.name: sum(1 for _ in path.open()) for path in sorted(Path(".").glob("*.csv"))
+          if path.name != "line_counts.csv"}
+with open("line_counts.csv", "w", newline="") as out:
+    writer = csv.writer(out)
+    writer.writerow(["file", "lines"])
+    writer.writerows(counts.items())
+print(open("line_counts.csv").read())"""
+
+
+def make_policy_files(directory: Path) -> list[Path]:
+    made = []
+    for name, lines in POLICY_FILES.items():
+        path = directory / name
+        path.write_text("id,value\n" + "".join(f"{i},{i * 3}\n" for i in range(1, lines)))
+        made.append(path)
+    return made
+
+
+def policy_turns() -> list[ScriptedTurn]:
+    counts = ", ".join(f"{name}: {lines}" for name, lines in POLICY_FILES.items())
+    return [
+        ScriptedTurn([say("I'll count the lines with wc."), call("run_python", code=POLICY_FIRST_TRY)]),
+        ScriptedTurn(
+            [
+                say("The sandbox's policy refuses starting programs; I'll count the lines in Python instead."),
+                call("run_python", code=POLICY_SECOND_TRY),
+            ],
+            expect=[result_is_error(), result_contains("rule subprocess, line 1"), result_contains("NOT run")],
+        ),
+        ScriptedTurn(
+            [call("final_answer", answer=f"Lines per file: {counts}. Saved as line_counts.csv.")],
+            expect=[
+                result_is_error(False),
+                *(result_contains(f"{name},{lines}") for name, lines in POLICY_FILES.items()),
+            ],
+        ),
+    ]
+
+
 SCENARIOS = {
     "sales": Scenario("sales", SALES_TASK, make_sales_files, sales_turns),
     "logs": Scenario("logs", LOGS_TASK, make_log_files, logs_turns),
     "network": Scenario("network", NETWORK_TASK, lambda directory: [], network_turns),
+    "policy": Scenario("policy", POLICY_TASK, make_policy_files, policy_turns, exec_policy=POLICY_TOML),
 }

@@ -13,7 +13,9 @@ classification, output budgets, metrics and the transcript, exactly as a session
 To keep the kernel's order, this connection's shell requests are sent one after another: a
 request waits while an execute before it runs (as it would in the kernel's own queue). When an
 execute fails with ``stop_on_error`` (JupyterLab's default) or its kernel restarts, the execute
-requests queued behind it are answered ``aborted``, as the kernel itself would.
+requests queued behind it are answered ``aborted``, as the kernel itself would. An execute the
+operator's execution policy (or a quarantined session's breaker) refuses never reaches the kernel;
+it is answered here as a kernel answers code that raised, with the refusal's message as the error.
 
 Inbound bytes are bounded (inflight.py); hidden code (silent executes, ``user_expressions``,
 debugger requests that run code) is noted in the record (ws_audit.py).
@@ -40,7 +42,7 @@ from sandkernel.gateway.registry import ManagedSession, SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.gateway.wire import FrameError, from_frame, to_frame
 from sandkernel.gateway.ws_audit import debug_request_note, execute_request_notes
-from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, TimeoutStep
+from sandkernel.kernels.execution.outputs import REFUSED_ENAME, ExecutionResult, ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.replies import RelayedReply
 from sandkernel.kernels.execution.transport import connect_iopub
 
@@ -314,6 +316,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
                 self._answer_aborted(msg)
                 continue
             result = await self._run_relayed(msg, buffers, content)
+            if result is not None and result.status is ExecutionStatus.REFUSED:
+                self._answer_refused(msg, result)
             if result is not None and _aborts_queue(result, content):
                 await self._abort_queued_executes()
 
@@ -373,18 +377,35 @@ class ChannelsHandler(websocket.WebSocketHandler):
 
     def _answer_aborted(self, request: dict[str, Any]) -> None:
         """What the kernel sends for an execute it aborts: busy, an ``aborted`` reply, idle."""
+        self._answer(request["header"], [("shell", "execute_reply", {"status": "aborted"})])
+
+    def _answer(self, parent: dict[str, Any], middle: list[tuple[str, str, dict[str, Any]]]) -> None:
+        """Answer a request the kernel never saw, as the kernel would: busy, ``middle`` (channel,
+        msg_type, content), idle; the request is no longer in flight."""
         assert self.session is not None and self.inflight is not None
-        parent = request["header"]
-        messages = [
-            ("iopub", self.session.msg("status", {"execution_state": "busy"}, parent=parent)),
-            ("shell", self.session.msg("execute_reply", {"status": "aborted"}, parent=parent)),
-            ("iopub", self.session.msg("status", {"execution_state": "idle"}, parent=parent)),
-        ]
+        busy = [("iopub", "status", {"execution_state": "busy"})]
+        idle = [("iopub", "status", {"execution_state": "idle"})]
         self.inflight.answered(str(parent.get("msg_id", "")))
-        for channel, message in messages:
+        for channel, msg_type, content in busy + middle + idle:
+            message = self.session.msg(msg_type, content, parent=parent)
             message["channel"] = channel
             with contextlib.suppress(websocket.WebSocketClosedError):
                 self.write_message(to_frame(message))
+
+    def _answer_refused(self, request: dict[str, Any], result: ExecutionResult) -> None:
+        """What a kernel sends for code that raised at once, for an execute a gate refused (it was
+        never sent, so the kernel says nothing): busy, the ``error`` output, an ``error`` reply
+        with its ename/evalue/traceback, idle. Clients and JupyterLab show the refusal's message
+        where a traceback goes; the refusal itself was recorded by the session's observers."""
+        parent = request["header"]
+        error = next((o for o in result.outputs if o.get("output_type") == "error"), None) or {
+            "ename": REFUSED_ENAME,
+            "evalue": str((result.refusal or {}).get("message", "refused")),
+            "traceback": [],
+        }
+        fields = {key: error.get(key) for key in ("ename", "evalue", "traceback")}
+        reply = {"status": "error", "execution_count": None, "user_expressions": {}, "payload": [], **fields}
+        self._answer(parent, [("iopub", "error", fields), ("shell", "execute_reply", reply)])
 
     def _admit(self, msg_id: str, size: int) -> bool:
         """Count a request as in flight, or close the websocket (1008) when it is over a budget."""

@@ -115,9 +115,11 @@ async def test_several_denials_are_listed_in_one_refusal() -> None:
         "rule subprocess, line 1",
         "rule write_outside_workspace, line 2",
         "rule shell, line 3",
-        "rule write_outside_workspace, line 3",
+        "Line 3: The shell command writes '/srv/data'",
     ):
         assert expected in message, message
+    # One rule's advice is given once, after all its spots.
+    assert message.count("Writing outside the workspace is against") == 1
 
 
 # -- IPython syntax: the review sees what the kernel runs -------------------------------------

@@ -41,6 +41,10 @@ class Finding:
     message: str
     line: int | None = None
     action: Action | None = None
+    # Set by the policy on what it returns: ``message`` = ``detail`` (what was seen) + ``advice``
+    # (the rule's message), kept apart so a refusal can give one rule's advice once.
+    detail: str = dataclasses.field(default="", compare=False)
+    advice: str = dataclasses.field(default="", compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape the result and the transcript carry: rule, action, message, line."""

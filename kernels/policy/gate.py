@@ -44,8 +44,17 @@ def refusal_message(denied: list[Finding]) -> str:
     head = "The sandbox's code policy refused this code before it ran (nothing was executed)"
     if len(denied) == 1:
         return f"{head}: rule {denied[0].rule}{_at(denied[0])}. {denied[0].message}"
-    items = "\n".join(f"- rule {finding.rule}{_at(finding)}: {finding.message}" for finding in denied)
-    return f"{head}. Fix all of these, then send the rewritten code:\n{items}"
+    by_rule: dict[str, list[Finding]] = {}
+    for finding in denied:
+        by_rule.setdefault(finding.rule, []).append(finding)
+    items = []
+    for rule, found in by_rule.items():
+        spots = " ".join(
+            (f"Line {f.line}: {f.detail or f.message}" if i else f.detail or f.message) for i, f in enumerate(found)
+        )
+        advice = found[0].advice
+        items.append(f"- rule {rule}{_at(found[0])}: {spots}" + (f" {advice}" if advice else ""))
+    return f"{head}. Fix all of these, then send the rewritten code:\n" + "\n".join(items)
 
 
 def _at(finding: Finding) -> str:

@@ -103,9 +103,10 @@ class ExecPolicy:
                 continue
             seen.add((finding.rule, finding.line))
             what = finding.message.strip().rstrip(".")
-            extra = self.message_of(finding.rule)
-            message = f"{what[:1].upper()}{what[1:]}." + (f" {extra}" if extra else "")
-            judged.append(dataclasses.replace(finding, action=action, message=message))
+            detail = f"{what[:1].upper()}{what[1:]}."
+            advice = self.message_of(finding.rule) or ""
+            message = f"{detail} {advice}" if advice else detail
+            judged.append(dataclasses.replace(finding, action=action, message=message, detail=detail, advice=advice))
         return judged
 
 
