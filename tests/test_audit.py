@@ -32,6 +32,9 @@ from sandkernel.gateway.audit.verify import main, verify
 from sandkernel.kernels.execution.events import ExecutionRequest
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, refused_result
 
+from .conftest import RUNTIMES, require_runtime
+from .gateway_fixtures import start_gateway, stop_gateway
+
 
 def lines(path: Path) -> list[bytes]:
     return path.read_bytes().splitlines()
@@ -433,3 +436,48 @@ async def test_the_observer_records_an_execution_with_its_accounting_policy_and_
     assert second["status"] == "refused" and second["refusal"] == refusal and second["error"] == "ExecutionRefused"
     assert got[2]["reason"] == "timeout" and got[2]["container_replaced"] is True
     assert verify([tmp_path]).ok
+
+
+# -- through a real gateway (Docker, both runtimes) ------------------------------------------------
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_a_gateway_records_every_change_of_state_in_a_chain_that_verifies(tmp_path, runtime):
+    require_runtime(runtime)
+    audit_dir = tmp_path / "audit"
+    gw = await start_gateway(tmp_path, audit_dir=audit_dir, default_runtime=runtime)
+    try:
+        status, session = await gw.request("POST", "/api/sessions", {"limits": {"runtime": runtime}})
+        assert status == 201, session
+        sid = session["id"]
+        code = "open('/workspace/out.txt', 'w').write('hello')"
+        status, result = await gw.request("POST", f"/api/sessions/{sid}/execute", {"code": code})
+        assert status == 200 and result["status"] == "ok", result
+        status, _ = await gw.request("PUT", f"/api/sessions/{sid}/files/in.csv", raw=b"a,b\n1,2\n")
+        assert status in (200, 201), status
+        assert (await gw.request("POST", f"/api/sessions/{sid}/restart"))[0] == 200
+        assert (await gw.request("DELETE", f"/api/sessions/{sid}"))[0] == 204
+    finally:
+        await stop_gateway(gw)
+
+    got = records(audit_dir)
+    assert got[0]["event"] == "chain_started" and got[-1]["event"] == "log_closed"
+    mine = [r for r in got if r.get("session") == sid]
+    assert all(r["tenant"] == "alice" for r in mine)
+    events = [r["event"] for r in mine]
+    for event in ("session_created", "execution", "file_written", "kernel_restarted", "session_deleted"):
+        assert event in events, (event, events)
+    assert events.index("session_created") < events.index("execution") < events.index("session_deleted")
+
+    execution = mine[events.index("execution")]
+    assert execution["door"] == "session_api" and execution["status"] == "ok" and execution["code"] == code
+    assert execution["code_sha256"] == hashlib.sha256(code.encode()).hexdigest()
+    created = [f for f in execution["accounting"]["files"]["created"] if f["path"].endswith("out.txt")]
+    assert created and created[0]["size"] == 5, execution["accounting"]  # the file produced, with its hash
+    assert created[0]["sha256"] == hashlib.sha256(b"hello").hexdigest()
+    upload = mine[events.index("file_written")]
+    assert upload["sha256"] == hashlib.sha256(b"a,b\n1,2\n").hexdigest() and upload["size"] == 8
+
+    report = verify([audit_dir])
+    assert report.ok and report.records == len(got), report.summary()
+    assert stat.S_IMODE(audit_dir.stat().st_mode) == 0o700
