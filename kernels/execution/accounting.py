@@ -16,9 +16,10 @@ Sources: the sandbox's cgroup (kernels/sandbox/cgroup.py: CPU as a delta, peak m
 the start), the workspace disk's host mount (kernels/sandbox/workspace_scan.py: snapshots
 before and after, hashed where they differ), the session's egress proxy records. Accounting
 never breaks an execution: a part that cannot be measured is null and ``notes`` says why.
-The cgroup reads, the walk and the hashing run in one worker thread per call (``start`` and
-``finish`` each cost the loop one ``asyncio.to_thread``); the egress records are counted on
-the loop, where the proxy appends them.
+The walk and the hashing run in a worker thread (one ``asyncio.to_thread`` in ``finish``; in
+``start`` too when there is no baseline to reuse, see :class:`CellMeter`); cgroup files are read
+on the loop when no walk is due, and egress records are counted on the loop, where the proxy
+appends them.
 """
 
 from __future__ import annotations
@@ -67,12 +68,27 @@ class _Cell:
 class CellMeter:
     """Measures one cell at a time for a :class:`KernelSession` (created by the session, called
     under its execute lock). The container can be replaced between cells and within one: its id
-    is read at every call, and its cgroup is looked up once per id."""
+    is read at every call, and its cgroup is looked up once per id.
 
-    def __init__(self, session: KernelSession) -> None:
+    The workspace snapshot a cell is compared with is the one taken at the end of the previous
+    cell (the baseline): ``start`` then reads only cgroup files (microseconds, on the loop) and
+    the walk happens once per cell, in ``finish``'s worker thread. So ``files`` are the changes
+    since the previous accounted cell ended: writes the kernel's background work made between
+    cells count in the next cell. A writer the meter does not see (the files API, an upload)
+    calls :meth:`forget_files`, and the next ``start`` walks the workspace first (as the first
+    cell does). ``fresh_baseline=True`` walks at every start (exact, one thread hop more)."""
+
+    def __init__(self, session: KernelSession, fresh_baseline: bool = False) -> None:
         self._session = session
+        self._fresh_baseline = fresh_baseline
         self._cgroups: dict[str, Cgroup | None] = {}
         self._cell: _Cell | None = None
+        self._baseline: tuple[Path, workspace_scan.Snapshot] | None = None
+
+    def forget_files(self) -> None:
+        """The workspace was changed by something other than a cell (the files API, an
+        upload): the next cell's ``start`` takes a fresh snapshot rather than reuse the last."""
+        self._baseline = None
 
     # -- what to measure, read from the session each time -----------------------------------
 
@@ -93,7 +109,7 @@ class CellMeter:
             return None
 
     def _cgroup(self, container_id: str) -> Cgroup | None:
-        """The cgroup of ``container_id``, looked up once (blocking: called in the worker thread)."""
+        """The cgroup of ``container_id``, looked up once (a few sysfs stats)."""
         if container_id not in self._cgroups:
             if len(self._cgroups) > 16:  # a long session replaced many containers: forget the old ones
                 self._cgroups.clear()
@@ -118,22 +134,31 @@ class CellMeter:
             if cell.proxy is not None:
                 cell.seen_records = len(cell.proxy.records)
                 cell.last_record = cell.proxy.records[-1] if cell.proxy.records else None
-            await asyncio.to_thread(self._start_sync, cell)
+            baseline, self._baseline = self._baseline, None
+            if baseline is not None and baseline[0] == mount and not self._fresh_baseline:
+                cell.files = baseline[1]
+                self._start_cgroup(cell)  # sysfs reads of a few microseconds: no thread needed
+            else:
+                await asyncio.to_thread(self._start_sync, cell)
         except Exception as err:
             log.warning("accounting could not start: %s", err, exc_info=True, extra={"session": self._session.id})
             cell.notes.append(f"accounting could not start: {type(err).__name__}")
 
+    def _start_cgroup(self, cell: _Cell) -> None:
+        if cell.container_id is None:
+            return
+        cell.cgroup = self._cgroup(cell.container_id)
+        if cell.cgroup is None:
+            cell.notes.append("the container's cgroup was not found: CPU and memory are not known")
+            return
+        try:
+            cell.cpu = cell.cgroup.cpu_times()
+            cell.peak = cell.cgroup.open_peak()
+        except (OSError, ValueError, KeyError) as err:
+            cell.notes.append(f"the container's cgroup could not be read ({type(err).__name__})")
+
     def _start_sync(self, cell: _Cell) -> None:
-        if cell.container_id is not None:
-            cell.cgroup = self._cgroup(cell.container_id)
-            if cell.cgroup is None:
-                cell.notes.append("the container's cgroup was not found: CPU and memory are not known")
-            else:
-                try:
-                    cell.cpu = cell.cgroup.cpu_times()
-                    cell.peak = cell.cgroup.open_peak()
-                except (OSError, ValueError, KeyError) as err:
-                    cell.notes.append(f"the container's cgroup could not be read ({type(err).__name__})")
+        self._start_cgroup(cell)
         if cell.mount is not None:
             try:
                 cell.files = workspace_scan.snapshot(cell.mount)
@@ -171,7 +196,9 @@ class CellMeter:
                 cell.cgroup = None
             if mount != cell.mount:
                 cell.files = None
-            await asyncio.to_thread(self._finish_sync, cell, report)
+            after = await asyncio.to_thread(self._finish_sync, cell, report)
+            if after is not None and cell.mount is not None:
+                self._baseline = (cell.mount, after)
         except Exception as err:
             log.warning("accounting could not finish: %s", err, exc_info=True, extra={"session": self._session.id})
             cell.notes.append(f"accounting could not finish: {type(err).__name__}")
@@ -179,20 +206,23 @@ class CellMeter:
             cell.close()
         return report
 
-    def _finish_sync(self, cell: _Cell, report: dict[str, Any]) -> None:
+    def _finish_sync(self, cell: _Cell, report: dict[str, Any]) -> workspace_scan.Snapshot | None:
+        """Counters, then the workspace's snapshot (returned: the next cell's baseline) and diff."""
         try:
             self._finish_cgroup(cell, report)
         finally:
             cell.close()
-        if cell.files is not None and cell.mount is not None:
-            try:
-                after = workspace_scan.snapshot(cell.mount)
-            except OSError as err:
-                cell.notes.append(f"the workspace could not be scanned ({err.strerror or type(err).__name__})")
-                return
-            report["files"], notes = workspace_scan.diff(cell.mount, cell.files, after)
-            cell.notes.extend(notes)
-            report["packages"] = workspace_scan.package_changes(cell.files, after)
+        if cell.files is None or cell.mount is None:
+            return None
+        try:
+            after = workspace_scan.snapshot(cell.mount)
+        except OSError as err:
+            cell.notes.append(f"the workspace could not be scanned ({err.strerror or type(err).__name__})")
+            return None
+        report["files"], notes = workspace_scan.diff(cell.mount, cell.files, after)
+        cell.notes.extend(notes)
+        report["packages"] = workspace_scan.package_changes(cell.files, after)
+        return after
 
     @staticmethod
     def _finish_cgroup(cell: _Cell, report: dict[str, Any]) -> None:

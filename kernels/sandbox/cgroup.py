@@ -60,8 +60,11 @@ class CpuTimes:
 
 
 def _read(path: Path) -> str:
-    with open(path, "rb") as f:
-        return f.read(_MAX_READ).decode("ascii", "replace")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # plain fds: these run once or twice per cell
+    try:
+        return os.read(fd, _MAX_READ).decode("ascii", "replace")
+    finally:
+        os.close(fd)
 
 
 def _read_int(path: Path) -> int:
@@ -122,8 +125,11 @@ class CgroupV1:
 class _V1Peak(PeakWindow):
     def __init__(self, memory: Path) -> None:
         self._file = memory / "memory.max_usage_in_bytes"
-        with open(self._file, "w") as f:  # resets the high-water mark to the current usage
-            f.write("0")
+        fd = os.open(self._file, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"0")  # resets the high-water mark to the current usage
+        finally:
+            os.close(fd)
 
     def peak(self) -> tuple[int, str | None]:
         return _read_int(self._file), None

@@ -30,7 +30,7 @@ import stat
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # Not user files: pip's prefix (reported as packages instead), caches, IPython's history.
 EXCLUDED = frozenset({".local", ".cache", ".ipython"})
@@ -48,9 +48,9 @@ _DIST_INFO = re.compile(r"([A-Za-z0-9_.]+)-([^-]+)\.dist-info")
 _SITE_PACKAGES = re.compile(r"python3(\.[0-9]+)?")
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One path's state: what is compared between the snapshots before and after a cell."""
+class Entry(NamedTuple):
+    """One path's state: what is compared between the snapshots before and after a cell (a
+    tuple, not a dataclass: a snapshot makes one per entry, and this is the cheap kind)."""
 
     kind: str  # file | link | dir | other
     size: int
@@ -59,14 +59,7 @@ class Entry:
     ino: int
 
 
-def _kind(mode: int) -> str:
-    if stat.S_ISREG(mode):
-        return "file"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISLNK(mode):
-        return "link"
-    return "other"
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "link"}
 
 
 @dataclass
@@ -108,23 +101,25 @@ def snapshot(root: Path, max_entries: int = MAX_ENTRIES, max_depth: int = MAX_DE
 
 
 def _walk(dir_fd: int, prefix: str, depth: int, snap: Snapshot, max_entries: int, max_depth: int) -> None:
+    entries = snap.entries
+    room = max_entries - len(entries)
     names: list[str] = []
     with os.scandir(dir_fd) as it:
         for dirent in it:
             if depth == 0 and dirent.name in EXCLUDED:
                 continue
-            if len(snap.entries) + len(names) >= max_entries:
+            if len(names) >= room:
                 snap.truncated = True
                 break
             names.append(dirent.name)
+    lstat, kinds = os.lstat, _KINDS
     for name in names:
         try:
-            st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            st = lstat(name, dir_fd=dir_fd)
         except OSError:
             continue  # gone since it was listed
-        path = prefix + name
-        kind = _kind(st.st_mode)
-        snap.entries[path] = Entry(kind, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        kind = kinds.get(stat.S_IFMT(st.st_mode), "other")
+        entries[prefix + name] = Entry(kind, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         if kind != "dir" or snap.truncated:
             continue
         if depth + 1 >= max_depth:
@@ -136,7 +131,7 @@ def _walk(dir_fd: int, prefix: str, depth: int, snap: Snapshot, max_entries: int
             continue  # swapped for a symlink or something else since the lstat: not walked
         try:
             if _same(os.fstat(child), st):
-                _walk(child, path + "/", depth + 1, snap, max_entries, max_depth)
+                _walk(child, prefix + name + "/", depth + 1, snap, max_entries, max_depth)
         finally:
             os.close(child)
 
