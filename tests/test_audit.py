@@ -481,3 +481,18 @@ async def test_a_gateway_records_every_change_of_state_in_a_chain_that_verifies(
     report = verify([audit_dir])
     assert report.ok and report.records == len(got), report.summary()
     assert stat.S_IMODE(audit_dir.stat().st_mode) == 0o700
+
+
+async def test_a_wholly_unreadable_current_file_is_set_aside_and_the_chain_goes_on_from_the_rotated_one(tmp_path):
+    audit = await write(tmp_path, 30, max_bytes=2000)
+    await audit.close()
+    rotated = json.loads(lines(sorted(tmp_path.glob("audit-*.jsonl"))[-1])[-1])
+    (tmp_path / chain.CURRENT_NAME).write_bytes(b"\x00" * 100 + b"\n")  # a bad block
+    await (await write(tmp_path, 1)).close()
+    unreadable = list(tmp_path.glob("audit-unreadable-*.jsonl"))
+    assert len(unreadable) == 1 and unreadable[0].read_bytes() == b"\x00" * 100 + b"\n"
+    resumed = json.loads(lines(tmp_path / chain.CURRENT_NAME)[0])
+    assert resumed["event"] == "chain_resumed" and resumed["prev"] == rotated["hash"]
+    assert resumed["damaged_tail"]["file"] == unreadable[0].name
+    report = verify([tmp_path])
+    assert report.ok and any(unreadable[0].name in note for note in report.notes), report.summary()
