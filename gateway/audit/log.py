@@ -106,15 +106,16 @@ class AuditLog:
         first record not writable): an operator who asked for an audit log gets one or no gateway."""
         directory = Path(directory)
         dir_fd = open_directory(directory)
-        lock_fd = -1
         try:
             lock_fd = lock_directory(dir_fd, directory)
-            audit = cls(directory, dir_fd, lock_fd, include_code, max_bytes, keep)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        audit = cls(directory, dir_fd, lock_fd, include_code, max_bytes, keep)
+        try:
             audit._resume()
         except BaseException:
-            if lock_fd >= 0:
-                os.close(lock_fd)
-            os.close(dir_fd)
+            audit._close_files()
             raise
         audit._thread = threading.Thread(target=audit._run, name="sandkernel-audit", daemon=True)
         audit._thread.start()
@@ -355,10 +356,16 @@ class AuditLog:
     def _finish(self) -> None:
         self._sync()
         log.info("audit log closed at seq %d, head %s", self._head.seq, self._head.hash)
-        for fd in (self._fd, self._lock_fd, self._dir_fd):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        self._close_files()
         _settle(self._stopped, None)
+
+    def _close_files(self) -> None:
+        """Let go of the file, the lock (another process may open the log now) and the directory."""
+        for fd in (self._fd, self._lock_fd, self._dir_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self._fd = self._lock_fd = self._dir_fd = -1
 
 
 def _settle(future: concurrent.futures.Future[Any], value: Any) -> None:
