@@ -469,9 +469,12 @@ class SessionRegistry:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def quarantined(self) -> int:
-        """How many live sessions their circuit breaker has quarantined."""
-        return sum(1 for m in self._sessions.values() if m.breaker is not None and m.breaker.quarantined)
+    def breakers_health(self) -> dict[str, Any]:
+        """The breakers for /api/health: the start breaker's state and how many live sessions
+        their own breaker has quarantined."""
+        starts = self.controls.start_breaker.health() if self.controls is not None else None
+        quarantined = sum(1 for m in self._sessions.values() if m.breaker is not None and m.breaker.quarantined)
+        return {"sandbox_starts": starts, "quarantined_sessions": quarantined}
 
     async def cull(self) -> list[str]:
         """Delete sessions idle longer than ``idle_timeout`` or older than ``max_lifetime``

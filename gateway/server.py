@@ -31,6 +31,7 @@ from sandkernel.gateway.adoption import AdoptionReport, adopt_all
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.channels import ChannelsHandler
+from sandkernel.gateway.controls import SessionControls
 from sandkernel.gateway.files_api import EgressHandler, FilesHandler, VariablesHandler
 from sandkernel.gateway.kernels_api import (
     ApiRootHandler,
@@ -89,6 +90,10 @@ class HealthHandler(BaseHandler):
         if self.auth is None or (header and self.auth.tenant_for(header) is not None):
             pool = self.registry.pool
             health.update(sessions=len(self.registry), warm_pool=len(pool) if pool is not None else 0)
+            health["breakers"] = self.registry.breakers_health()
+        starts = self.registry.controls.start_breaker.health() if self.registry.controls is not None else None
+        if status == "ok" and starts is not None and starts.get("state") != "closed":
+            health["status"] = "degraded"  # new sessions are refused until sandboxes start again
         self.write_json(health)
 
 
@@ -250,12 +255,12 @@ class Gateway:
         catalog = ProfileCatalog.load(settings.profiles_file, runtime, load_egress_policy(settings.egress_policy_file))
         store = await asyncio.to_thread(open_store)
         mcp: McpHttp | None = None
-        controls: Any = None
+        controls: SessionControls | None = None
         try:
             default = catalog.profile("default")
             pool = WarmPool(settings.pool_size, default, store=store) if settings.pool_size > 0 else None
             metrics = GatewayMetrics()
-            controls = None  # stage 1: SessionControls.from_settings once the helpers' modules land
+            controls = await asyncio.to_thread(SessionControls.from_settings, settings, metrics)
             registry = SessionRegistry(settings, catalog, pool, metrics, store, controls)
             records = await store.load()
             report = await adopt_all(registry, records)
@@ -308,6 +313,8 @@ class Gateway:
         finally:
             if self.mcp is not None:  # after the sessions' fate: an MCP session's end deletes nothing now
                 await self.mcp.stop()
+            if self.registry.controls is not None:
+                await self.registry.controls.close()
             await self.store.close()
             use_state_dir(self._previous_state_dir)
             with contextlib.suppress(asyncio.TimeoutError):

@@ -131,6 +131,9 @@ def _execution_text(reply: dict[str, Any]) -> str:
         text += f"; {reply['state_lost']}]" if reply.get("state_lost") else "]"
     if reply["truncation"].get("truncated"):
         text += cut_marker(None, what="output", why="over the reply's budget; the session notebook has all of it")
+    for finding in reply.get("policy") or ():
+        if finding.get("action") == "warn":  # the code ran; the model should still hear it
+            text += f"\n[sandkernel policy warning ({finding.get('rule')}): {finding.get('message')}]"
     return text.strip() or "(no output)"
 
 
@@ -200,6 +203,9 @@ class McpTools:
             "duration": reply["duration"],
             "truncation": reply["truncation"],
             "error": {"name": reply["error"]["name"], "value": reply["error"]["value"]} if reply["error"] else None,
+            "policy": reply["policy"],
+            "refusal": reply["refusal"],
+            "accounting": reply["accounting"],
         }
         images = await _image_blocks(reply["outputs"])
         return _result(_execution_text(reply), structured, reply["status"] != "ok", images)

@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jupyter_client import AsyncKernelManager
 
@@ -33,6 +33,7 @@ from sandkernel.errors import (
 )
 from sandkernel.kernels.durable.adoption import discard as discard_sandbox
 from sandkernel.kernels.durable.adoption import durable_state
+from sandkernel.kernels.execution.accounting import CellMeter
 from sandkernel.kernels.execution.deaths import DeathClassifier
 from sandkernel.kernels.execution.events import (
     ALLOW,
@@ -57,9 +58,6 @@ from sandkernel.kernels.execution.watch import ExecutionWatch
 from sandkernel.kernels.lifecycle.profiles import NUMERIC_RANGES, Profile, resolve_profile
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
-
-if TYPE_CHECKING:
-    from sandkernel.kernels.execution.accounting import CellMeter
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +108,7 @@ class KernelSession:
         self.observers = Observers(self.id)
         self._gates: list[ExecutionGate] = []
         # Measures each cell on the host (CPU, peak memory, files, egress, packages); None: off.
-        self.meter: CellMeter | None = None  # (stage 1: CellMeter lands with helper A)
+        self.meter: CellMeter | None = CellMeter(self)
         self._own_replies = OwnShellReplies(self._kernel.read_shell)
 
     @classmethod
@@ -236,7 +234,7 @@ class KernelSession:
         if not enabled:
             self.meter = None
         elif self.meter is None:
-            pass  # stage 1
+            self.meter = CellMeter(self)
 
     async def _admit(self, request: ExecutionRequest) -> Verdict:
         """Every gate's verdict on ``request``, in order: the first refusal stops the asking;
