@@ -175,8 +175,10 @@ async def test_the_hash_cap_is_said(metered):
     assert _found(acc, "created")["many/000"]["sha256"] == hashlib.sha256(b"0").hexdigest()
 
 
-async def test_a_memory_workspace_says_files_are_not_known():
-    async with await KernelSession.start(overrides={"workspace_storage": "memory"}) as s:
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_a_memory_workspace_says_files_are_not_known(runtime):
+    require_runtime(runtime)
+    async with await KernelSession.start(overrides={"runtime": runtime, "workspace_storage": "memory"}) as s:
         meter = getattr(s, "meter", None) or CellMeter(s)
         result, acc = await measured(s, meter, "open('a.txt', 'w').write('x')")
         assert result.status is ExecutionStatus.OK
