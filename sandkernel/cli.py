@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from sandkernel import __version__
-from sandkernel.errors import SandkernelError
+from sandkernel.errors import ConfigError, SandkernelError
 
 RUNTIME_CHOICES = ["auto", "runc", "runsc"]
 RUNTIME_HELP = "container runtime (default auto: gVisor where runsc is registered, else runc)"
@@ -199,6 +199,39 @@ def _cmd_reap(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_audit_verify(args: argparse.Namespace) -> int:
+    from sandkernel.gateway.audit.verify import main as verify_main
+
+    return verify_main(args.verify_args)
+
+
+def _cmd_policy_check(args: argparse.Namespace) -> int:
+    """Load an execution policy as ``serve --exec-policy`` would (errors name the line at fault)
+    and, for each code file given, print what the review finds; exit 1 if any would be refused."""
+    from sandkernel.kernels.policy import load_policy
+
+    try:
+        policy = load_policy(args.policy)
+    except ConfigError as err:
+        print(f"sandkernel: {err}", file=sys.stderr)
+        return 2
+    print(f"{args.policy}: the policy is valid (default action {policy.default.value})")
+    refused = False
+    for path in args.code:
+        try:
+            code = path.read_text()
+        except (OSError, UnicodeDecodeError) as err:
+            print(f"sandkernel: cannot read {path}: {err}", file=sys.stderr)
+            return 2
+        findings = policy.review(code, code if args.shell else None)
+        print(f"{path}: {len(findings) or 'no'} finding(s)")
+        for finding in findings:
+            line = f"line {finding.line}" if finding.line else "cell"
+            print(f"  {finding.action.value if finding.action else '?':5} {finding.rule} ({line}): {finding.message}")
+            refused = refused or (finding.action is not None and finding.action.value == "deny")
+    return 1 if refused else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sandkernel",
@@ -323,6 +356,30 @@ def build_parser() -> argparse.ArgumentParser:
     install.add_argument("--user", action="store_true", help="install for the current user only")
     install.add_argument("--prefix", default=None, help="install under this prefix (default: this Python's)")
     install.set_defaults(func=_cmd_kernelspec_install)
+
+    audit = sub.add_parser("audit", help="the gateway's audit stream").add_subparsers(
+        dest="audit_command", required=True
+    )
+    verify = audit.add_parser(
+        "verify",
+        add_help=False,  # its flags and --help are gateway/audit/verify.py's: handed over untouched
+        prefix_chars="\0",
+        help="check an audit log's hash chain and name the first record at fault (FILE|DIR ... [--anchor HASH])",
+    )
+    verify.add_argument("verify_args", nargs="*")
+    verify.set_defaults(func=_cmd_audit_verify)
+
+    policy = sub.add_parser("policy", help="the execution policy (serve --exec-policy)").add_subparsers(
+        dest="policy_command", required=True
+    )
+    check = policy.add_parser(
+        "check",
+        help="validate a policy file and show what it finds in code files (exit 1 if one would be refused)",
+    )
+    check.add_argument("policy", type=Path, metavar="POLICY", help="the TOML policy file")
+    check.add_argument("code", type=Path, nargs="*", metavar="CODE", help="files of cell code to review")
+    check.add_argument("--shell", action="store_true", help="review the files as shell commands (the shell door)")
+    check.set_defaults(func=_cmd_policy_check)
 
     reap = sub.add_parser(
         "reap",

@@ -132,7 +132,7 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
          "test_a_cell_that_kills_its_kernel_is_judged_and_the_rest_continue",
          "test_an_endless_cell_times_out_and_the_replay_goes_on", "test_a_recorded_death_replayed_is_not_a_difference",
          "test_widget_notebook_replays_the_same", "test_nbformat_3_notebook_is_converted_and_replayed",
-         "test_until_leaves_later_cells_not_run"}
+         "test_until_leaves_later_cells_not_run", "test_a_cell_refused_when_recorded_is_not_run"}
     ),
     "tests/test_mcp_http.py": frozenset({"test_the_gateway_serves_without_the_mcp_extra"}),
     "tests/security/test_reaper.py": "*",

@@ -124,3 +124,30 @@ async def test_agent_cli_end_to_end_against_the_scripted_api(tmp_path):
     assert "Saved as error_summary.csv" in out and f"notebook: {tmp_path / 'logs.ipynb'}" in out
     assert "error_lines" in (tmp_path / "error_summary.csv").read_text()
     nbformat.validate(nbformat.read(tmp_path / "logs.ipynb", as_version=4))
+
+
+def test_policy_check_validates_the_file_and_shows_what_it_would_refuse(tmp_path):
+    policy = tmp_path / "policy.toml"
+    policy.write_text('default = "allow"\n[rules]\nsubprocess = "deny"\nos_system = "warn"\n')
+    cell = tmp_path / "cell.py"
+    cell.write_text("import os\nos.system('ls')\n")
+    warned = sandkernel("policy", "check", str(policy), str(cell))
+    assert warned.returncode == 0, warned.stdout + warned.stderr
+    assert "warn  os_system (line 2)" in warned.stdout
+    cell.write_text("x = 1\nimport subprocess\n")
+    refused = sandkernel("policy", "check", str(policy), str(cell))
+    assert refused.returncode == 1 and "deny  subprocess (line 2)" in refused.stdout
+
+
+def test_policy_check_names_the_line_of_a_bad_rule(tmp_path):
+    policy = tmp_path / "policy.toml"
+    policy.write_text('default = "warn"\n\n[rules]\nsubproces = "deny"\n')
+    proc = sandkernel("policy", "check", str(policy))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "line 4" in proc.stderr and "unknown rule 'subproces'" in proc.stderr
+
+
+def test_audit_verify_hands_its_flags_to_the_verifier(tmp_path):
+    assert "--anchor HASH" in sandkernel("audit", "verify", "--help").stdout
+    missing = sandkernel("audit", "verify", str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 2 and "cannot read the audit log" in missing.stderr

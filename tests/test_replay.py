@@ -358,3 +358,33 @@ def test_until_leaves_later_cells_not_run(tmp_path):
     assert verdicts_of(stdout) == ["same", "same", "not run", "not run"]
     unrun = [c for c in replayed.cells if c.cell_type == "code"][2:]
     assert all(c.outputs == [] and c.execution_count is None for c in unrun)
+
+
+def test_a_cell_refused_when_recorded_is_not_run(tmp_path):
+    """A gate (the execution policy, a quarantine) refused the cell in the original session: it
+    never ran then, so the replay does not run it now (its code could even be harmful)."""
+    refusal = {"by": "policy", "rule": "subprocess", "message": "Starting programs is against this sandbox's policy."}
+    refused_output = {
+        "output_type": "error",
+        "ename": "ExecutionRefused",
+        "evalue": refusal["message"],
+        "traceback": [refusal["message"]],
+    }
+    nb = public_notebook(
+        [
+            code(1, "x = 2\nprint(x)", [stream("2\n")]),
+            code(
+                None,
+                "import os\nos.remove('canary.txt')",
+                [refused_output],
+                metadata={"sandkernel": {"status": "refused", "refusal": refusal}},
+            ),
+            code(2, "import os\nprint(os.path.exists('canary.txt') or 'no canary')", [stream("no canary\n")]),
+        ]
+    )
+    code_, stdout, stderr, replayed = replay(write(tmp_path, "refused.ipynb", nb))
+    assert verdicts_of(stdout) == ["same", "not run", "same"], stdout + stderr
+    assert "refused when recorded" in stdout
+    assert code_ == EXIT_SAME
+    unrun = [c for c in replayed.cells if c.cell_type == "code"][1]
+    assert unrun.outputs == [] and unrun.metadata["sandkernel"]["replay_verdict"] == "not run"
