@@ -198,8 +198,10 @@ def test_v1_layout_is_found_and_read(tmp_path):
     (cpuacct / "cpuacct.usage_user").unlink()  # an older kernel: the split comes from cpuacct.stat
     _write(cpuacct / "cpuacct.stat", f"user {2 * os.sysconf('SC_CLK_TCK')}\nsystem 0\n")
     assert found.cpu_times() == cgroup.CpuTimes(3.0, 2.0, 0.0)
-    later = cgroup.CpuTimes(4.5, 3.0, 0.5)
-    assert later.since(found.cpu_times()) == cgroup.CpuTimes(1.5, 1.0, 0.5)
+    # The exact total, split in the proportion the kernel sampled (here 1.0 : 0.5 of ticks).
+    assert cgroup.CpuTimes(4.5, 3.0, 0.5).since(found.cpu_times()) == cgroup.CpuTimes(1.5, 1.0, 0.5)
+    assert cgroup.CpuTimes(3.3, 2.5, 0.0).since(found.cpu_times()) == cgroup.CpuTimes(0.3, 0.3, 0.0)
+    assert cgroup.CpuTimes(3.001, 2.0, 0.0).since(found.cpu_times()) == cgroup.CpuTimes(0.001, None, None)  # no tick
 
 
 def test_v2_layout_is_found_and_read(tmp_path):
