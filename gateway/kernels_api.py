@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from sandkernel import __version__
+from sandkernel.doors import KERNEL_API
 from sandkernel.gateway.base import ApiError, BaseHandler
 from sandkernel.gateway.registry import ManagedSession
 from sandkernel.kernels.lifecycle.profiles import Runtime
@@ -100,9 +101,9 @@ class KernelActionHandler(KernelScoped):
     async def post(self, kernel_id: str, action: str) -> None:
         managed = self._managed(kernel_id)
         if action == "interrupt":
-            await managed.interrupt()
+            await managed.interrupt(KERNEL_API)
             self.set_status(204)
             self.finish()
         else:
-            await managed.restart()
+            await managed.restart(KERNEL_API)
             self.write_json(managed.kernel_model())

@@ -106,13 +106,13 @@ class ManagedSession:
         if state:
             self.execution_state = state
 
-    async def interrupt(self) -> None:
-        """Interrupt the running execution: what both the kernel and the session API's
-        ``/interrupt`` do."""
+    async def interrupt(self, door: str) -> None:
+        """Interrupt the running execution: what the kernel API's and the session API's
+        ``/interrupt`` and MCP's ``interrupt`` do (``door`` says which, for the audit)."""
         await self.session.interrupt()
-        self.audit_record("session_interrupted")
+        self.audit_record("session_interrupted", door=door)
 
-    async def restart(self) -> None:
+    async def restart(self, door: str) -> None:
         """Restart the kernel (memory state dropped, /workspace kept); the fresh kernel is idle
         whatever was running before: what both the kernel and the session API's ``/restart`` do.
         A restart asked for is also how a caller takes a quarantined session back (its breaker
@@ -121,7 +121,7 @@ class ManagedSession:
         self.touch("idle")
         if self.breaker is not None:
             self.breaker.clear()
-        self.audit_record("session_restarted")
+        self.audit_record("session_restarted", door=door)
 
     async def write_file(self, path: str, data: bytes, door: str) -> dict[str, Any]:
         """Write a tenant's file into /workspace (inside the sandbox), keep a copy in the

@@ -95,11 +95,11 @@ class SessionActionHandler(SessionScoped):
     async def post(self, session_id: str, action: str) -> None:
         managed = self.managed(session_id)
         if action == "interrupt":
-            await managed.interrupt()
+            await managed.interrupt(doors.SESSION_API)
             self.set_status(204)
             self.finish()
         else:
-            await managed.restart()
+            await managed.restart(doors.SESSION_API)
             self.write_json(managed.session_model())
 
 
@@ -229,7 +229,7 @@ class ExecuteHandler(SessionScoped):
         async def interrupt_on_disconnect() -> None:
             await disconnected.wait()
             with contextlib.suppress(SandkernelError, RuntimeError):
-                await managed.interrupt()
+                await managed.interrupt(doors.SESSION_API)
 
         helpers = [asyncio.create_task(keepalive()), asyncio.create_task(interrupt_on_disconnect())]
         try:

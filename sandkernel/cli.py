@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -56,6 +57,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from sandkernel.gateway.server import serve
     from sandkernel.gateway.settings import GatewaySettings
 
+    # The audit stream's head hash (logged at start-up, rotation and shutdown) is the anchor an
+    # operator keeps outside the audit directory: it reaches the log whatever --log-level says.
+    audit_logger = logging.getLogger("sandkernel.gateway.audit")
+    audit_logger.setLevel(min(audit_logger.getEffectiveLevel(), logging.INFO))
     asyncio.run(serve(GatewaySettings.from_args(args)))
     return 0
 

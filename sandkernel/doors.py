@@ -10,5 +10,6 @@ from __future__ import annotations
 
 SESSION_API = "session_api"
 MCP = "mcp"
+KERNEL_API = "kernel_api"  # Jupyter's REST kernel API and its websocket
 DEEPAGENTS = "deepagents"
 CLIENT_DOORS = (SESSION_API, DEEPAGENTS, "langchain", "agent")

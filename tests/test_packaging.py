@@ -90,6 +90,28 @@ def test_the_wheel_ships_the_image_files_and_no_wheelhouse(wheel):
     assert wheel.stat().st_size < 2 << 20, f"the wheel is {wheel.stat().st_size} bytes: a payload slipped in"
 
 
+def test_the_wheel_ships_every_module_of_the_checkout(wheel):
+    """A subpackage missing from pyproject's list works in an editable checkout and is missing
+    from the wheel (the audit and policy packages once were): compare the two."""
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = {n for n in zf.namelist() if n.endswith(".py")}
+    dirs = {
+        "sandkernel": "sandkernel",
+        "kernels": "sandkernel/kernels",
+        "gateway": "sandkernel/gateway",
+        "agent": "sandkernel/agent",
+        "notebooks": "sandkernel/notebooks",
+    }
+    expected = {
+        f"{package}/{path.relative_to(ROOT / folder).as_posix()}"
+        for folder, package in dirs.items()
+        for path in (ROOT / folder).rglob("*.py")
+        if "__pycache__" not in path.parts and "examples" not in path.parts and (path.parent / "__init__.py").exists()
+    }
+    expected = {name.replace("sandkernel/agent/integrations/", "sandkernel/integrations/") for name in expected}
+    assert not expected - shipped, f"modules missing from the wheel: {sorted(expected - shipped)}"
+
+
 def test_the_installed_package_resolves_its_own_build_context(venv, tmp_path):
     sandkernel = venv / "bin" / "sandkernel"
     help_text = run(sandkernel, "image", "build", "--help").stdout

@@ -348,7 +348,7 @@ class McpTools:
         """Interrupt the code running in the session (KeyboardInterrupt); variables are kept."""
         managed = await self.managed(ctx, session_id)
         try:
-            await managed.interrupt()
+            await managed.interrupt(SOURCE)
         except SandkernelError as err:
             raise _tool_error(err) from err
         return _result("interrupted", {"session_id": managed.id})
@@ -358,7 +358,7 @@ class McpTools:
         are kept. Use it when the kernel is stuck or its state is broken."""
         managed = await self.managed(ctx, session_id)
         try:
-            await managed.restart()
+            await managed.restart(SOURCE)
         except SandkernelError as err:
             raise _tool_error(err) from err
         return _result("restarted: variables cleared, /workspace kept", {"session_id": managed.id})

@@ -1,0 +1,77 @@
+"""The production controls as a gateway user sees them: each cell's accounting and the policy's
+findings in the execute reply AND in the transcript's cell metadata (what JupyterLab shows), the
+breakers in /api/health, and accounting turned off by the operator."""
+
+from __future__ import annotations
+
+import hashlib
+
+import nbformat
+import pytest
+
+from .conftest import RUNTIMES, require_runtime
+from .gateway_fixtures import start_gateway, stop_gateway
+
+POLICY = 'default = "allow"\n[rules]\nos_system = "warn"\n'
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
+async def gw(request, tmp_path_factory):
+    require_runtime(request.param)
+    tmp = tmp_path_factory.mktemp("controls")
+    policy = tmp / "policy.toml"
+    policy.write_text(POLICY)
+    gateway = await start_gateway(tmp, default_runtime=request.param, exec_policy_file=policy)
+    yield gateway
+    await stop_gateway(gateway)
+
+
+@pytest.fixture(scope="module")
+async def session(gw):
+    status, body = await gw.request("POST", "/api/sessions", {})
+    assert status == 201, body
+    yield body
+    await gw.request("DELETE", f"/api/sessions/{body['id']}")
+
+
+async def test_the_transcript_carries_each_cells_accounting_and_findings(gw, session):
+    code = "import os\nopen('made.txt', 'w').write('hello')\nos.system('true')\nprint('done')"
+    status, reply = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": code})
+    assert status == 200 and reply["status"] == "ok", reply
+    accounting = reply["accounting"]
+    created = {item["path"]: item for item in accounting["files"]["created"]}
+    assert created["made.txt"]["sha256"] == hashlib.sha256(b"hello").hexdigest()
+    assert created["made.txt"]["size"] == 5
+    assert accounting["wall_seconds"] > 0 and accounting["cpu_seconds"] is not None
+    assert [(f["rule"], f["action"], f["line"]) for f in reply["policy"]] == [("os_system", "warn", 3)]
+
+    status, notebook = await gw.request("GET", f"/api/sessions/{session['id']}/notebook")
+    assert status == 200
+    nbformat.validate(nbformat.from_dict(notebook))
+    cell = next(c for c in notebook["cells"] if c["cell_type"] == "code" and "made.txt" in c["source"])
+    recorded = cell["metadata"]["sandkernel"]
+    assert recorded["accounting"] == accounting  # the same numbers the caller got
+    assert recorded["policy"] == reply["policy"]
+
+
+async def test_health_shows_the_breakers_to_a_tenant_only(gw, session):
+    status, health = await gw.request("GET", "/api/health")
+    assert status == 200 and health["status"] == "ok"
+    assert health["breakers"]["sandbox_starts"]["state"] == "closed"
+    assert health["breakers"]["quarantined_sessions"] == 0
+    _, anonymous = await gw.request("GET", "/api/health", token=None)
+    assert anonymous["status"] == "ok" and "breakers" not in anonymous
+
+
+async def test_the_operator_can_turn_accounting_off(tmp_path):
+    require_runtime("runc")
+    gateway = await start_gateway(tmp_path, accounting=False)
+    try:
+        status, session = await gateway.request("POST", "/api/sessions", {})
+        assert status == 201, session
+        _, reply = await gateway.request("POST", f"/api/sessions/{session['id']}/execute", {"code": "1 + 1"})
+        assert reply["status"] == "ok" and reply["accounting"] is None
+        _, notebook = await gateway.request("GET", f"/api/sessions/{session['id']}/notebook")
+        assert "accounting" not in notebook["cells"][-1]["metadata"]["sandkernel"]
+    finally:
+        await stop_gateway(gateway)
