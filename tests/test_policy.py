@@ -292,6 +292,21 @@ def test_a_deeply_nested_cell_does_not_break_the_review() -> None:
     assert ExecPolicy(default=Action.DENY).review(cell) == []
 
 
+def test_a_cell_too_long_to_review_runs_unreviewed_and_quickly() -> None:
+    """Review cost grows with the cell (about 10 ms per KiB): past MAX_REVIEW_CHARS it is skipped
+    (fail open, logged) rather than holding the execution and a worker thread for seconds."""
+    import time
+
+    from sandkernel.kernels.policy.policy import MAX_REVIEW_CHARS
+
+    cell = "import subprocess\n" + "x = 1\n" * (MAX_REVIEW_CHARS // 6 + 1)
+    started = time.perf_counter()
+    assert ExecPolicy(default=Action.DENY).review(cell) == []
+    assert time.perf_counter() - started < 0.5
+    assert ExecPolicy(default=Action.DENY).review("generated", shell="echo x > /etc/y " + " " * MAX_REVIEW_CHARS) == []
+    assert rules_of(ExecPolicy(default=Action.DENY).review(cell[: MAX_REVIEW_CHARS // 2])) == {"subprocess"}
+
+
 # -- the shell door: the command is reviewed, not the cell generated for it --------------------
 
 

@@ -21,6 +21,11 @@ from sandkernel.kernels.policy.shell_review import review_shell
 
 log = logging.getLogger(__name__)
 
+# Cells longer than this (characters) are not read by the built-in review: IPython's transform,
+# the parse and the walk cost about 10 ms per KiB, and agents' cells are a few KiB. Such a cell
+# runs unreviewed (logged): the review is advisory, fail open, and the sandbox is the boundary.
+MAX_REVIEW_CHARS = 64 * 1024
+
 
 @dataclasses.dataclass(frozen=True)
 class RuleSetting:
@@ -72,6 +77,8 @@ class ExecPolicy:
     def context(self, code: str, shell: str | None = None) -> PolicyContext:
         if shell is not None:  # the code is sandkernel's own wrapper: the command is what to review
             return PolicyContext(code, code, None, shell, self.writable)
+        if len(code) > MAX_REVIEW_CHARS:
+            return PolicyContext(code, code, None, None, self.writable)
         transformed, tree = transform(code)
         return PolicyContext(code, transformed, tree, None, self.writable)
 
@@ -81,6 +88,9 @@ class ExecPolicy:
         execution came through the shell door (reviewed as a shell line, under the ``shell`` rule
         too)."""
         context = self.context(code, shell)
+        if len(shell if shell is not None else code) > MAX_REVIEW_CHARS:
+            log.info("a cell of %d characters was not reviewed (over %d)", len(code), MAX_REVIEW_CHARS)
+            shell, context = None, dataclasses.replace(context, tree=None)
         if shell is not None:
             raw = [Finding(SHELL, "the shell endpoint runs a shell command", 1), *review_shell(shell, 1, self.writable)]
         elif context.tree is not None:
