@@ -116,6 +116,11 @@ class OutOfMemoryError(KernelDiedError, MemoryError):
     """The kernel was killed for using more memory than its profile allows."""
 
 
+class ExecutionRefusedError(ExecutionFailed):
+    """Nothing ran: the operator's execution policy or the session's circuit breaker refused the
+    code (``execution.refusal`` says who, which rule and what to change)."""
+
+
 STATUS_ERRORS: dict[int, type[ClientError]] = {
     400: BadRequestError,
     401: AuthenticationError,
@@ -134,6 +139,7 @@ EXECUTION_ERRORS: dict[str, type[ExecutionFailed]] = {
     "interrupted": ExecutionInterruptedError,
     "kernel_died": KernelDiedError,
     "oom": OutOfMemoryError,
+    "refused": ExecutionRefusedError,
 }
 
 

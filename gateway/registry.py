@@ -128,6 +128,8 @@ class ManagedSession:
         transcript so a replay can restore the session's inputs, and audit it: what every door
         that uploads (the files API, MCP) does."""
         written = await WorkspaceFiles(self.session.container).write(path, data)
+        if self.session.meter is not None:  # the upload is not the next cell's doing
+            self.session.meter.forget_files()
         if self.recorder is not None:
             self.recorder.record_input(written.get("path", path), data)
         self.audit_record(

@@ -255,6 +255,8 @@ async def _run_cells(
             for upload in uploads:
                 if upload.before_cell == index - 1:
                     await WorkspaceFiles(session.container).write(upload.path, upload.data)
+                    if session.meter is not None:  # the upload is not the cell's doing
+                        session.meter.forget_files()
             result = await session.execute(code, timeout=timeout, source="replay")
             if result.state_lost and result.state_lost != lost[1]:
                 lost = (index, result.state_lost)

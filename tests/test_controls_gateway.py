@@ -9,10 +9,12 @@ import hashlib
 import nbformat
 import pytest
 
-from .conftest import RUNTIMES, require_runtime
-from .gateway_fixtures import start_gateway, stop_gateway
+from sandkernel.agent import AsyncSandkernel, ExecutionRefusedError
 
-POLICY = 'default = "allow"\n[rules]\nos_system = "warn"\n'
+from .conftest import RUNTIMES, require_runtime
+from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+
+POLICY = 'default = "allow"\n[rules]\nos_system = "warn"\nctypes = "deny"\n'
 
 
 @pytest.fixture(scope="module", params=RUNTIMES)
@@ -75,3 +77,23 @@ async def test_the_operator_can_turn_accounting_off(tmp_path):
         assert "accounting" not in notebook["cells"][-1]["metadata"]["sandkernel"]
     finally:
         await stop_gateway(gateway)
+
+
+async def test_an_upload_is_not_charged_to_the_next_cell(gw, session):
+    status, _ = await gw.request("PUT", f"/api/sessions/{session['id']}/files/uploaded.csv", raw=b"a,b\n1,2\n")
+    assert status == 201
+    code = "open('derived.txt', 'w').write(open('uploaded.csv').read().upper())"
+    _, reply = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": code})
+    created = [item["path"] for item in reply["accounting"]["files"]["created"]]
+    assert created == ["derived.txt"], reply["accounting"]
+
+
+async def test_the_client_raises_a_refusal_as_its_own_error(gw, session):
+    async with AsyncSandkernel(gw.url, ALICE) as client:
+        remote = await client.get_session(session["id"])
+        refused = await remote.run("import ctypes")
+        assert refused.status == "refused" and refused.refusal["rule"] == "ctypes"
+        with pytest.raises(ExecutionRefusedError) as raised:
+            await remote.run("import ctypes", check=True)
+        assert "ctypes" in str(raised.value)
+        assert (await remote.run("print('still here')", check=True)).stdout == "still here\n"

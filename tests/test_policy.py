@@ -72,7 +72,8 @@ def rules_of(findings: list[Finding]) -> set[str]:
 
 
 def test_every_built_in_rule_has_a_case() -> None:
-    assert set(CASES) == set(RULE_NAMES)
+    # ``unreviewed`` is about a cell's length, not a line of it: its own test is below.
+    assert set(CASES) == set(RULE_NAMES) - {"unreviewed"}
 
 
 @pytest.mark.parametrize("rule", sorted(CASES))
@@ -292,18 +293,20 @@ def test_a_deeply_nested_cell_does_not_break_the_review() -> None:
     assert ExecPolicy(default=Action.DENY).review(cell) == []
 
 
-def test_a_cell_too_long_to_review_runs_unreviewed_and_quickly() -> None:
-    """Review cost grows with the cell (about 10 ms per KiB): past MAX_REVIEW_CHARS it is skipped
-    (fail open, logged) rather than holding the execution and a worker thread for seconds."""
-    import time
-
-    from sandkernel.kernels.policy.policy import MAX_REVIEW_CHARS
+def test_a_cell_too_long_to_review_is_never_passed_silently() -> None:
+    """Review cost grows with the cell (about 10 ms per KiB): past MAX_REVIEW_CHARS it is not read,
+    but padding a cell must not get it past every rule unnoticed: it gets the ``unreviewed``
+    finding, with the policy's default action unless the operator sets one."""
+    from sandkernel.kernels.policy.policy import MAX_REVIEW_CHARS, RuleSetting
 
     cell = "import subprocess\n" + "x = 1\n" * (MAX_REVIEW_CHARS // 6 + 1)
-    started = time.perf_counter()
-    assert ExecPolicy(default=Action.DENY).review(cell) == []
-    assert time.perf_counter() - started < 0.5
-    assert ExecPolicy(default=Action.DENY).review("generated", shell="echo x > /etc/y " + " " * MAX_REVIEW_CHARS) == []
+    [finding] = ExecPolicy(default=Action.DENY).review(cell)
+    assert (finding.rule, finding.action, finding.line) == ("unreviewed", Action.DENY, None)
+    assert "characters long" in finding.message and "Rewrite it as shorter cells" in finding.message
+    [shell] = ExecPolicy(default=Action.DENY).review("generated", shell="echo x > /etc/y " + " " * MAX_REVIEW_CHARS)
+    assert shell.rule == "unreviewed"
+    lenient = ExecPolicy(default=Action.DENY, rules={"unreviewed": RuleSetting(Action.ALLOW)})
+    assert lenient.review(cell) == []
     assert rules_of(ExecPolicy(default=Action.DENY).review(cell[: MAX_REVIEW_CHARS // 2])) == {"subprocess"}
 
 

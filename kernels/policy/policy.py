@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from sandkernel.kernels.policy import paths
 from sandkernel.kernels.policy.findings import Action, Check, Finding, PolicyContext
 from sandkernel.kernels.policy.python_review import review_tree, transform
-from sandkernel.kernels.policy.rules import MESSAGES, SHELL
+from sandkernel.kernels.policy.rules import MESSAGES, SHELL, UNREVIEWED
 from sandkernel.kernels.policy.shell_review import review_shell
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,15 @@ class ExecPolicy:
         execution came through the shell door (reviewed as a shell line, under the ``shell`` rule
         too)."""
         context = self.context(code, shell)
-        if len(shell if shell is not None else code) > MAX_REVIEW_CHARS:
-            log.info("a cell of %d characters was not reviewed (over %d)", len(code), MAX_REVIEW_CHARS)
-            shell, context = None, dataclasses.replace(context, tree=None)
-        if shell is not None:
+        reviewed = shell if shell is not None else code
+        if len(reviewed) > MAX_REVIEW_CHARS:
+            # Not read (too slow), but never silently: padding a cell must not get it past every
+            # rule unnoticed. The operator decides what an unreviewed cell gets (default: the
+            # policy's default action).
+            log.info("a cell of %d characters was not reviewed (over %d)", len(reviewed), MAX_REVIEW_CHARS)
+            too_long = f"the cell is {len(reviewed)} characters long, over the {MAX_REVIEW_CHARS} the review reads"
+            raw = [Finding(UNREVIEWED, too_long, None)]
+        elif shell is not None:
             raw = [Finding(SHELL, "the shell endpoint runs a shell command", 1), *review_shell(shell, 1, self.writable)]
         elif context.tree is not None:
             raw = review_tree(context.tree, self.writable)

@@ -16,6 +16,7 @@ PATH_TRAVERSAL = "path_traversal"
 SHELL = "shell"
 DYNAMIC_CODE = "dynamic_code"
 PACKAGE_INSTALL = "package_install"
+UNREVIEWED = "unreviewed"  # a cell too long for the review to read (policy.MAX_REVIEW_CHARS)
 
 MESSAGES: dict[str, str] = {
     SUBPROCESS: (
@@ -62,6 +63,10 @@ MESSAGES: dict[str, str] = {
         "Installing or removing packages (%pip, %conda, pip, conda, apt) is against this "
         "sandbox's code policy. Rewrite the code with the packages already installed (pandas, "
         "numpy, matplotlib and the standard library)."
+    ),
+    UNREVIEWED: (
+        "Cells this long are not reviewed by this sandbox's code policy. Rewrite it as shorter "
+        "cells, and put long data in a file (upload it) instead of pasting it into code."
     ),
 }
 
