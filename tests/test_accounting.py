@@ -8,14 +8,18 @@ the session drives it (start right before the cell, finish after it).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ctypes
 import hashlib
 import json
 import os
 import time
+from collections.abc import Iterator
 
 import pytest
 
-from sandkernel.kernels.execution.accounting import MEMORY_WORKSPACE, CellMeter
+from sandkernel.kernels.execution.accounting import MEMORY_WORKSPACE, NOT_WATCHED, CellMeter
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 
@@ -23,9 +27,12 @@ from .conftest import RUNTIMES, require_runtime
 from .test_execute import _make_wheel
 
 MiB = 1024 * 1024
+NO_FILES = {"created": [], "modified": [], "deleted": [], "hashed": 0, "unhashed": 0, "omitted": 0}
 
 
-async def measured(session: KernelSession, meter: CellMeter, code: str, timeout: float = 120) -> tuple[ExecutionResult, dict]:
+async def measured(
+    session: KernelSession, meter: CellMeter, code: str, timeout: float = 120
+) -> tuple[ExecutionResult, dict]:
     if getattr(session, "meter", None) is not None:
         result = await session.execute(code, timeout=timeout)
         assert result.accounting is not None, "the session has a meter but the result carries no accounting"
@@ -105,12 +112,16 @@ async def test_files_written_changed_and_deleted_are_listed_with_their_hashes(me
     )
     assert result.status is ExecutionStatus.OK, result.text
     created, modified = _found(acc, "created"), _found(acc, "modified")
-    assert created["acct/sub/new.bin"] == {"path": "acct/sub/new.bin", "size": len(new), "sha256": hashlib.sha256(new).hexdigest()}
+    assert created["acct/sub/new.bin"] == {
+        "path": "acct/sub/new.bin",
+        "size": len(new),
+        "sha256": hashlib.sha256(new).hexdigest(),
+    }
     assert modified["acct/keep.txt"]["sha256"] == hashlib.sha256(b"v1+v2").hexdigest(), acc
     assert {"path": "acct/old.txt"} in acc["files"]["deleted"]
     assert "acct/sub" not in created  # directories are walked, not listed
     _, quiet = await measured(session, meter, "1 + 1")
-    assert quiet["files"] == {"created": [], "modified": [], "deleted": [], "hashed": 0, "unhashed": 0, "omitted": 0}
+    assert quiet["files"] == NO_FILES
 
 
 async def test_pip_install_lists_the_package(metered):
@@ -164,7 +175,9 @@ async def test_planted_symlinks_and_fifos_never_lead_the_host_out_of_the_workspa
 async def test_the_hash_cap_is_said(metered):
     session, meter = metered
     result, acc = await measured(
-        session, meter, "import os\nos.makedirs('many', exist_ok=True)\nfor i in range(130):\n    open(f'many/{i:03}', 'w').write(str(i))"
+        session,
+        meter,
+        "import os\nos.makedirs('many', exist_ok=True)\nfor i in range(130):\n    open(f'many/{i:03}', 'w').write(str(i))",
     )
     assert result.status is ExecutionStatus.OK, result.text
     files = acc["files"]
@@ -202,3 +215,109 @@ async def test_egress_refusals_are_counted(runtime):
         assert acc["egress"] == {"allowed": 0, "refused": 2, "failed": 0}, (acc["egress"], result.text)
         _, quiet = await measured(s, meter, "1 + 1")
         assert quiet["egress"] == {"allowed": 0, "refused": 0, "failed": 0}
+
+
+async def test_a_cell_that_writes_nothing_takes_no_walk(metered):
+    session, meter = metered
+    await measured(session, meter, "1 + 1")  # the watch is open and the baseline is current
+    assert meter.watching
+    walks = meter.walks
+    for code in ("1 + 1", "x = sum(range(10**6))", "import os\nprint(sorted(os.listdir('.'))[:3])"):
+        _, acc = await measured(session, meter, code)
+        assert acc["files"] == NO_FILES and acc["packages"] == {"installed": [], "removed": []}, acc
+    assert meter.walks == walks  # no snapshot at either end of a cell that changed nothing
+    _, acc = await measured(session, meter, "open('walked.txt', 'w').write('walked')")
+    assert _found(acc, "created")["walked.txt"]["sha256"] == hashlib.sha256(b"walked").hexdigest(), acc
+    assert meter.walks == walks + 1  # one walk, at the end of the cell that wrote
+    _, acc = await measured(session, meter, "print(open('walked.txt').read())")
+    assert acc["files"] == NO_FILES and meter.walks == walks + 1  # reading is not writing
+
+
+async def test_a_write_between_cells_is_charged_to_no_cell(metered):
+    session, meter = metered
+    mount = session.container.spec.workspace_mount
+    result, _ = await measured(
+        session,
+        meter,
+        "import threading\nthreading.Timer(1.0, lambda: open('between.txt', 'w').write('later')).start()",
+    )
+    assert result.status is ExecutionStatus.OK, result.text
+    deadline = time.monotonic() + 30
+    while not os.path.lexists(mount / "between.txt"):  # the host's view of the timer's write
+        assert time.monotonic() < deadline, "the background write never reached the workspace"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)  # its content too (the open and the write are two calls)
+    walks = meter.walks
+    _, acc = await measured(session, meter, "open('during.txt', 'w').write('now')")
+    assert set(_found(acc, "created")) == {"during.txt"}, acc  # the timer's file is nobody's cell
+    assert meter.walks == walks + 2  # a fresh baseline (something changed between cells), then the cell's own
+
+
+@contextlib.contextmanager
+def _without_cap_sys_admin() -> Iterator[None]:
+    """This thread (only: capabilities are per thread) without CAP_SYS_ADMIN in its effective
+    set, so the kernel refuses it a fanotify filesystem mark as it would a non-root gateway."""
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    assert libc.capget(ctypes.byref(header), data) == 0, os.strerror(ctypes.get_errno())
+    cap_sys_admin = 1 << 21
+    data[0].effective &= ~cap_sys_admin
+    assert libc.capset(ctypes.byref(header), data) == 0, os.strerror(ctypes.get_errno())
+    try:
+        yield
+    finally:
+        data[0].effective |= cap_sys_admin
+        assert libc.capset(ctypes.byref(header), data) == 0, os.strerror(ctypes.get_errno())
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_when_fanotify_is_refused_every_cell_is_walked(runtime):
+    require_runtime(runtime)
+    async with await KernelSession.start(overrides={"runtime": runtime}) as s:
+        meter = s.meter
+        assert meter is not None and not meter.watching
+        with _without_cap_sys_admin():  # the watch is opened by the first cell's start, on this thread
+            result, first = await measured(s, meter, "open('a.txt', 'w').write('a')")
+        assert result.status is ExecutionStatus.OK, result.text
+        assert not meter.watching
+        refusals = [note for note in first["notes"] if note.startswith(NOT_WATCHED.split("(")[0])]
+        assert len(refusals) == 1 and "EPERM" in refusals[0], first["notes"]
+        assert _found(first, "created")["a.txt"]["sha256"] == hashlib.sha256(b"a").hexdigest()
+        walks = meter.walks
+        _, quiet = await measured(s, meter, "1 + 1")
+        assert quiet["files"] == NO_FILES and quiet["notes"] == [], quiet  # said once
+        assert meter.walks == walks + 1  # today's way: a walk after every cell
+        _, second = await measured(s, meter, "open('a.txt', 'a').write('b')")
+        assert _found(second, "modified")["a.txt"]["sha256"] == hashlib.sha256(b"ab").hexdigest(), second
+
+
+def _fanotify_fds() -> int:
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            count += os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[fanotify]"
+    return count
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_closed_sessions_leave_no_fanotify_fd(runtime):
+    require_runtime(runtime)
+    before = _fanotify_fds()
+    sessions = []
+    try:
+        for _ in range(5):
+            sessions.append(await KernelSession.start(overrides={"runtime": runtime}))
+            result = await sessions[-1].execute("1 + 1", timeout=60)  # the meter opens its watch
+            assert result.accounting is not None and result.accounting["files"] == NO_FILES, result.accounting
+        assert _fanotify_fds() == before + 5
+    finally:
+        for session in sessions:
+            await session.shutdown()
+    assert _fanotify_fds() == before

@@ -14,12 +14,12 @@ API and the audit log::
 
 Sources: the sandbox's cgroup (kernels/sandbox/cgroup.py: CPU as a delta, peak memory reset at
 the start), the workspace disk's host mount (kernels/sandbox/workspace_scan.py: snapshots
-before and after, hashed where they differ), the session's egress proxy records. Accounting
-never breaks an execution: a part that cannot be measured is null and ``notes`` says why.
-The walk and the hashing run in a worker thread (one ``asyncio.to_thread`` in ``finish``; in
-``start`` too when there is no baseline to reuse, see :class:`CellMeter`); cgroup files are read
-on the loop when no walk is due, and egress records are counted on the loop, where the proxy
-appends them.
+before and after, hashed where they differ; kernels/sandbox/fs_changes.py: a fanotify flag that
+says whether a snapshot is due at all), the session's egress proxy records. Accounting never
+breaks an execution: a part that cannot be measured is null and ``notes`` says why.
+Walks and hashing run in a worker thread, and only when the workspace changed; cgroup files
+(microseconds), the fanotify queue (drained without blocking) and the egress records (appended
+on the loop by the proxy) are read on the loop.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sandkernel.kernels.execution.events import SessionObserver
 from sandkernel.kernels.lifecycle.profiles import WorkspaceStorage
 from sandkernel.kernels.sandbox import workspace_scan
 from sandkernel.kernels.sandbox.cgroup import Cgroup, CpuTimes, PeakWindow, locate
+from sandkernel.kernels.sandbox.fs_changes import ChangeWatch, Unavailable
 
 if TYPE_CHECKING:
     from sandkernel.kernels.egress.proxy import EgressProxy, EgressRecord
@@ -42,6 +44,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MEMORY_WORKSPACE = "the workspace is in memory (tmpfs), which the host does not scan: files and packages are not known"
+NOT_WATCHED = (
+    "the workspace's changes cannot be watched ({reason}): it is walked after every cell, and a change "
+    "made between cells counts in the next cell"
+)
 
 
 @dataclass
@@ -54,6 +60,7 @@ class _Cell:
     peak: PeakWindow | None = None
     mount: Path | None = None
     files: workspace_scan.Snapshot | None = None
+    watched: bool = False  # the watch was asked at start: finish may ask it whether to walk
     proxy: EgressProxy | None = None
     last_record: EgressRecord | None = None
     seen_records: int = 0
@@ -70,13 +77,23 @@ class CellMeter:
     under its execute lock). The container can be replaced between cells and within one: its id
     is read at every call, and its cgroup is looked up once per id.
 
-    The workspace snapshot a cell is compared with is the one taken at the end of the previous
-    cell (the baseline): ``start`` then reads only cgroup files (microseconds, on the loop) and
-    the walk happens once per cell, in ``finish``'s worker thread. So ``files`` are the changes
-    since the previous accounted cell ended: writes the kernel's background work made between
-    cells count in the next cell. A writer the meter does not see (the files API, an upload)
-    calls :meth:`forget_files`, and the next ``start`` walks the workspace first (as the first
-    cell does). ``fresh_baseline=True`` walks at every start (exact, one thread hop more)."""
+    Files: a cell is compared with a snapshot of the workspace taken before it (the baseline).
+    A fanotify watch on the workspace's filesystem (:class:`ChangeWatch`, opened at the first
+    cell) says whether anything changed since the meter last looked, so the workspace is walked
+    only when it did: ``start`` reuses the previous cell's closing snapshot when nothing changed
+    between cells, and walks for a fresh baseline when something did (a change made between
+    cells, by the kernel's background work or the files API, is charged to no cell); ``finish``
+    walks, diffs and hashes only when something changed during the cell. A cell that writes
+    nothing costs a few reads on the loop and no thread. :attr:`walks` counts the snapshots taken.
+
+    Without a watch (fanotify refused: not root, an old kernel; said once in ``notes``) the meter
+    walks after every cell and reuses that snapshot as the next baseline: a change made between
+    cells then counts in the next cell. A writer the meter does not see (the files API, an
+    upload) may call :meth:`forget_files`: the next ``start`` walks the workspace first.
+    ``fresh_baseline=True`` walks at every start whatever the watch says.
+
+    The watch's fd lives as long as the session: :meth:`close` (idempotent) releases it, and is
+    called when the session closes (the meter observes ``session_closed``)."""
 
     def __init__(self, session: KernelSession, fresh_baseline: bool = False) -> None:
         self._session = session
@@ -84,10 +101,29 @@ class CellMeter:
         self._cgroups: dict[str, Cgroup | None] = {}
         self._cell: _Cell | None = None
         self._baseline: tuple[Path, workspace_scan.Snapshot] | None = None
+        self._watch: ChangeWatch | None = None
+        self._unwatched: str | None = None  # why the workspace cannot be watched (noted once)
+        self._observing = False
+        self._closed = False
+        self.walks = 0  # workspace snapshots taken: a cell that changed nothing adds none
+
+    @property
+    def watching(self) -> bool:
+        """Whether a fanotify watch currently tells this meter when the workspace changed."""
+        return self._watch is not None and not self._watch.closed
 
     def forget_files(self) -> None:
         """The workspace was changed by something other than a cell (the files API, an
         upload): the next cell's ``start`` takes a fresh snapshot rather than reuse the last."""
+        self._baseline = None
+
+    def close(self) -> None:
+        """Release the watch (its fanotify fd) for good; the meter then walks every cell, like a
+        meter without a watch. Called when the session closes; safe to call twice."""
+        self._closed = True
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
         self._baseline = None
 
     # -- what to measure, read from the session each time -----------------------------------
@@ -116,10 +152,48 @@ class CellMeter:
             self._cgroups[container_id] = locate(container_id)
         return self._cgroups[container_id]
 
+    def _changed(self, mount: Path, cell: _Cell) -> bool | None:
+        """Whether the workspace at ``mount`` changed since the last call: True, False, or None
+        when no watch can tell (then the caller walks as a meter without one). Drains the watch's
+        queue on the loop (microseconds); opens the watch on first use (True: nothing is known
+        from before it)."""
+        watch = self._watch
+        if watch is not None and watch.mount != mount:  # another mount point: not the one watched
+            watch.close()
+            watch = self._watch = None
+        if watch is None:
+            if self._closed or self._unwatched is not None:
+                return None
+            try:
+                self._watch = ChangeWatch(mount)
+            except Unavailable as err:
+                self._unwatched = str(err)
+                cell.notes.append(NOT_WATCHED.format(reason=self._unwatched))
+                log.info("workspace not watched: %s", err, extra={"session": self._session.id})
+                return None
+            self._close_with_session()
+            return True
+        try:
+            return watch.changed()
+        except Unavailable as err:  # unmounted or remounted: a new watch next time
+            log.info("workspace watch ended: %s", err, extra={"session": self._session.id})
+            watch.close()
+            self._watch = None
+            return True
+
+    def _close_with_session(self) -> None:
+        if not self._observing:
+            self._observing = True
+            self._session.observers.add(_CloseWithSession(self))
+
+    def _snapshot(self, mount: Path) -> workspace_scan.Snapshot:
+        self.walks += 1
+        return workspace_scan.snapshot(mount)
+
     # -- start --------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Take the cell's starting point (cgroup counters, peak reset, workspace snapshot,
+        """Take the cell's starting point (cgroup counters, peak reset, workspace baseline,
         egress mark). Never raises: what cannot be read is left out and noted."""
         if self._cell is not None:
             self._cell.close()  # a finish that never came
@@ -135,11 +209,15 @@ class CellMeter:
                 cell.seen_records = len(cell.proxy.records)
                 cell.last_record = cell.proxy.records[-1] if cell.proxy.records else None
             baseline, self._baseline = self._baseline, None
-            if baseline is not None and baseline[0] == mount and not self._fresh_baseline:
-                cell.files = baseline[1]
-                self._start_cgroup(cell)  # sysfs reads of a few microseconds: no thread needed
-            else:
-                await asyncio.to_thread(self._start_sync, cell)
+            if mount is not None:
+                # Asked before any walk: a change after this point is in the walk or in the queue.
+                changed = self._changed(mount, cell)
+                cell.watched = changed is not None
+                if baseline is not None and baseline[0] == mount and not changed and not self._fresh_baseline:
+                    cell.files = baseline[1]
+                else:
+                    cell.files = await asyncio.to_thread(self._start_files, mount, cell)
+            self._start_cgroup(cell)  # sysfs reads of a few microseconds, right before the cell is sent
         except Exception as err:
             log.warning("accounting could not start: %s", err, exc_info=True, extra={"session": self._session.id})
             cell.notes.append(f"accounting could not start: {type(err).__name__}")
@@ -157,13 +235,12 @@ class CellMeter:
         except (OSError, ValueError, KeyError) as err:
             cell.notes.append(f"the container's cgroup could not be read ({type(err).__name__})")
 
-    def _start_sync(self, cell: _Cell) -> None:
-        self._start_cgroup(cell)
-        if cell.mount is not None:
-            try:
-                cell.files = workspace_scan.snapshot(cell.mount)
-            except OSError as err:
-                cell.notes.append(f"the workspace could not be scanned ({err.strerror or type(err).__name__})")
+    def _start_files(self, mount: Path, cell: _Cell) -> workspace_scan.Snapshot | None:
+        try:
+            return self._snapshot(mount)
+        except OSError as err:
+            cell.notes.append(f"the workspace could not be scanned ({err.strerror or type(err).__name__})")
+            return None
 
     # -- finish -------------------------------------------------------------------------------
 
@@ -194,11 +271,21 @@ class CellMeter:
                 )
                 cell.close()
                 cell.cgroup = None
-            if mount != cell.mount:
-                cell.files = None
-            after = await asyncio.to_thread(self._finish_sync, cell, report)
-            if after is not None and cell.mount is not None:
-                self._baseline = (cell.mount, after)
+            try:
+                self._finish_cgroup(cell, report)  # sysfs reads of a few microseconds
+            finally:
+                cell.close()
+            if cell.files is not None and cell.mount is not None and mount == cell.mount:
+                changed = self._changed(cell.mount, cell) if cell.watched else None
+                if changed is False:  # nothing was written: the baseline still holds, no walk
+                    report["files"], notes = workspace_scan.unchanged(cell.files)
+                    cell.notes.extend(notes)
+                    report["packages"] = workspace_scan.package_changes(cell.files, cell.files)
+                    self._baseline = (cell.mount, cell.files)
+                else:
+                    after = await asyncio.to_thread(self._finish_files, cell, report)
+                    if after is not None:
+                        self._baseline = (cell.mount, after)
         except Exception as err:
             log.warning("accounting could not finish: %s", err, exc_info=True, extra={"session": self._session.id})
             cell.notes.append(f"accounting could not finish: {type(err).__name__}")
@@ -206,16 +293,12 @@ class CellMeter:
             cell.close()
         return report
 
-    def _finish_sync(self, cell: _Cell, report: dict[str, Any]) -> workspace_scan.Snapshot | None:
-        """Counters, then the workspace's snapshot (returned: the next cell's baseline) and diff."""
+    def _finish_files(self, cell: _Cell, report: dict[str, Any]) -> workspace_scan.Snapshot | None:
+        """The workspace's snapshot (returned: the next cell's baseline) and its diff with the
+        cell's baseline, hashed."""
+        assert cell.files is not None and cell.mount is not None
         try:
-            self._finish_cgroup(cell, report)
-        finally:
-            cell.close()
-        if cell.files is None or cell.mount is None:
-            return None
-        try:
-            after = workspace_scan.snapshot(cell.mount)
+            after = self._snapshot(cell.mount)
         except OSError as err:
             cell.notes.append(f"the workspace could not be scanned ({err.strerror or type(err).__name__})")
             return None
@@ -268,3 +351,13 @@ class CellMeter:
         for record in itertools.islice(reversed(records), max(new, 0)):
             counts[verdicts.get(record.verdict, "failed")] += 1
         return counts
+
+
+class _CloseWithSession(SessionObserver):
+    """Closes the meter's watch when its session closes (shut down or detached)."""
+
+    def __init__(self, meter: CellMeter) -> None:
+        self._meter = meter
+
+    async def session_closed(self) -> None:
+        self._meter.close()

@@ -272,21 +272,14 @@ def diff(
     in path order within the budgets; over one, a file is listed with ``sha256`` None and counted
     in ``unhashed``. Non-regular entries carry ``"type": "link" | "other"`` (never hashed, never
     followed); directories are not listed. ``omitted`` counts entries past ``max_listed``."""
-    notes: list[str] = []
+    notes = _coverage_notes(before, after)
     created = sorted(p for p in after.entries.keys() - before.entries.keys() if after.entries[p].kind != "dir")
     modified = sorted(
         p for p in after.entries.keys() & before.entries.keys() if _changed(before.entries[p], after.entries[p])
     )
     deleted = sorted(p for p in before.entries.keys() - after.entries.keys() if before.entries[p].kind != "dir")
-    if before.truncated or after.truncated:
-        notes.append(
-            f"the workspace holds more than {MAX_ENTRIES} entries: only the first {MAX_ENTRIES} were compared, "
-            "changes to the others are not listed"
-        )
-        if after.truncated:
-            deleted = []  # not seen after is not the same as deleted
-    if before.too_deep or after.too_deep:
-        notes.append(f"directories more than {MAX_DEPTH} levels deep were not scanned")
+    if after.truncated:
+        deleted = []  # not seen after is not the same as deleted
     budget = _Budget(max_hashed_files, max_hashed_bytes, time.monotonic() + max_hash_seconds)
     result: dict[str, Any] = {"created": [], "modified": [], "deleted": [], "hashed": 0, "unhashed": 0, "omitted": 0}
     listed = 0
@@ -324,6 +317,26 @@ def diff(
     if result["omitted"]:
         notes.append(f"{result['omitted']} more changed entries are not listed (at most {max_listed} per cell)")
     return result, notes
+
+
+def _coverage_notes(before: Snapshot, after: Snapshot) -> list[str]:
+    """What the comparison of ``before`` with ``after`` could not look at."""
+    notes = []
+    if before.truncated or after.truncated:
+        notes.append(
+            f"the workspace holds more than {MAX_ENTRIES} entries: only the first {MAX_ENTRIES} were compared, "
+            "changes to the others are not listed"
+        )
+    if before.too_deep or after.too_deep:
+        notes.append(f"directories more than {MAX_DEPTH} levels deep were not scanned")
+    return notes
+
+
+def unchanged(snap: Snapshot) -> tuple[dict[str, Any], list[str]]:
+    """What :func:`diff` says of a workspace known not to have changed since ``snap`` (a
+    fanotify watch saw nothing): no entries, the same notes, and no disk access at all."""
+    empty = {"created": [], "modified": [], "deleted": [], "hashed": 0, "unhashed": 0, "omitted": 0}
+    return empty, _coverage_notes(snap, snap)
 
 
 def package_changes(before: Snapshot, after: Snapshot) -> dict[str, list[str]] | None:
