@@ -194,7 +194,7 @@ def test_v1_layout_is_found_and_read(tmp_path):
     assert (memory / "memory.max_usage_in_bytes").read_text().startswith("0")  # the reset the kernel reads as "now"
     _write(memory / "memory.max_usage_in_bytes", "4096\n")
     assert window.peak() == (4096, None)
-    assert cgroup.oom_kills(found) == 2
+    assert cgroup.oom_kills(found) == 2 and cgroup.container_oom_kills(CID, tmp_path) == 2
     (cpuacct / "cpuacct.usage_user").unlink()  # an older kernel: the split comes from cpuacct.stat
     _write(cpuacct / "cpuacct.stat", f"user {2 * os.sysconf('SC_CLK_TCK')}\nsystem 0\n")
     assert found.cpu_times() == cgroup.CpuTimes(3.0, 2.0, 0.0)
@@ -210,9 +210,11 @@ def test_v2_layout_is_found_and_read(tmp_path):
     _write(group / "cpu.stat", "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\nnr_periods 0\n")
     _write(group / "memory.peak", "1000\n")
     _write(group / "memory.current", "800\n")
+    _write(group / "memory.events", "low 0\nhigh 0\nmax 4\noom 3\noom_kill 3\noom_group_kill 0\n")
     found = cgroup.locate(CID, tmp_path)
     assert isinstance(found, cgroup.CgroupV2) and found.path == group
     assert found.cpu_times() == cgroup.CpuTimes(2.5, 2.0, 0.5)
+    assert cgroup.container_oom_kills(CID, tmp_path) == 3
     # Kernel >= 6.12: the window holds an fd whose writes reset its own view of the peak.
     window = found.open_peak()
     _write(group / "memory.peak", "5000\n")  # what the kernel would answer through that fd
@@ -243,3 +245,4 @@ def test_locate_refuses_what_is_not_a_container_id(tmp_path):
     assert cgroup.locate("x", tmp_path) is None
     assert cgroup.locate("../" + CID, tmp_path) is None
     assert cgroup.locate(CID, tmp_path) is None  # no such container
+    assert cgroup.container_oom_kills(CID, tmp_path) is None and cgroup.container_oom_kills("x", tmp_path) is None

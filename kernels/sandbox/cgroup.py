@@ -233,9 +233,16 @@ def locate(container_id: str, root: Path = CGROUP_ROOT) -> Cgroup | None:
 
 def oom_kills(cgroup: Cgroup) -> int | None:
     """How many processes the cgroup's OOM killer ended (v1 ``memory.oom_control``, v2
-    ``memory.events``); None when unreadable. (container.py's ``_read_oom_kills`` could use this.)"""
+    ``memory.events``); None when unreadable."""
     path = cgroup.memory / "memory.oom_control" if isinstance(cgroup, CgroupV1) else cgroup.path / "memory.events"
     try:
         return _keyed(_read(path)).get("oom_kill")
     except OSError:
         return None
+
+
+def container_oom_kills(container_id: str, root: Path = CGROUP_ROOT) -> int | None:
+    """:func:`oom_kills` of the cgroup of ``container_id`` (its full id); None when there is
+    none (the container is gone) or it cannot be read. Blocking (sysfs stats and a read)."""
+    found = locate(container_id, root)
+    return None if found is None else oom_kills(found)

@@ -36,6 +36,7 @@ from sandkernel.kernels.lifecycle.reaper import (
     owner_label,
     process_start_time,
 )
+from sandkernel.kernels.sandbox.cgroup import container_oom_kills
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, translate_api_error
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.sandbox.seccomp import seccomp_security_opt
@@ -324,7 +325,7 @@ class SandboxContainer:
 
     async def oom_kill_count(self) -> int | None:
         """How many processes the memory cgroup's OOM killer has ended in this container."""
-        return await asyncio.to_thread(_read_oom_kills, self.id)
+        return await asyncio.to_thread(container_oom_kills, self.id)
 
     async def stop_hard(self) -> None:
         """Kill the whole container (last step of the ladder); it stays until :meth:`remove`."""
@@ -343,26 +344,6 @@ class SandboxContainer:
             if "already in progress" not in str(err):
                 raise
         log.info("container removed", extra={"container": self.id[:12]})
-
-
-def _read_oom_kills(container_id: str) -> int | None:
-    """Read ``oom_kill`` from the container's memory cgroup (v1 or v2, cgroupfs or systemd)."""
-    candidates = [
-        Path(f"/sys/fs/cgroup/memory/docker/{container_id}/memory.oom_control"),
-        Path(f"/sys/fs/cgroup/docker/{container_id}/memory.events"),
-        Path(f"/sys/fs/cgroup/system.slice/docker-{container_id}.scope/memory.events"),
-        Path(f"/sys/fs/cgroup/memory/system.slice/docker-{container_id}.scope/memory.oom_control"),
-    ]
-    for path in candidates:
-        try:
-            text = path.read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(" ")
-            if key == "oom_kill":
-                return int(value)
-    return None
 
 
 async def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
