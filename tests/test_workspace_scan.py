@@ -1,17 +1,20 @@
 """Pure tests of the accounting's pieces: the workspace scan and diff (a hostile tree in a tmp
 dir, including a directory swapped for a symlink mid-walk and a file swapped before it is
-hashed), and the cgroup v1/v2 readers against tmp dirs laid out like /sys/fs/cgroup."""
+hashed), the cgroup v1/v2 readers against tmp dirs laid out like /sys/fs/cgroup, and the
+fanotify change flag on a tmpfs of the test's own (root: it mounts one)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from sandkernel.kernels.sandbox import cgroup, workspace_scan
+from sandkernel.kernels.sandbox.fs_changes import ChangeWatch, Unavailable
 from sandkernel.kernels.sandbox.workspace_scan import diff, package_changes, snapshot
 
 CID = "ab" * 32
@@ -246,3 +249,76 @@ def test_locate_refuses_what_is_not_a_container_id(tmp_path):
     assert cgroup.locate("../" + CID, tmp_path) is None
     assert cgroup.locate(CID, tmp_path) is None  # no such container
     assert cgroup.container_oom_kills(CID, tmp_path) is None and cgroup.container_oom_kills("x", tmp_path) is None
+
+
+@pytest.fixture
+def own_fs(tmp_path: Path):
+    """A tmpfs mounted at ``tmp_path/fs`` (a filesystem of its own, like a workspace disk)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a filesystem needs root")
+    mount = tmp_path / "fs"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], check=True)
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False, capture_output=True)
+
+
+def test_the_change_flag_sees_every_kind_of_change_and_only_changes(own_fs):
+    watch = ChangeWatch(own_fs)
+    try:
+        assert watch.changed() is False
+        for change in (
+            lambda: (own_fs / "a").write_bytes(b"a"),
+            lambda: (own_fs / "a").open("ab").write(b"b"),
+            lambda: os.truncate(own_fs / "a", 0),
+            lambda: os.utime(own_fs / "a", (1, 1)),
+            lambda: os.chmod(own_fs / "a", 0o600),
+            lambda: os.rename(own_fs / "a", own_fs / "b"),
+            lambda: os.link(own_fs / "b", own_fs / "c"),
+            lambda: os.symlink("/etc/passwd", own_fs / "link"),
+            lambda: os.mkfifo(own_fs / "fifo"),
+            lambda: (own_fs / "d" / "e").mkdir(parents=True),
+            lambda: (own_fs / "d" / "e").rmdir(),
+            lambda: os.unlink(own_fs / "c"),
+        ):
+            change()
+            assert watch.changed() is True, change
+            assert watch.changed() is False  # drained
+        (own_fs / "b").read_bytes()
+        os.listdir(own_fs)
+        os.stat(own_fs / "b")
+        assert watch.changed() is False  # looking is not changing
+    finally:
+        watch.close()
+        watch.close()
+    with pytest.raises(Unavailable):
+        watch.changed()
+
+
+def test_a_flood_overflows_into_one_changed_and_drains_whole(own_fs):
+    watch = ChangeWatch(own_fs)
+    try:
+        for i in range(20_000):  # more events than the queue holds (16384 by default): it overflows
+            os.close(os.open(own_fs / str(i), os.O_CREAT | os.O_WRONLY, 0o600))
+        assert watch.changed() is True
+        assert watch.changed() is False
+    finally:
+        watch.close()
+
+
+def test_the_watch_does_not_hold_the_filesystem_and_notices_it_is_gone(own_fs):
+    watch = ChangeWatch(own_fs)
+    try:
+        (own_fs / "a").write_bytes(b"a")  # a queued event: FID events pin neither file nor mount
+        subprocess.run(["umount", str(own_fs)], check=True)  # not EBUSY
+        with pytest.raises(Unavailable, match="unmounted or remounted"):
+            watch.changed()
+    finally:
+        watch.close()
+
+
+def test_a_directory_that_is_not_a_mount_is_not_watched(tmp_path):
+    with pytest.raises(Unavailable, match="not a filesystem of its own"):
+        ChangeWatch(tmp_path)  # a mark there would watch the host filesystem that holds it
+    with pytest.raises(Unavailable, match="cannot be read"):
+        ChangeWatch(tmp_path / "missing")
