@@ -27,6 +27,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import random
 import time
@@ -55,9 +56,23 @@ log = logging.getLogger(__name__)
 DEFAULT_URL = "http://127.0.0.1:8888"
 RETRYABLE_STATUSES = (502, 503, 504)
 # Gateway error codes that say the request was not run (safe to send again, even an execute).
-NOT_RUN_CODES = ("gateway_restarting",)
+# sandbox_engine_unavailable: the gateway's start breaker refused a new session at once (Docker
+# is down or too slow); retried after the Retry-After it sends.
+NOT_RUN_CODES = ("gateway_restarting", "sandbox_engine_unavailable")
+MAX_RETRY_AFTER = 60.0  # seconds: a gateway's Retry-After is a hint, never a reason to hang
 OutputCallback = Callable[[dict[str, Any]], Any]
 FailureOf = Callable[[HTTPResponse], "ClientError | None"]
+
+
+def retry_after(response: HTTPResponse | None) -> float:
+    """Seconds a response's ``Retry-After`` header asks for (0 when none or unreadable; at most
+    :data:`MAX_RETRY_AFTER`; an HTTP date is not used by the gateway and is ignored)."""
+    value = response.headers.get("Retry-After") if response is not None else None
+    try:
+        seconds = float(value) if value else 0.0
+    except ValueError:
+        return 0.0
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER) if math.isfinite(seconds) else 0.0
 
 
 class AsyncSandkernel:
@@ -221,6 +236,7 @@ class AsyncSandkernel:
         deadline = time.monotonic() + (self.restart_wait if wait is None else wait)
         attempt = 0
         while True:
+            response: HTTPResponse | None = None
             try:
                 response = await self._client().fetch(make(), raise_error=False)
                 failure = failure_of(response)
@@ -236,6 +252,7 @@ class AsyncSandkernel:
             )
             # jitter: the clients of one restarted gateway do not all come back in the same instant
             delay = min(self.max_backoff, self.backoff * 2**attempt) * random.uniform(0.8, 1.0)
+            delay = max(delay, retry_after(response))  # the gateway said when to come back
             out_of_tries = self.max_retries is not None and attempt >= self.max_retries
             if not retryable or out_of_tries or time.monotonic() + delay > deadline:
                 raise failure

@@ -113,6 +113,8 @@ async def _adopt_session(registry: SessionRegistry, record: SandboxRecord, repor
         return
     managed = await _restore(session, record)
     registry.add_adopted(managed)
+    if managed.breaker is not None:  # a quarantine outlives the gateway process, like the session
+        managed.breaker.restore(record.gateway.get("quarantined"))
     gateway = record.gateway
     running = record.running or {}
     if running.get("source") == "websocket" and not running.get("silent") and running.get("msg_id"):

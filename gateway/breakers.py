@@ -109,6 +109,19 @@ class SessionBreaker(SessionObserver):
         self._quarantined = None
         self.ooms = self.timeouts = 0
 
+    def restore(self, recorded: Any) -> None:
+        """Quarantine again a session the previous gateway process had quarantined (its catalog
+        record's ``quarantined``, written by this gateway: still checked for shape)."""
+        if not isinstance(recorded, dict) or not isinstance(recorded.get("reason"), str):
+            return
+        self._quarantined = {
+            "reason": recorded["reason"][:500],
+            "since": str(recorded.get("since", ""))[:64],
+            "ooms": recorded.get("ooms") if isinstance(recorded.get("ooms"), int) else 0,
+            "timeouts": recorded.get("timeouts") if isinstance(recorded.get("timeouts"), int) else 0,
+        }
+        log.warning("session quarantine restored from the catalog", extra={"session": self.managed.id})
+
     async def admit(self, request: ExecutionRequest) -> Verdict:
         """Refuse every execution while quarantined (ExecutionGate)."""
         if self._quarantined is None:
@@ -148,7 +161,9 @@ class SessionBreaker(SessionObserver):
             self.ooms = self.timeouts = 0
             already = status_restarted_kernel(result)
             if not already:
-                await self.managed.session.restart()
+                await self.managed.session.restart(
+                    f"the kernel was restarted by the gateway's circuit breaker: {reason}"
+                )
             await self.managed.session.note(
                 f"The gateway's circuit breaker tripped: {reason}. "
                 + ("The kernel was restarted; variables are gone, /workspace files are kept." if not already else "")

@@ -176,6 +176,7 @@ class ManagedSession:
             "origin": self.origin,
             "transcript": str(self.recorder.path) if self.recorder else None,
             "last_activity": self.last_activity,
+            "quarantined": self.breaker.quarantined if self.breaker is not None else None,
             **extra,
         }
 
@@ -355,9 +356,9 @@ class SessionRegistry:
 
     def _observe(self, managed: ManagedSession) -> None:
         """Attach the gateway's observers and the operator's controls to a session it takes on."""
-        observe(managed, self.metrics, self.writer)
-        if self.controls is not None:
+        if self.controls is not None:  # first: the breaker hears a result before the catalog records it
             self.controls.attach(managed)
+        observe(managed, self.metrics, self.writer)
 
     async def _record(self, managed: ManagedSession) -> None:
         """Write a new session to the catalog (replacing its pool record, if it was pooled);

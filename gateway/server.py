@@ -105,6 +105,7 @@ class MetricsHandler(BaseHandler):
 
     def get(self) -> None:
         self.metrics.sessions.set(len(self.registry))
+        self.metrics.quarantined.set(self.registry.breakers_health()["quarantined_sessions"])
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
         self.finish(self.metrics.render())
 

@@ -135,6 +135,7 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
          "test_until_leaves_later_cells_not_run", "test_a_cell_refused_when_recorded_is_not_run"}
     ),
     "tests/test_mcp_http.py": frozenset({"test_the_gateway_serves_without_the_mcp_extra"}),
+    "tests/test_controls_gateway.py": frozenset({"test_the_operator_can_turn_accounting_off"}),
     "tests/security/test_reaper.py": "*",
     "tests/security/test_sandbox_uids.py": frozenset(
         {"test_allocation_skips_subid_ranges_and_uids_in_use", "test_concurrent_processes_never_share_a_uid"}

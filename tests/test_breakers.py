@@ -277,12 +277,14 @@ class Session:
         self.id = "s1"
         self.notes: list[str] = []
         self.restarts = 0
+        self.restart_reasons: list[str] = []
 
     async def note(self, text: str) -> None:
         self.notes.append(text)
 
-    async def restart(self) -> None:
+    async def restart(self, reason: str = "on request") -> None:
         self.restarts += 1
+        self.restart_reasons.append(reason)
 
 
 def session_breaker(**settings) -> tuple[SessionBreaker, Session, GatewayMetrics]:
@@ -331,6 +333,7 @@ async def test_the_restart_action_restarts_a_kernel_that_still_runs_and_refuses_
     for _ in range(2):  # interrupted at its timeout: the kernel (and the runaway's state) still there
         await breaker.execution_finished(REQUEST, result(ExecutionStatus.TIMEOUT, TimeoutStep.INTERRUPT))
     assert session.restarts == 1 and breaker.quarantined is None and breaker.timeouts == 0
+    assert "circuit breaker" in session.restart_reasons[0]  # the transcript says why, not "on request"
     for _ in range(2):  # an OOM kill already restarted it: nothing more to do than say so
         await breaker.execution_finished(REQUEST, result(ExecutionStatus.OOM))
     assert session.restarts == 1 and breaker.ooms == 0 and len(session.notes) == 2
@@ -466,3 +469,30 @@ async def post_session(gw) -> tuple[int, str | None, int | None]:
     code = json.loads(response.body)["error"] if response.code >= 400 else None
     retry_after = response.headers.get("Retry-After")
     return response.code, code, int(retry_after) if retry_after is not None else None
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_a_quarantine_outlives_a_gateway_restart(tmp_path, runtime):
+    """The catalog records the quarantine with the session: the next gateway process adopts the
+    session still quarantined (a restart of the gateway is not a way around the breaker)."""
+    require_runtime(runtime)
+    first = await start_gateway(tmp_path, audit=False, breaker_ooms=1, on_exit="keep")
+    try:
+        hog = await create(first, runtime)
+        assert (await execute(first, hog, BOMB))["status"] == "oom"
+        _, model = await first.request("GET", f"/api/sessions/{hog['id']}")
+        assert model["quarantined"] is not None
+    finally:
+        await stop_gateway(first)  # on_exit keep: the sandbox stays for the next gateway
+    second = await start_gateway(tmp_path, audit=False, breaker_ooms=1)
+    try:
+        status, model = await second.request("GET", f"/api/sessions/{hog['id']}")
+        assert status == 200 and model["quarantined"] is not None, model
+        assert "OOM-killed 1 times in a row" in model["quarantined"]["reason"]
+        refused = await execute(second, hog, "print('should not run')")
+        assert refused["status"] == "refused" and refused["refusal"]["rule"] == "quarantine"
+        status, model = await second.request("POST", f"/api/sessions/{hog['id']}/restart")
+        assert status == 200 and model["quarantined"] is None
+        assert (await execute(second, hog, "print('back')"))["text"] == "back\n"
+    finally:
+        await stop_gateway(second)  # on_exit delete (the test default): nothing left behind

@@ -368,13 +368,14 @@ class KernelSession:
         self._interrupt_requested = True
         await self._kernel.interrupt()
 
-    async def restart(self) -> None:
-        """Restart the kernel: memory state is dropped, /workspace files are kept."""
+    async def restart(self, reason: str = "the kernel was restarted on request") -> None:
+        """Restart the kernel: memory state is dropped, /workspace files are kept. ``reason``
+        is what the transcript and observers are told."""
         self._check_open()
         # Not behind the execute lock: restart is how a caller rescues a stuck execution (the
         # running execute sees the epoch change and returns kernel_died).
         await self._note_discarded()
-        await self._restart_kernel("the kernel was restarted on request")
+        await self._restart_kernel(reason)
         await self._flush_notes()
 
     async def _note_discarded(self) -> None:
