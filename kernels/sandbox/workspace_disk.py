@@ -23,9 +23,11 @@ and ``nodev`` (a planted setuid binary or device node means nothing) but not ``n
 
 Nothing read from a record is trusted: a session id must be hex before it names a path, the
 paths are recomputed from it (never taken from the record), and the image must be a regular
-file of this user's (lstat: a symlink is refused, never followed). The host never walks the
-tenant's files through the mount point (the sandbox can plant symlinks to host files there):
-workspace_files.py reads them inside the container.
+file of this user's (lstat: a symlink is refused, never followed). The host never opens the
+tenant's files by path through the mount point (the sandbox can plant symlinks to host files
+there): workspace_files.py reads them inside the container. The one host-side reader is per-cell
+accounting (workspace_scan.py), which walks it relative to each directory's fd with O_NOFOLLOW
+at every step, checks each step is the directory it listed, and never follows a link.
 
 Every method here blocks (subprocesses, mounts): callers run them with ``asyncio.to_thread``.
 Mounting needs root; :func:`disk_support` says whether this host can, and why not. This module

@@ -12,8 +12,9 @@ Uploads replace the file atomically (a new temp file of a random name beside it,
 not with :mod:`sandkernel.atomic`, the host's writer: this code runs inside the container, where
 sandkernel is not installed and must not be (the kernel could then import and patch it), and the
 host must never open a path the sandboxed code controls. That holds for a disk workspace too
-(workspace_disk.py): its image is mounted on the host, but the host never reads tenant files
-through that mount point, where a planted symlink could lead it to a host file. No fsync: ext4
+(workspace_disk.py): its image is mounted on the host, but the host never opens tenant files by
+path through that mount point, where a planted symlink could lead it to a host file (per-cell
+accounting's scan reads it fd-relative with O_NOFOLLOW at every step: workspace_scan.py). No fsync: ext4
 flushes a file replaced by rename before the rename commits (auto_da_alloc), and a memory
 workspace dies with the container anyway.
 """
