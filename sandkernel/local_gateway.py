@@ -22,8 +22,9 @@ from sandkernel.gateway.settings import GatewaySettings
 # One task needs one sandbox, started when the task begins: a warm pool would only start
 # sandboxes nobody uses. The task's sandbox ends with it (on_exit delete), and its catalog is the
 # gateway's own (a private state dir): a `sandkernel serve` of the same user keeps its catalog
-# and sessions to itself, and this gateway never adopts them.
-LOCAL_DEFAULTS: dict[str, Any] = {"pool_size": 0, "on_exit": "delete"}
+# and sessions to itself, and this gateway never adopts them. No audit stream: it would go in
+# that private state dir, deleted with it; the task's transcript is its record.
+LOCAL_DEFAULTS: dict[str, Any] = {"pool_size": 0, "on_exit": "delete", "audit": False}
 
 
 def free_port() -> int:
