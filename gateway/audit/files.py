@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import fcntl
 import hashlib
 import logging
 import os
@@ -22,6 +21,7 @@ from typing import Any
 from sandkernel.errors import ConfigError
 from sandkernel.gateway.audit.chain import CURRENT_NAME, BrokenRecord, rotated_name, rotated_seq, unseal
 from sandkernel.gateway.audit.fields import MAX_RECORD_BYTES
+from sandkernel.pid_lock import LockHeldError, take_pid_lock
 
 log = logging.getLogger(__name__)
 
@@ -94,19 +94,13 @@ def open_directory(directory: Path) -> int:
 def lock_directory(dir_fd: int, directory: Path) -> int:
     """An exclusive flock on ``audit.lock`` with this pid in it (held until the log closes);
     ConfigError naming the holder when another process writes this directory."""
-    fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
+        return take_pid_lock(LOCK_NAME, dir_fd)
+    except LockHeldError as held:
         raise ConfigError(
-            f"the audit log in {directory} is written by another process (pid {holder}): one gateway per audit "
-            "directory (two writers would fork the chain). Give this gateway another --audit-dir"
+            f"the audit log in {directory} is written by another process (pid {held.holder}): one gateway per "
+            "audit directory (two writers would fork the chain). Give this gateway another --audit-dir"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
 
 
 def open_file(dir_fd: int, name: str, create: bool) -> int | None:

@@ -44,7 +44,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import fcntl
 import functools
 import json
 import logging
@@ -61,6 +60,7 @@ from sandkernel import __version__
 from sandkernel.errors import ConfigError
 from sandkernel.kernels.durable.records import UPDATABLE_FIELDS, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.state_dir import state_dir
+from sandkernel.pid_lock import LockHeldError, take_pid_lock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -367,22 +367,13 @@ def _lock(path: Path) -> int:
     naming the holder's pid when another process has the catalog open."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock_path = Path(f"{path}.lock")
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise StoreError(
-                f"the session catalog {path} is in use by another process (pid {holder}): one gateway per state "
-                "dir. Stop that gateway, or give this one another --state-dir; nothing was changed"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+        return take_pid_lock(lock_path)
+    except LockHeldError as held:
+        raise StoreError(
+            f"the session catalog {path} is in use by another process (pid {held.holder}): one gateway per state "
+            "dir. Stop that gateway, or give this one another --state-dir; nothing was changed"
+        ) from None
 
 
 def _create_or_check_file(path: Path) -> bool:
