@@ -17,11 +17,10 @@ import argparse
 import asyncio
 import contextlib
 import json
-import time
 from collections.abc import Awaitable, Callable
 
 import httpx2
-from execute_roundtrip import stats
+from execute_roundtrip import interleaved, stats
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from results_dir import results_path
@@ -69,13 +68,7 @@ async def main() -> None:
                 "shell `true` (POST .../shell)": shell,
                 "deepagents execute(`true`)": deepagents,
             }
-            samples: dict[str, list[float]] = {name: [] for name in doors}
-            for round_number in range(args.n + 5):
-                for name, call in doors.items():
-                    began = time.perf_counter()
-                    await call()
-                    if round_number >= 5:
-                        samples[name].append(time.perf_counter() - began)
+            samples = await interleaved(doors, args.n)
             await session.delete()
     results = {name: stats(values) for name, values in samples.items()}
     base = results[BASELINE]["p50_ms"]

@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 
 from results_dir import results_path
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
@@ -47,6 +48,21 @@ def stats(samples: list[float]) -> dict[str, float]:
         "p95_ms": ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))] * 1000,
         "n": len(ordered),
     }
+
+
+async def interleaved(
+    calls: dict[str, Callable[[], Awaitable[object]]], n: int, warmup: int = 5
+) -> dict[str, list[float]]:
+    """Seconds per call of each of ``calls``, called round by round in turn (so drift, load and
+    caches hit all alike); the first ``warmup`` rounds are not kept."""
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for round_number in range(n + warmup):
+        for name, call in calls.items():
+            began = time.perf_counter()
+            await call()
+            if round_number >= warmup:
+                samples[name].append(time.perf_counter() - began)
+    return samples
 
 
 async def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120) -> None:
