@@ -1,14 +1,20 @@
 """Per-cell accounting overhead: a trivial execute with accounting on and off, on ONE session,
-alternating call by call so machine noise and the container's placement hit both alike.
+alternating call by call (the order rotating each round) so machine noise and the container's
+placement hit every contender alike.
 
-"On" is what every execute pays when accounting is enabled: CellMeter.start (cgroup counters,
-peak-memory reset, a workspace snapshot) before the cell and CellMeter.finish (counters, a
-second snapshot, the diff) after it. With the session's own meter (``session.meter``, issue 15's
-plumbing) the bench toggles it; before that plumbing it drives a CellMeter around execute itself.
-The workspace holds ``--files`` small files, so the walk is not of an empty directory.
+Contenders, each the session's own meter (``session.meter``) swapped in for its call:
+- ``off``: no meter (``accounting=False``);
+- ``on``: the default meter: cgroup counters and a fanotify watch on the workspace's filesystem
+  that says whether anything changed, so a cell that writes nothing takes no walk;
+- ``on, walk every cell``: a meter without the watch (``CellMeter(watch=False)``: what a host
+  without fanotify pays, and what every host paid before the watch), for the before/after.
+
+Run with the workspace empty, then again holding ``--files`` small files (walked by a walk).
+The JSON also says how many walks the ``on`` meter took over its trivial cells (0 when the
+watch works) and the load average before and after (other work on the machine skews both sides).
 
 Usage: python bench/accounting_overhead.py [--n 300] [--runtime runc] [--files 50]
-Goal: on/off p50 ratio <= 1.05 under runc.
+Goal: on/off p50 ratio <= 1.05 under runc, with 0 files and with 50.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import time
 
 from execute_roundtrip import stats
@@ -25,74 +32,77 @@ from sandkernel.kernels.execution.accounting import CellMeter
 from sandkernel.kernels.execution.session import KernelSession
 
 WARMUP = 20
+WATCHED, WALKED = "on", "on, walk every cell"
+
+
+async def contenders(session: KernelSession, n: int) -> dict:
+    """Alternate the three contenders over ``n`` measured rounds (after WARMUP)."""
+    meters: dict[str, CellMeter | None] = {"off": None, WATCHED: session.meter, WALKED: CellMeter(session, watch=False)}
+    samples: dict[str, list[float]] = {name: [] for name in meters}
+    names = list(meters)
+    sample, walks = None, 0
+    for i in range(n + WARMUP):
+        if i == WARMUP:
+            walks = meters[WATCHED].walks  # type: ignore[union-attr]
+        for name in names[i % 3 :] + names[: i % 3]:
+            session.meter = meters[name]
+            t0 = time.perf_counter()
+            result = await session.execute("1+1", timeout=60)
+            elapsed = time.perf_counter() - t0
+            if i >= WARMUP:
+                samples[name].append(elapsed)
+            if name == WATCHED:
+                sample = result.accounting
+    watched = meters[WATCHED]
+    session.meter = watched
+    out = {name: stats(values) for name, values in samples.items()}
+    for name in (WATCHED, WALKED):
+        out[f"ratio_p50 {name}"] = out[name]["p50_ms"] / out["off"]["p50_ms"]
+    out["walks_on"] = watched.walks - walks  # type: ignore[union-attr]
+    out["watching"] = watched.watching  # type: ignore[union-attr]
+    out["sample"] = sample  # one accounting dict, to show that "on" measured something
+    return out
 
 
 async def measure(runtime: str, n: int, files: int) -> dict:
     session = await KernelSession.start(overrides={"runtime": runtime})
     try:
-        builtin = getattr(session, "meter", None)
-        meter = builtin if isinstance(builtin, CellMeter) else CellMeter(session)
+        assert session.meter is not None, "the session carries no meter"
+        result = {"empty workspace": await contenders(session, n)}
         await session.execute(
             f"import os\nos.makedirs('data', exist_ok=True)\n"
             f"for i in range({files}): open(f'data/f{{i}}.txt', 'w').write(str(i))",
             timeout=60,
         )
-        samples: dict[str, list[float]] = {"off": [], "on": []}
-        checked = None
-
-        async def once(on: bool) -> float:
-            nonlocal checked
-            if builtin is not None:  # the session measures itself: on = its meter, off = none
-                session.meter = meter if on else None
-                t0 = time.perf_counter()
-                result = await session.execute("1+1", timeout=60)
-                elapsed = time.perf_counter() - t0
-                if on:
-                    checked = getattr(result, "accounting", None)
-                return elapsed
-            t0 = time.perf_counter()
-            if on:
-                await meter.start()
-                await session.execute("1+1", timeout=60)
-                checked = await meter.finish(time.perf_counter() - t0)
-            else:
-                await session.execute("1+1", timeout=60)
-            return time.perf_counter() - t0
-
-        for i in range(n + WARMUP):
-            order = (False, True) if i % 2 else (True, False)  # neither always goes first
-            for on in order:
-                elapsed = await once(on)
-                if i >= WARMUP:
-                    samples["on" if on else "off"].append(elapsed)
-        if builtin is not None:
-            session.meter = builtin
+        result[f"{files} files"] = await contenders(session, n)
     finally:
         await session.shutdown()
-    result = {name: stats(values) for name, values in samples.items()}
-    result["ratio_p50"] = result["on"]["p50_ms"] / result["off"]["p50_ms"]
-    result["sample"] = checked  # one accounting dict, to show that "on" measured something
-    result["driven_by"] = "session.meter" if builtin is not None else "CellMeter around execute"
     return result
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=300, help="executes per contender")
+    parser.add_argument("--n", type=int, default=300, help="executes per contender and workspace")
     parser.add_argument("--runtime", action="append", choices=["runc", "runsc"], help="repeatable; default runc")
-    parser.add_argument("--files", type=int, default=50, help="small files in the workspace, walked each cell")
+    parser.add_argument("--files", type=int, default=50, help="small files in the workspace for the second run")
     args = parser.parse_args()
-    results = {}
+    results: dict = {"n": args.n, "files": args.files, "loadavg_before": os.getloadavg()}
     for runtime in args.runtime or ["runc"]:
-        result = await measure(runtime, args.n, args.files)
-        results[runtime] = result
-        on, off = result["on"], result["off"]
-        print(f"{runtime}: accounting off p50 {off['p50_ms']:6.2f} ms  p95 {off['p95_ms']:6.2f} ms")
-        print(f"{runtime}: accounting on  p50 {on['p50_ms']:6.2f} ms  p95 {on['p95_ms']:6.2f} ms")
-        print(f"{runtime}: on/off ratio (p50) {result['ratio_p50']:.3f} (goal <= 1.05; {result['driven_by']})")
-        assert result["sample"] and result["sample"]["cpu_seconds"] is not None, result["sample"]
-    out = results_path("accounting_overhead.json")
-    out.write_text(json.dumps({"n": args.n, "files": args.files, **results}, indent=2))
+        results[runtime] = await measure(runtime, args.n, args.files)
+        for workspace, data in results[runtime].items():
+            off = data["off"]
+            print(f"{runtime}, {workspace}: off p50 {off['p50_ms']:6.2f} ms  p95 {off['p95_ms']:6.2f} ms")
+            for name in (WATCHED, WALKED):
+                row = data[name]
+                print(
+                    f"{runtime}, {workspace}: {name:20} p50 {row['p50_ms']:6.2f} ms  p95 {row['p95_ms']:6.2f} ms"
+                    f"  ratio {data[f'ratio_p50 {name}']:.3f}"
+                )
+            print(f"{runtime}, {workspace}: walks by 'on' over {args.n} trivial cells: {data['walks_on']}")
+            assert data["sample"] and data["sample"]["cpu_seconds"] is not None, data["sample"]
+    results["loadavg_after"] = os.getloadavg()
+    print(f"load average before {results['loadavg_before']}, after {results['loadavg_after']} (goal: on <= 1.05)")
+    results_path("accounting_overhead.json").write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

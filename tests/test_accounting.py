@@ -298,26 +298,31 @@ async def test_when_fanotify_is_refused_every_cell_is_walked(runtime):
         assert _found(second, "modified")["a.txt"]["sha256"] == hashlib.sha256(b"ab").hexdigest(), second
 
 
-def _fanotify_fds() -> int:
-    count = 0
+def _fds_held(container_ids: list[str]) -> tuple[int, int]:
+    """This process's fanotify fds, and its fds on the cgroup files of ``container_ids``."""
+    fanotify = cgroup_files = 0
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):
-            count += os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[fanotify]"
-    return count
+            target = os.readlink(f"/proc/self/fd/{name}")
+            fanotify += target == "anon_inode:[fanotify]"
+            cgroup_files += target.startswith("/sys/fs/cgroup/") and any(cid in target for cid in container_ids)
+    return fanotify, cgroup_files
 
 
 @pytest.mark.parametrize("runtime", RUNTIMES)
-async def test_closed_sessions_leave_no_fanotify_fd(runtime):
+async def test_closed_sessions_leave_no_fanotify_or_cgroup_fd(runtime):
     require_runtime(runtime)
-    before = _fanotify_fds()
-    sessions = []
+    before, _ = _fds_held([])
+    sessions, ids = [], []
     try:
         for _ in range(5):
             sessions.append(await KernelSession.start(overrides={"runtime": runtime}))
+            ids.append(sessions[-1].container.id)
             result = await sessions[-1].execute("1 + 1", timeout=60)  # the meter opens its watch
             assert result.accounting is not None and result.accounting["files"] == NO_FILES, result.accounting
-        assert _fanotify_fds() == before + 5
+        fanotify, cgroup_files = _fds_held(ids)
+        assert fanotify == before + 5 and cgroup_files >= 5  # a watch each; cgroup files kept open
     finally:
         for session in sessions:
             await session.shutdown()
-    assert _fanotify_fds() == before
+    assert _fds_held(ids) == (before, 0)

@@ -199,6 +199,7 @@ def test_v1_layout_is_found_and_read(tmp_path):
     assert window.peak() == (4096, None)
     assert cgroup.oom_kills(found) == 2 and cgroup.container_oom_kills(CID, tmp_path) == 2
     (cpuacct / "cpuacct.usage_user").unlink()  # an older kernel: the split comes from cpuacct.stat
+    found.close()  # (the files read so far were kept open; a real kernel never had this one)
     _write(cpuacct / "cpuacct.stat", f"user {2 * os.sysconf('SC_CLK_TCK')}\nsystem 0\n")
     assert found.cpu_times() == cgroup.CpuTimes(3.0, 2.0, 0.0)
     # The exact total, split in the proportion the kernel sampled (here 1.0 : 0.5 of ticks).

@@ -90,14 +90,16 @@ class CellMeter:
     walks after every cell and reuses that snapshot as the next baseline: a change made between
     cells then counts in the next cell. A writer the meter does not see (the files API, an
     upload) may call :meth:`forget_files`: the next ``start`` walks the workspace first.
-    ``fresh_baseline=True`` walks at every start whatever the watch says.
+    ``fresh_baseline=True`` walks at every start whatever the watch says; ``watch=False`` never
+    opens one (the behaviour without fanotify, for comparison: bench/accounting_overhead.py).
 
     The watch's fd lives as long as the session: :meth:`close` (idempotent) releases it, and is
     called when the session closes (the meter observes ``session_closed``)."""
 
-    def __init__(self, session: KernelSession, fresh_baseline: bool = False) -> None:
+    def __init__(self, session: KernelSession, fresh_baseline: bool = False, watch: bool = True) -> None:
         self._session = session
         self._fresh_baseline = fresh_baseline
+        self._use_watch = watch
         self._cgroups: dict[str, Cgroup | None] = {}
         self._cell: _Cell | None = None
         self._baseline: tuple[Path, workspace_scan.Snapshot] | None = None
@@ -118,13 +120,15 @@ class CellMeter:
         self._baseline = None
 
     def close(self) -> None:
-        """Release the watch (its fanotify fd) for good; the meter then walks every cell, like a
-        meter without a watch. Called when the session closes; safe to call twice."""
+        """Release the watch (its fanotify fd) for good, and the cgroup files kept open; the meter
+        then walks every cell, like a meter without a watch. Called when the session closes;
+        safe to call twice."""
         self._closed = True
         if self._watch is not None:
             self._watch.close()
             self._watch = None
         self._baseline = None
+        self._forget_cgroups()
 
     # -- what to measure, read from the session each time -----------------------------------
 
@@ -147,10 +151,15 @@ class CellMeter:
     def _cgroup(self, container_id: str) -> Cgroup | None:
         """The cgroup of ``container_id``, looked up once (a few sysfs stats)."""
         if container_id not in self._cgroups:
-            if len(self._cgroups) > 16:  # a long session replaced many containers: forget the old ones
-                self._cgroups.clear()
+            self._forget_cgroups()  # one container at a time: a replaced one is not read again
             self._cgroups[container_id] = locate(container_id)
         return self._cgroups[container_id]
+
+    def _forget_cgroups(self) -> None:
+        for found in self._cgroups.values():
+            if found is not None:
+                found.close()  # the files it kept open
+        self._cgroups.clear()
 
     def _changed(self, mount: Path, cell: _Cell) -> bool | None:
         """Whether the workspace at ``mount`` changed since the last call: True, False, or None
@@ -162,7 +171,7 @@ class CellMeter:
             watch.close()
             watch = self._watch = None
         if watch is None:
-            if self._closed or self._unwatched is not None:
+            if self._closed or not self._use_watch or self._unwatched is not None:
                 return None
             try:
                 self._watch = ChangeWatch(mount)

@@ -66,7 +66,7 @@ class CpuTimes:
 
 
 def _read(path: Path) -> str:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # plain fds: these run once or twice per cell
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         return os.read(fd, _MAX_READ).decode("ascii", "replace")
     finally:
@@ -87,6 +87,50 @@ def _keyed(text: str) -> dict[str, int]:
     return values
 
 
+class _KeptFiles:
+    """Cgroup files kept open and re-read with ``pread`` at offset 0, which makes the kernel
+    generate the file afresh. Measured here: ~1 µs a read, against ~6 µs plus a path walk
+    for open, read and close; a cell reads four or five of them twice. An fd that fails (the
+    cgroup was removed: ENODEV) is closed, and the next read opens the file again."""
+
+    def __init__(self) -> None:
+        self._fds: dict[str, int] = {}
+
+    def _fd(self, path: str, writable: bool) -> int:
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_CLOEXEC)
+            self._fds[path] = fd
+        return fd
+
+    def read(self, path: str, writable: bool = False) -> str:
+        try:
+            return os.pread(self._fd(path, writable), _MAX_READ, 0).decode("ascii", "replace")
+        except OSError:
+            self._drop(path)
+            raise
+
+    def read_int(self, path: str, writable: bool = False) -> int:
+        return int(self.read(path, writable).strip())
+
+    def write(self, path: str, data: bytes) -> None:
+        """Write through the fd :meth:`read` uses (opened read-write: the file is read back)."""
+        try:
+            os.pwrite(self._fd(path, True), data, 0)
+        except OSError:
+            self._drop(path)
+            raise
+
+    def _drop(self, path: str) -> None:
+        fd = self._fds.pop(path, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for path in list(self._fds):
+            self._drop(path)
+
+
 class PeakWindow:
     """The peak memory of one cell: opened when the cell starts, read (then closed) at its end."""
 
@@ -99,13 +143,20 @@ class PeakWindow:
 
 
 class CgroupV1:
-    """A container's cgroup on a v1 host: ``cpuacct`` and ``memory`` hierarchies."""
+    """A container's cgroup on a v1 host: ``cpuacct`` and ``memory`` hierarchies. The files a
+    cell reads are kept open (:class:`_KeptFiles`) until :meth:`close`."""
 
     version = 1
 
     def __init__(self, cpuacct: Path, memory: Path) -> None:
         self.cpuacct = cpuacct
         self.memory = memory
+        self._files = _KeptFiles()
+        # Joined once: a pathlib join costs more than the read it names.
+        self._usage, self._user, self._sys = (
+            str(cpuacct / name) for name in ("cpuacct.usage", "cpuacct.usage_user", "cpuacct.usage_sys")
+        )
+        self._max_usage = str(memory / "memory.max_usage_in_bytes")
 
     def __repr__(self) -> str:
         return f"CgroupV1({self.cpuacct}, {self.memory})"
@@ -113,10 +164,10 @@ class CgroupV1:
     def cpu_times(self) -> CpuTimes:
         """``cpuacct.usage`` (ns), with ``usage_user``/``usage_sys`` (ns) or else ``cpuacct.stat``
         (USER_HZ ticks) for the split. Raises OSError/ValueError when it cannot be read."""
-        total = _read_int(self.cpuacct / "cpuacct.usage") / 1e9
+        total = self._files.read_int(self._usage) / 1e9
         try:
-            user = _read_int(self.cpuacct / "cpuacct.usage_user") / 1e9
-            system = _read_int(self.cpuacct / "cpuacct.usage_sys") / 1e9
+            user = self._files.read_int(self._user) / 1e9
+            system = self._files.read_int(self._sys) / 1e9
         except (OSError, ValueError):
             ticks = _keyed(_read(self.cpuacct / "cpuacct.stat"))
             hz = os.sysconf("SC_CLK_TCK")
@@ -125,20 +176,20 @@ class CgroupV1:
         return CpuTimes(total, user, system)
 
     def open_peak(self) -> PeakWindow:
-        return _V1Peak(self.memory)
+        return _V1Peak(self._files, self._max_usage)
+
+    def close(self) -> None:
+        """Close the files kept open; safe to call twice (a later read opens them again)."""
+        self._files.close()
 
 
 class _V1Peak(PeakWindow):
-    def __init__(self, memory: Path) -> None:
-        self._file = memory / "memory.max_usage_in_bytes"
-        fd = os.open(self._file, os.O_WRONLY | os.O_CLOEXEC)
-        try:
-            os.write(fd, b"0")  # resets the high-water mark to the current usage
-        finally:
-            os.close(fd)
+    def __init__(self, files: _KeptFiles, path: str) -> None:
+        self._files, self._path = files, path
+        files.write(path, b"0")  # resets the high-water mark to the current usage
 
     def peak(self) -> tuple[int, str | None]:
-        return _read_int(self._file), None
+        return self._files.read_int(self._path, writable=True), None
 
 
 class CgroupV2:
@@ -152,13 +203,19 @@ class CgroupV2:
     def __init__(self, path: Path, per_fd_peak: bool | None = None) -> None:
         self.path = path
         self.per_fd_peak = per_fd_peak
+        self._files = _KeptFiles()
+        self._stat = str(path / "cpu.stat")
 
     def __repr__(self) -> str:
         return f"CgroupV2({self.path})"
 
+    def close(self) -> None:
+        """Close the files kept open; safe to call twice (a later read opens them again)."""
+        self._files.close()
+
     def cpu_times(self) -> CpuTimes:
         """``cpu.stat``'s usage_usec, user_usec and system_usec (µs)."""
-        stat = _keyed(_read(self.path / "cpu.stat"))
+        stat = _keyed(self._files.read(self._stat))
         user, system = stat.get("user_usec"), stat.get("system_usec")
         return CpuTimes(
             stat["usage_usec"] / 1e6, None if user is None else user / 1e6, None if system is None else system / 1e6

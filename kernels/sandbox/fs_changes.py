@@ -64,6 +64,7 @@ MASK = (
     | FAN_MOVE_SELF
     | FAN_ONDIR
 )
+AT_FDCWD = -100
 INIT_FLAGS = FAN_CLASS_NOTIF | FAN_REPORT_FID | FAN_NONBLOCK | FAN_CLOEXEC
 _READ_SIZE = 64 * 1024
 
@@ -104,16 +105,17 @@ class ChangeWatch:
         if st.st_dev == parent.st_dev:
             raise Unavailable("the workspace is not a filesystem of its own")
         self._dev = st.st_dev
+        self._mount = os.fsencode(mount)  # stat'ed at every check: no pathlib on that path
         lib = _lib()
         fd = lib.fanotify_init(INIT_FLAGS, os.O_RDONLY | os.O_CLOEXEC)
         if fd < 0:
             raise Unavailable(f"fanotify_init refused: {_reason(ctypes.get_errno())}")
-        if lib.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_FILESYSTEM, MASK, -100, os.fsencode(mount)) < 0:
+        if lib.fanotify_mark(fd, FAN_MARK_ADD | FAN_MARK_FILESYSTEM, MASK, AT_FDCWD, self._mount) < 0:
             err = ctypes.get_errno()
             os.close(fd)
             raise Unavailable(f"fanotify_mark refused: {_reason(err)}")
         self._fd = fd
-        if os.stat(mount).st_dev != self._dev:  # remounted while we marked it: the mark may be on the old one
+        if os.stat(self._mount).st_dev != self._dev:  # remounted while we marked it: the mark may be on the old one
             self.close()
             raise Unavailable("the workspace was remounted while it was being watched")
 
@@ -140,7 +142,7 @@ class ChangeWatch:
                 break
             seen = True
         try:
-            dev = os.stat(self.mount).st_dev
+            dev = os.stat(self._mount).st_dev
         except OSError as err:
             raise Unavailable(f"the workspace mount cannot be read ({err.strerror})") from None
         if dev != self._dev:
