@@ -28,6 +28,8 @@ for runtime in "${runtimes[@]}"; do
 done
 step "transcript recording overhead"
 python recording_overhead.py --n "$(n 300 5)"
+step "per-cell accounting overhead (${runtimes[*]}): off, on, on without the fanotify watch"
+python accounting_overhead.py --n "$(n 300 5)" "${runtimes[@]/#/--runtime=}"
 step "stateful session vs a fresh process per call (agent, CSV scenario)"
 python agent_roundtrips.py --runs "$(n 5 1)"
 step "summary"

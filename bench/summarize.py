@@ -74,6 +74,18 @@ def main() -> None:
                 f"{without:.2f} ms without (+{recording['overhead']:.1%})",
             )
         )
+    accounting = load("accounting_overhead.json")
+    for runtime in ("runc", "runsc"):
+        for workspace, data in accounting.get(runtime, {}).items():
+            on, off = data["on"]["p50_ms"], data["off"]["p50_ms"]
+            rows.append(
+                (
+                    f"trivial execute with per-cell accounting ({runtime}, {workspace})",
+                    f"{on:.2f} ms",
+                    f"{off:.2f} ms off ({data['ratio_p50 on'] - 1:+.1%}); walking every cell "
+                    f"{data['ratio_p50 on, walk every cell'] - 1:+.1%}",
+                )
+            )
     agent = load("agent_roundtrips.json").get("median", {})
     if agent:
         base = agent["stateful session"]

@@ -28,5 +28,11 @@ def test_bench_suite_runs_and_summarises(tmp_path):
     assert "MCP run_python, legacy MCP session" in json.loads((tmp_path / "door_roundtrip.json").read_text())["runc"]
     for name in (*names, "throughput_density.json"):
         assert json.loads((tmp_path / name).read_text()), name
+    accounting = json.loads((tmp_path / "accounting_overhead.json").read_text())
+    for workspace, data in accounting["runc"].items():
+        assert {"off", "on", "on, walk every cell"} <= set(data), workspace
+        assert data["sample"]["cpu_seconds"] is not None, data["sample"]
+        assert not data["watching"] or data["walks_on"] == 0, data  # trivial cells take no walk
     summary = (tmp_path / "SUMMARY.md").read_text()
+    assert "trivial execute with per-cell accounting (runc, empty workspace)" in summary
     assert "acquire -> 1+1, warm pool (runc)" in summary and "| measure | sandkernel | baseline |" in summary
