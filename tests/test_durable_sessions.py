@@ -629,7 +629,9 @@ async def test_a_websocket_cell_cut_off_by_a_restart_gets_its_reply_when_its_cli
             "channel": "shell",
             "buffers": [],
             "content": {
-                "code": "import time\ntime.sleep(8)\ncut_off = 1",
+                # Long enough to still run when the next gateway has adopted it (its start-up
+                # imports alone take 3 s on a loaded 2-core host; 8 s left too little margin).
+                "code": "import time\ntime.sleep(15)\ncut_off = 1",
                 "silent": False,
                 "store_history": True,
                 "user_expressions": {},
