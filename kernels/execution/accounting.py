@@ -175,7 +175,7 @@ class CellMeter:
                 return None
             try:
                 self._watch = ChangeWatch(mount)
-            except Unavailable as err:
+            except (Unavailable, OSError) as err:
                 self._unwatched = str(err)
                 cell.notes.append(NOT_WATCHED.format(reason=self._unwatched))
                 log.info("workspace not watched: %s", err, extra={"session": self._session.id})
@@ -184,7 +184,7 @@ class CellMeter:
             return True
         try:
             return watch.changed()
-        except Unavailable as err:  # unmounted or remounted: a new watch next time
+        except (Unavailable, OSError) as err:  # unmounted or remounted: a new watch next time
             log.info("workspace watch ended: %s", err, extra={"session": self._session.id})
             watch.close()
             self._watch = None

@@ -8,16 +8,19 @@ every change to it, whoever makes it: the sandbox's processes under runc, gVisor
 Sentry under runsc (both write the same host files), the files API. :meth:`ChangeWatch.changed`
 drains the queue without blocking (a few microseconds) and says whether it held anything.
 
-The events are a flag only: their content is never parsed, and no path is ever resolved from
-them (the sandbox names those files). ``FAN_REPORT_FID`` events hold no reference to the files
-or the mount (the classic mode would pin open files and make the unmount fail); a queue that
-overflows (16384 events by default, about 1 MiB of kernel memory) delivers one more event,
-which reads as "changed" like any other.
+The events are a flag only: of each, only the fixed header is read (the process that caused
+it, so the host's own walks and hashing do not count; an overflow), never the file it names,
+and no path is ever resolved (the sandbox names those files). ``FAN_REPORT_FID`` events hold
+no reference to the files or the mount (the classic mode would pin open files and make the
+unmount fail); a queue that overflows (16384 events by default, about 1 MiB of kernel memory)
+delivers one more event, which reads as "changed" like any other.
 
-What fanotify does not see: writes through a shared memory mapping (no syscall, no event) made
-after the mapping's file was opened for writing in an earlier cell; the mtime a snapshot
-compares is set by such a write only on the first write to a clean page, so snapshots alone
-never saw all of them either.
+Opens count as changes (``FAN_OPEN``): a store through a shared memory mapping is no system
+call and makes no event, but the mapping needs an open file, so a cell that maps a file and
+writes through it (``numpy.memmap(..., mode="r+")``) is seen by its open (checked under runc
+and runsc). A cell that only reads workspace files is therefore walked too. What no event
+shows: stores in a later cell through a mapping an earlier cell made and kept. A snapshot
+missed those as well (checked here: neither the size nor the mtime moved).
 
 Needs CAP_SYS_ADMIN (filesystem marks) and Linux >= 5.1 (``FAN_REPORT_FID``). Anything
 refused raises :class:`Unavailable` with the reason: the caller then walks every cell.
@@ -29,6 +32,7 @@ import ctypes
 import ctypes.util
 import errno
 import os
+import struct
 from pathlib import Path
 
 # <linux/fanotify.h>
@@ -49,11 +53,15 @@ FAN_REPORT_FID = 0x00000200
 FAN_MARK_ADD = 0x00000001
 FAN_MARK_FILESYSTEM = 0x00000100
 
+FAN_OPEN = 0x00000020
+FAN_Q_OVERFLOW = 0x00004000
+FANOTIFY_METADATA_VERSION = 3
+
 # Everything that changes what a snapshot records (names, sizes, times, inodes, kinds), for
-# files and directories. FAN_CLOSE_WRITE also catches a file written through a memory mapping
-# and then closed (the mapping's writes make no event of their own).
+# files and directories, and opens (see the module docstring: memory-mapped writes).
 MASK = (
-    FAN_MODIFY
+    FAN_OPEN
+    | FAN_MODIFY
     | FAN_ATTRIB
     | FAN_CLOSE_WRITE
     | FAN_MOVED_FROM
@@ -67,6 +75,8 @@ MASK = (
 AT_FDCWD = -100
 INIT_FLAGS = FAN_CLASS_NOTIF | FAN_REPORT_FID | FAN_NONBLOCK | FAN_CLOEXEC
 _READ_SIZE = 64 * 1024
+# struct fanotify_event_metadata: event_len, vers, reserved, metadata_len, mask, fd, pid.
+_METADATA = struct.Struct("=IBBHQii")
 
 _libc: ctypes.CDLL | None = None
 
@@ -78,7 +88,10 @@ class Unavailable(Exception):
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        except OSError as err:
+            raise Unavailable(f"the C library cannot be loaded ({err})") from None
         if not hasattr(lib, "fanotify_init") or not hasattr(lib, "fanotify_mark"):
             raise Unavailable("this C library has no fanotify")
         lib.fanotify_init.argtypes = [ctypes.c_uint, ctypes.c_uint]
@@ -115,7 +128,11 @@ class ChangeWatch:
             os.close(fd)
             raise Unavailable(f"fanotify_mark refused: {_reason(err)}")
         self._fd = fd
-        if os.stat(self._mount).st_dev != self._dev:  # remounted while we marked it: the mark may be on the old one
+        try:
+            remounted = os.stat(self._mount).st_dev != self._dev  # then the mark may be on the old filesystem
+        except OSError:
+            remounted = True
+        if remounted:
             self.close()
             raise Unavailable("the workspace was remounted while it was being watched")
 
@@ -132,7 +149,7 @@ class ChangeWatch:
         (closed, or the filesystem at the mount point is not the one marked any more)."""
         if self._fd is None:
             raise Unavailable("the watch is closed")
-        seen = False
+        seen, own = False, os.getpid()
         while True:
             try:
                 data = os.read(self._fd, _READ_SIZE)
@@ -140,7 +157,7 @@ class ChangeWatch:
                 break
             if not data:
                 break
-            seen = True
+            seen = seen or _caused_elsewhere(data, own)
         try:
             dev = os.stat(self._mount).st_dev
         except OSError as err:
@@ -154,6 +171,21 @@ class ChangeWatch:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+
+def _caused_elsewhere(data: bytes, own: int) -> bool:
+    """Whether any event in ``data`` (whole events, as one read returns them) was caused by a
+    process other than ``own`` (this one: the scan's opens), or is an overflow or something
+    this module cannot read (both count as changes)."""
+    offset, end = 0, len(data)
+    while offset < end:
+        if end - offset < _METADATA.size:
+            return True
+        length, version, _, _, mask, _, pid = _METADATA.unpack_from(data, offset)
+        if version != FANOTIFY_METADATA_VERSION or length < _METADATA.size or mask & FAN_Q_OVERFLOW or pid != own:
+            return True
+        offset += length
+    return False
 
 
 def _reason(err: int) -> str:
