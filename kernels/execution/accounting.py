@@ -83,8 +83,10 @@ class CellMeter:
     only when it did: ``start`` reuses the previous cell's closing snapshot when nothing changed
     between cells, and walks for a fresh baseline when something did (a change made between
     cells, by the kernel's background work or the files API, is charged to no cell); ``finish``
-    walks, diffs and hashes only when something changed during the cell. A cell that writes
-    nothing costs a few reads on the loop and no thread. :attr:`walks` counts the snapshots taken.
+    walks, diffs and hashes only when something changed during the cell. Opening a file counts
+    as a change (a store through a memory mapping makes no event, its open does), so a cell that
+    reads workspace files is walked too; a cell that touches none costs a few reads on the loop
+    and no thread. :attr:`walks` counts the snapshots taken.
 
     Without a watch (fanotify refused: not root, an old kernel; said once in ``notes``) the meter
     walks after every cell and reuses that snapshot as the next baseline: a change made between
@@ -93,8 +95,9 @@ class CellMeter:
     ``fresh_baseline=True`` walks at every start whatever the watch says; ``watch=False`` never
     opens one (the behaviour without fanotify, for comparison: bench/accounting_overhead.py).
 
-    The watch's fd lives as long as the session: :meth:`close` (idempotent) releases it, and is
-    called when the session closes (the meter observes ``session_closed``)."""
+    The watch's fd and the cgroup files kept open live as long as the session: :meth:`close`
+    (idempotent) releases them, and is called when the session closes (from its first cell on,
+    the meter observes ``session_closed``)."""
 
     def __init__(self, session: KernelSession, fresh_baseline: bool = False, watch: bool = True) -> None:
         self._session = session
@@ -149,7 +152,13 @@ class CellMeter:
             return None
 
     def _cgroup(self, container_id: str) -> Cgroup | None:
-        """The cgroup of ``container_id``, looked up once (a few sysfs stats)."""
+        """The cgroup of ``container_id``, looked up once (a few sysfs stats). After :meth:`close`
+        (a cell that ends as the session closes) it is looked up again, and keeps nothing open."""
+        if self._closed:
+            found = locate(container_id)
+            if found is not None:
+                found.close()
+            return found
         if container_id not in self._cgroups:
             self._forget_cgroups()  # one container at a time: a replaced one is not read again
             self._cgroups[container_id] = locate(container_id)
@@ -180,7 +189,6 @@ class CellMeter:
                 cell.notes.append(NOT_WATCHED.format(reason=self._unwatched))
                 log.info("workspace not watched: %s", err, extra={"session": self._session.id})
                 return None
-            self._close_with_session()
             return True
         try:
             return watch.changed()
@@ -209,6 +217,7 @@ class CellMeter:
         cell = _Cell()
         self._cell = cell
         try:
+            self._close_with_session()
             container_id, mount, note = self._container()
             if note:
                 cell.notes.append(note)
