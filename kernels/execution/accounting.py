@@ -17,9 +17,9 @@ the start), the workspace disk's host mount (kernels/sandbox/workspace_scan.py: 
 before and after, hashed where they differ; kernels/sandbox/fs_changes.py: a fanotify flag that
 says whether a snapshot is due at all), the session's egress proxy records. Accounting never
 breaks an execution: a part that cannot be measured is null and ``notes`` says why.
-Walks and hashing run in a worker thread, and only when the workspace changed; cgroup files
-(microseconds), the fanotify queue (drained without blocking) and the egress records (appended
-on the loop by the proxy) are read on the loop.
+Walks and hashing run in a worker thread, and only when something changed or opened a file in
+the workspace; cgroup files (kept open, microseconds), the fanotify queue (drained without
+blocking) and the egress records (appended on the loop by the proxy) are read on the loop.
 """
 
 from __future__ import annotations
@@ -295,7 +295,7 @@ class CellMeter:
                 cell.close()
             if cell.files is not None and cell.mount is not None and mount == cell.mount:
                 changed = self._changed(cell.mount, cell) if cell.watched else None
-                if changed is False:  # nothing was written: the baseline still holds, no walk
+                if changed is False:  # nothing changed or opened a file: the baseline holds, no walk
                     report["files"], notes = workspace_scan.unchanged(cell.files)
                     cell.notes.extend(notes)
                     report["packages"] = workspace_scan.package_changes(cell.files, cell.files)
