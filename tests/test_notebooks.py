@@ -179,7 +179,11 @@ async def test_sigkill_of_the_gateway_leaves_a_valid_notebook(tmp_path):
         return json.loads((await AsyncHTTPClient().fetch(req)).body)
 
     try:
-        assert "sandkernel gateway at" in proc.stdout.readline()
+        # Log lines (stderr, merged here) may come first: the audit stream's head, for one.
+        seen = []
+        while len(seen) < 20 and not any("sandkernel gateway at" in line for line in seen):
+            seen.append(proc.stdout.readline())
+        assert "sandkernel gateway at" in seen[-1], seen
         session = await call("POST", "/api/sessions", {})
         for i in range(3):
             result = await call("POST", f"/api/sessions/{session['id']}/execute", {"code": f"x{i} = {i}\nprint({i})"})
