@@ -5,8 +5,9 @@ same run against a gateway with all of them off:
 - defaults: per-cell accounting and the audit stream on (what ``sandkernel serve`` runs)
 - defaults + policy: also the commented example policy (docs/exec-policy.example.toml)
 
-One in-process gateway per configuration, one session each, called round by round in turn so
-drift (load, caches) hits all alike. Prints p50/p95 and each one's ratio to the baseline; writes
+One ``sandkernel serve`` process per configuration (each with its own state dir, as operators
+run them), one session each, called round by round in turn so drift (load, caches) hits all
+alike. Prints p50/p95 and each one's ratio to the baseline; writes
 bench/results/controls_overhead.json. The goal (issue 15): accounting costs a trivial execute at
 most 5%.
 Usage: python bench/controls_overhead.py [--n 300] [--runtime runc|runsc]
@@ -19,20 +20,45 @@ import asyncio
 import contextlib
 import functools
 import json
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
-from execute_roundtrip import interleaved, stats
+from execute_roundtrip import free_port, interleaved, stats, wait_http
 from results_dir import results_path
 
-from sandkernel.local_gateway import local_gateway
+from sandkernel.agent.client import AsyncSandkernel
 
 BASELINE = "off (no accounting, audit or policy)"
 EXAMPLE_POLICY = Path(__file__).resolve().parents[1] / "docs" / "exec-policy.example.toml"
 CONFIGURATIONS = {
-    BASELINE: {"accounting": False, "audit": False},
-    "defaults (accounting + audit)": {"accounting": True, "audit": True},
-    "defaults + example policy": {"accounting": True, "audit": True, "exec_policy_file": EXAMPLE_POLICY},
+    BASELINE: ["--no-accounting", "--no-audit"],
+    "defaults (accounting + audit)": [],
+    "defaults + example policy": ["--exec-policy", str(EXAMPLE_POLICY)],
 }
+
+
+@contextlib.asynccontextmanager
+async def serve(runtime: str, flags: list[str]) -> AsyncIterator[AsyncSandkernel]:
+    """A gateway process with ``flags`` and a client for it; SIGTERM (its sandboxes deleted) on exit."""
+    port, token = free_port(), secrets.token_urlsafe(24)
+    with tempfile.TemporaryDirectory(prefix="sandkernel-bench-") as state:
+        command = [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), "--token", token]
+        command += ["--state-dir", state, "--notebook-dir", f"{state}/notebooks", "--pool-size", "0"]
+        command += ["--on-exit", "delete", "--default-runtime", runtime, *flags]
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            await wait_http(f"{url}/api/health", proc)
+            async with AsyncSandkernel(url, token) as client:
+                yield client
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
 
 
 async def main() -> None:
@@ -42,8 +68,8 @@ async def main() -> None:
     args = parser.parse_args()
     async with contextlib.AsyncExitStack() as stack:
         sessions = {}
-        for name, options in CONFIGURATIONS.items():
-            client = await stack.enter_async_context(local_gateway(default_runtime=args.runtime, **options))
+        for name, flags in CONFIGURATIONS.items():
+            client = await stack.enter_async_context(serve(args.runtime, flags))
             sessions[name] = await client.create_session()
         calls = {name: functools.partial(session.run, "1+1", check=True) for name, session in sessions.items()}
         samples = await interleaved(calls, args.n, warmup=10)

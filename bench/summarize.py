@@ -86,6 +86,17 @@ def main() -> None:
                     f"{data['ratio_p50 on, walk every cell'] - 1:+.1%}",
                 )
             )
+    controls = load("controls_overhead.json").get("runc", {})
+    if controls:
+        off = next(iter(controls.values()))  # the baseline comes first
+        for name, row in list(controls.items())[1:]:
+            rows.append(
+                (
+                    f"trivial execute, session API, controls {name} (runc)",
+                    f"{row['p50_ms']:.2f} ms",
+                    f"{off['p50_ms']:.2f} ms with all off ({row['ratio_to_off'] - 1:+.1%})",
+                )
+            )
     agent = load("agent_roundtrips.json").get("median", {})
     if agent:
         base = agent["stateful session"]

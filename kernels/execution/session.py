@@ -232,6 +232,8 @@ class KernelSession:
     def set_accounting(self, enabled: bool) -> None:
         """Measure each cell (the default) or not (the operator turned accounting off)."""
         if not enabled:
+            if self.meter is not None:
+                self.meter.close()  # its fanotify watch and cgroup files
             self.meter = None
         elif self.meter is None:
             self.meter = CellMeter(self)
