@@ -202,9 +202,21 @@ def stop_dockerd(pid: int) -> None:
     """SIGTERM, as a service manager stops it; with live-restore the containers stay up."""
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + 60
-    while Path(f"/proc/{pid}").exists():
+    while not dockerd_gone(pid):
         assert time.monotonic() < deadline, "dockerd did not stop within 60 s"
         time.sleep(0.1)
+
+
+def dockerd_gone(pid: int) -> bool:
+    """Whether the process has exited. A dockerd that an earlier test started again is this
+    process's child: it stays a zombie (its /proc entry too) until reaped, so reap it here."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state == "Z"
 
 
 def start_dockerd() -> None:

@@ -8,9 +8,15 @@ on every execute) and again only after a death.
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.sandbox.container import SandboxContainer
+
+# Seconds to wait for Docker to record an OOM kill of a container whose cgroup is already gone.
+SETTLE_SECONDS = 3.0
 
 
 class DeathClassifier:
@@ -31,17 +37,34 @@ class DeathClassifier:
         return self._baseline
 
     async def classify(self, container: SandboxContainer, before: int | None) -> ExecutionStatus:
-        """KERNEL_DIED, or OOM when the container was OOM-killed or its counter moved past ``before``."""
+        """KERNEL_DIED, or OOM when the container was OOM-killed or its counter moved past ``before``.
+
+        Under gVisor the whole container dies; its memory cgroup goes with it, and Docker may not
+        have recorded ``OOMKilled`` yet when the kernel's death is seen. So when the counter can
+        no longer be read, Docker's verdict is awaited for a moment (never under runc, whose
+        container and cgroup outlive the kernel)."""
         try:
             if await container.oom_killed():
                 return ExecutionStatus.OOM
             after = await container.oom_kill_count()
+            if after is None and await self._settled_oom_kill(container):
+                return ExecutionStatus.OOM
         except SandkernelError:
             return ExecutionStatus.KERNEL_DIED
         if after is not None and after > (before if before is not None else 0):
             self._baseline = after
             return ExecutionStatus.OOM
         return ExecutionStatus.KERNEL_DIED
+
+    @staticmethod
+    async def _settled_oom_kill(container: SandboxContainer) -> bool:
+        """Whether Docker, once it has seen the container stop, says it was killed for memory."""
+        deadline = time.monotonic() + SETTLE_SECONDS
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+            if await container.oom_killed():
+                return True
+        return False
 
     def sentence(self, status: ExecutionStatus, between_executes: bool) -> str:
         """The state-loss sentence a result and the transcript carry."""
