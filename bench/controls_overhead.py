@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import secrets
 import signal
 import subprocess
@@ -29,7 +28,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from execute_roundtrip import free_port, interleaved, stats, wait_http
-from results_dir import results_path
+from results_dir import save_for_runtime
 
 from sandkernel.agent.client import AsyncSandkernel
 
@@ -81,10 +80,7 @@ async def main() -> None:
     for name, row in results.items():
         row["ratio_to_off"] = row["p50_ms"] / base
         print(f"{name:34} {row['p50_ms']:8.2f} {row['p95_ms']:8.2f} {row['ratio_to_off']:7.3f}")
-    path = results_path("controls_overhead.json")
-    previous = json.loads(path.read_text()) if path.exists() else {}
-    previous[args.runtime] = results
-    path.write_text(json.dumps(previous, indent=2) + "\n")
+    save_for_runtime("controls_overhead.json", args.runtime, results)
 
 
 if __name__ == "__main__":

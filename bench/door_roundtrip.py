@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 from collections.abc import Awaitable, Callable
 
 import httpx2
 from execute_roundtrip import interleaved, stats
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
-from results_dir import results_path
+from results_dir import save_for_runtime
 
 from sandkernel.integrations.deepagents import SandkernelSandbox
 from sandkernel.local_gateway import local_gateway
@@ -76,10 +75,7 @@ async def main() -> None:
     for name, row in results.items():
         row["ratio_to_session_api"] = row["p50_ms"] / base
         print(f"{name:40} {row['p50_ms']:8.1f} {row['p95_ms']:8.1f} {row['ratio_to_session_api']:11.2f}")
-    path = results_path("door_roundtrip.json")
-    previous = json.loads(path.read_text()) if path.exists() else {}
-    previous[args.runtime] = results
-    path.write_text(json.dumps(previous, indent=2) + "\n")
+    save_for_runtime("door_roundtrip.json", args.runtime, results)
 
 
 if __name__ == "__main__":
