@@ -154,3 +154,24 @@ class AdoptionRefusedError(SandkernelError):
 
     status = 409
     code = "adoption_refused"
+
+
+class SnapshotError(SandkernelError):
+    """A snapshot could not be made or used (pause, resume, fork, rewind); the message says why
+    and what the session's state is now."""
+
+    status = 409
+    code = "snapshot_failed"
+
+
+class SnapshotRejectedError(SnapshotError):
+    """A snapshot on disk failed its check (altered, truncated, or not this tenant's or this
+    session's): it is never restored."""
+
+    code = "snapshot_rejected"
+
+
+class SnapshotQuotaError(SnapshotError):
+    """A new snapshot would take a tenant past its snapshot disk quota."""
+
+    code = "snapshot_quota_exceeded"
