@@ -26,6 +26,11 @@ from sandkernel.agent.errors import (
     OutOfMemoryError,
     RequestTimeoutError,
     SandboxLostError,
+    SessionBusyError,
+    SessionPausedError,
+    SnapshotFailedError,
+    SnapshotQuotaError,
+    SnapshotRejectedError,
 )
 from sandkernel.agent.execution import Execution, ExecutionError, Image
 from sandkernel.agent.sync_client import Sandkernel, Session
@@ -56,4 +61,9 @@ __all__ = [
     "SandboxLostError",
     "Sandkernel",
     "Session",
+    "SessionBusyError",
+    "SessionPausedError",
+    "SnapshotFailedError",
+    "SnapshotQuotaError",
+    "SnapshotRejectedError",
 ]

@@ -60,6 +60,9 @@ RETRYABLE_STATUSES = (502, 503, 504)
 # is down or too slow); retried after the Retry-After it sends.
 NOT_RUN_CODES = ("gateway_restarting", "sandbox_engine_unavailable")
 MAX_RETRY_AFTER = 60.0  # seconds: a gateway's Retry-After is a hint, never a reason to hang
+# Seconds a resume, fork or rewind may take: where a runtime cannot restore memory, the gateway
+# rebuilds it by re-running the session's recorded cells, so the call lasts as long as they did.
+SNAPSHOT_TIMEOUT = 1800.0
 OutputCallback = Callable[[dict[str, Any]], Any]
 FailureOf = Callable[[HTTPResponse], "ClientError | None"]
 
@@ -362,9 +365,12 @@ class AsyncSandkernel:
 class AsyncSession:
     """One sandbox: a kernel whose state persists between :meth:`run` calls, and its transcript."""
 
-    def __init__(self, client: AsyncSandkernel, info: dict[str, Any]) -> None:
+    def __init__(self, client: AsyncSandkernel, info: dict[str, Any], restore: dict[str, Any] | None = None) -> None:
         self.client = client
         self.info = info
+        # How a forked session got its state (restored_by, per-cell verdicts, seconds): the
+        # gateway's reply for this fork, kept so a caller can judge each fork on its own.
+        self.restore = restore
 
     @property
     def id(self) -> str:
@@ -474,6 +480,91 @@ class AsyncSession:
     async def refresh(self) -> dict[str, Any]:
         self.info = await self.client.request("GET", self._path())
         return self.info
+
+    @property
+    def state(self) -> str | None:
+        """``running``, ``paused`` or ``lost`` as of the last reply (:meth:`refresh` asks again)."""
+        return self.info.get("state")
+
+    # -- snapshots ------------------------------------------------------------------------
+    # The gateway can put a session to disk and bring it back. Where a runtime cannot save a
+    # kernel's memory, the gateway restores the files exactly and rebuilds memory by re-running
+    # the recorded cells ("restored_by": "replay"), with a verdict per cell: a cell whose output
+    # differs, or that reads something outside the sandbox, may not come back the same, so the
+    # replies are returned whole for the caller to check rather than summarised.
+
+    async def pause(self, timeout: float | None = None) -> dict[str, Any]:
+        """Write the session to disk and free its container, memory and CPU. The reply has
+        ``state`` ("paused"), ``snapshot`` (id, bytes, cells, created) and ``seconds``.
+
+        Why pause rather than delete: a kernel an agent spent minutes loading data into is kept,
+        at the cost of disk only, and comes back on :meth:`resume` or on the next :meth:`run`,
+        :meth:`shell` or file call. Raises :class:`~sandkernel.agent.errors.SessionBusyError`
+        while code runs, :class:`~sandkernel.agent.errors.SnapshotQuotaError` when the tenant's
+        snapshot disk is full, :class:`~sandkernel.agent.errors.SnapshotFailedError` otherwise
+        (the session then keeps running). Not resent after a lost connection: ask :meth:`refresh`."""
+        reply = await self.client.request("POST", self._path("/pause"), idempotent=False, timeout=timeout or 600)
+        self._merge_state(reply)
+        return reply
+
+    async def resume(self, timeout: float | None = None) -> dict[str, Any]:
+        """Bring a paused session back; on a running one, nothing happens (``restored_by`` is None).
+
+        The reply says how: ``restored_by`` ("replay" re-ran the recorded cells), ``cells`` (a
+        verdict and note per cell), ``files`` and ``seconds``. Calling it is optional, since the
+        next execute or file call resumes by itself, but doing it first puts the wait where the
+        caller chooses and shows the verdicts. Resent like a GET after a gateway restart, since a
+        second resume of a resumed session does nothing.
+        :class:`~sandkernel.agent.errors.SnapshotRejectedError`: the snapshot failed its check."""
+        reply = await self.client.request(
+            "POST", self._path("/resume"), idempotent=True, timeout=timeout or SNAPSHOT_TIMEOUT
+        )
+        self._merge_state(reply)
+        return reply
+
+    async def fork(self, count: int = 1, cell: int | None = None, timeout: float | None = None) -> list[AsyncSession]:
+        """``count`` new sessions (1..10) with this session's state, each its own sandbox and
+        transcript, bound to the same client; ``cell``: the state right after that code cell
+        instead of now (needs per-cell checkpoints, else the gateway answers which cells it can).
+
+        Why: trying several approaches from one point (a tree search, a destructive step tried on
+        a copy) without redoing the work that led there. Each fork's part of the reply (how it
+        was restored, the verdicts) is its ``restore``. Counted against the tenant's session
+        limit (:class:`~sandkernel.agent.errors.LimitExceededError`). Never resent after a lost
+        connection: it may have made sessions; :meth:`AsyncSandkernel.list_sessions` shows them."""
+        body: dict[str, Any] = {"count": count}
+        if cell is not None:
+            body["cell"] = cell
+        reply = await self.client.request(
+            "POST", self._path("/fork"), body, idempotent=False, timeout=timeout or SNAPSHOT_TIMEOUT
+        )
+        return [AsyncSession(self.client, fork["session"], restore=fork) for fork in reply["forks"]]
+
+    async def rewind(self, cell: int, timeout: float | None = None) -> dict[str, Any]:
+        """Return the session to its state right after code cell ``cell``: later variables and
+        the files later cells wrote are gone. The transcript records the rewind.
+
+        The reply is :meth:`resume`'s plus ``rewound_to`` and ``files`` ("checkpoint": the files
+        as they were after that cell; "replay": rebuilt by re-running cells). Why it exists: an
+        agent that went down a wrong path can step back without starting over."""
+        reply = await self.client.request(
+            "POST", self._path("/rewind"), {"cell": cell}, idempotent=False, timeout=timeout or SNAPSHOT_TIMEOUT
+        )
+        self._merge_state(reply)
+        return reply
+
+    def _merge_state(self, reply: dict[str, Any]) -> None:
+        """Keep ``info`` current after a snapshot call: the whole session model when the reply
+        carries one, else its state (and snapshot) over the last model."""
+        if isinstance(reply.get("session"), dict):
+            self.info = reply["session"]
+            return
+        if "state" in reply:
+            self.info = {**self.info, "state": reply["state"]}
+        if "snapshot" in reply:
+            self.info["snapshot"] = reply["snapshot"]
+        elif reply.get("state") == "running":
+            self.info.pop("snapshot", None)
 
     async def delete(self, delete_notebook: bool = False) -> None:
         query = "?delete_notebook=1" if delete_notebook else ""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from sandkernel import errors as gateway_errors
+
 if TYPE_CHECKING:
     from sandkernel.agent.execution import Execution
 
@@ -121,6 +123,34 @@ class ExecutionRefusedError(ExecutionFailed):
     code (``execution.refusal`` says who, which rule and what to change)."""
 
 
+class SnapshotFailedError(ConflictError):
+    """409 ``snapshot_failed``: a pause, resume, fork or rewind could not be done. The message
+    says why and what the session's state is now (a pause that failed leaves it running), so the
+    caller can decide whether to go on with the session as it is."""
+
+
+class SnapshotRejectedError(SnapshotFailedError):
+    """409 ``snapshot_rejected``: the snapshot on disk failed its check (altered, truncated, or
+    not this tenant's or this session's), so the gateway refused to restore it. Trying again
+    gives the same answer; the state it held is not recoverable through the gateway."""
+
+
+class SnapshotQuotaError(SnapshotFailedError, LimitExceededError):
+    """409 ``snapshot_quota_exceeded``: a new snapshot would take the tenant past its snapshot
+    disk quota. Also a :class:`LimitExceededError`, since freeing room (deleting paused
+    sessions or forks no longer needed) is what helps, as with the other limits."""
+
+
+class SessionPausedError(ConflictError):
+    """409 ``session_paused``: the call needs a running kernel and the session is paused. Call
+    :meth:`resume` first (execute, shell and file calls resume a paused session by themselves)."""
+
+
+class SessionBusyError(ConflictError):
+    """409 ``session_busy``: a pause, fork or rewind asked while the session runs code; a snapshot
+    then would be the state of no cell. Wait for the execution to end (or interrupt it), then ask again."""
+
+
 STATUS_ERRORS: dict[int, type[ClientError]] = {
     400: BadRequestError,
     401: AuthenticationError,
@@ -131,6 +161,18 @@ STATUS_ERRORS: dict[int, type[ClientError]] = {
     413: LimitExceededError,
     422: BadRequestError,
     429: LimitExceededError,
+}
+
+# Gateway codes that say more than their status: checked before STATUS_ERRORS. The snapshot codes
+# come from the gateway's own error classes (sandkernel.errors, the common base), so the two ends
+# cannot drift apart; session_paused and session_busy are gateway/registry.py's, which a client
+# library may not import (tests/test_client_snapshots.py checks the strings against them).
+CODE_ERRORS: dict[str, type[ClientError]] = {
+    gateway_errors.SnapshotError.code: SnapshotFailedError,
+    gateway_errors.SnapshotRejectedError.code: SnapshotRejectedError,
+    gateway_errors.SnapshotQuotaError.code: SnapshotQuotaError,
+    "session_paused": SessionPausedError,
+    "session_busy": SessionBusyError,
 }
 
 EXECUTION_ERRORS: dict[str, type[ExecutionFailed]] = {
@@ -144,5 +186,7 @@ EXECUTION_ERRORS: dict[str, type[ExecutionFailed]] = {
 
 
 def error_for_status(status: int, message: str, code: str = "") -> ClientError:
-    cls = STATUS_ERRORS.get(status) or (GatewayError if status >= 500 else ClientError)
+    """The exception for a failed reply: by the gateway's machine ``code`` where it names a kind the
+    caller can act on (:data:`CODE_ERRORS`), else by the HTTP ``status``."""
+    cls = CODE_ERRORS.get(code) or STATUS_ERRORS.get(status) or (GatewayError if status >= 500 else ClientError)
     return cls(message, status, code)

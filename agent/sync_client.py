@@ -100,6 +100,15 @@ class Session:
         self._async = session
 
     @property
+    def restore(self) -> dict[str, Any] | None:
+        """See :attr:`AsyncSession.restore` (how a forked session got its state)."""
+        return self._async.restore
+
+    @property
+    def state(self) -> str | None:
+        return self._async.state
+
+    @property
     def id(self) -> str:
         return self._async.id
 
@@ -141,6 +150,22 @@ class Session:
 
     def refresh(self) -> dict[str, Any]:
         return self._call(self._async.refresh())
+
+    def pause(self, timeout: float | None = None) -> dict[str, Any]:
+        """See :meth:`AsyncSession.pause`."""
+        return self._call(self._async.pause(timeout))
+
+    def resume(self, timeout: float | None = None) -> dict[str, Any]:
+        """See :meth:`AsyncSession.resume`."""
+        return self._call(self._async.resume(timeout))
+
+    def fork(self, count: int = 1, cell: int | None = None, timeout: float | None = None) -> list[Session]:
+        """See :meth:`AsyncSession.fork`; the new sessions are bound to this client."""
+        return [Session(self._client, forked) for forked in self._call(self._async.fork(count, cell, timeout))]
+
+    def rewind(self, cell: int, timeout: float | None = None) -> dict[str, Any]:
+        """See :meth:`AsyncSession.rewind`."""
+        return self._call(self._async.rewind(cell, timeout))
 
     def delete(self, delete_notebook: bool = False) -> None:
         self._call(self._async.delete(delete_notebook))
