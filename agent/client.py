@@ -504,7 +504,7 @@ class AsyncSession:
         snapshot disk is full, :class:`~sandkernel.agent.errors.SnapshotFailedError` otherwise
         (the session then keeps running). Not resent after a lost connection: ask :meth:`refresh`."""
         reply = await self.client.request("POST", self._path("/pause"), idempotent=False, timeout=timeout or 600)
-        self._merge_state(reply)
+        await self._merge_state(reply)
         return reply
 
     async def resume(self, timeout: float | None = None) -> dict[str, Any]:
@@ -519,7 +519,7 @@ class AsyncSession:
         reply = await self.client.request(
             "POST", self._path("/resume"), idempotent=True, timeout=timeout or SNAPSHOT_TIMEOUT
         )
-        self._merge_state(reply)
+        await self._merge_state(reply)
         return reply
 
     async def fork(self, count: int = 1, cell: int | None = None, timeout: float | None = None) -> list[AsyncSession]:
@@ -550,21 +550,21 @@ class AsyncSession:
         reply = await self.client.request(
             "POST", self._path("/rewind"), {"cell": cell}, idempotent=False, timeout=timeout or SNAPSHOT_TIMEOUT
         )
-        self._merge_state(reply)
+        await self._merge_state(reply)
         return reply
 
-    def _merge_state(self, reply: dict[str, Any]) -> None:
-        """Keep ``info`` current after a snapshot call: the whole session model when the reply
-        carries one, else its state (and snapshot) over the last model."""
+    async def _merge_state(self, reply: dict[str, Any]) -> None:
+        """Keep ``info`` current after a snapshot call: the session model when the reply carries
+        one; else, after a restore (a new sandbox, so a new kernel id for websocket users), the
+        model asked for again; else the reply's state and snapshot over the last model."""
         if isinstance(reply.get("session"), dict):
             self.info = reply["session"]
-            return
-        if "state" in reply:
-            self.info = {**self.info, "state": reply["state"]}
-        if "snapshot" in reply:
-            self.info["snapshot"] = reply["snapshot"]
-        elif reply.get("state") == "running":
-            self.info.pop("snapshot", None)
+        elif reply.get("restored_by"):
+            await self.refresh()
+        else:
+            self.info = {**self.info, "state": reply.get("state", self.state)}
+            if "snapshot" in reply:
+                self.info["snapshot"] = reply["snapshot"]
 
     async def delete(self, delete_notebook: bool = False) -> None:
         query = "?delete_notebook=1" if delete_notebook else ""
