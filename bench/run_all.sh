@@ -32,6 +32,8 @@ step "per-cell accounting overhead (${runtimes[*]}): off, on, on without the fan
 python accounting_overhead.py --n "$(n 300 5)" "${runtimes[@]/#/--runtime=}"
 step "production controls on a trivial execute (runc): off, defaults (accounting + audit), + example policy"
 python controls_overhead.py --n "$(n 300 5)"
+step "snapshots (${runtimes[*]}): pause, resume, fork vs cold start + re-running the cells"
+python snapshots.py --repeats "$(n 3 1)" --sizes "$(n 50,200 5)" --forks "$(n 3 2)" "${runtimes[@]/#/--runtime=}"
 step "stateful session vs a fresh process per call (agent, CSV scenario)"
 python agent_roundtrips.py --runs "$(n 5 1)"
 step "summary"
