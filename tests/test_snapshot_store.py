@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from sandkernel.errors import ConfigError, SnapshotError, SnapshotRejectedError
+from sandkernel.kernels.snapshots import store as store_module
 from sandkernel.kernels.snapshots.archive import ArchivePart
 from sandkernel.kernels.snapshots.store import (
     KEY_FILE,
@@ -416,6 +417,28 @@ def test_commit_refuses_a_symlinked_part(store, tmp_path):
     assert mode(secret) == 0o644  # not "narrowed" through the link either
 
 
+def test_commit_writes_into_the_checked_dir_even_if_it_is_swapped_meanwhile(store, tmp_path, monkeypatch):
+    """The manifest goes through the descriptor of the directory that was checked: a directory
+    renamed and replaced by a symlink between the check and the write changes nothing."""
+    sid = session()
+    draft = store.draft(sid)
+    draft.part_path("files").write_bytes(b"abc")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    moved = store.root / sid / "moved"
+    check_part = store_module._check_part
+
+    def check_then_swap(*args, **kwargs):
+        check_part(*args, **kwargs)
+        draft.directory.rename(moved)
+        draft.directory.symlink_to(outside)
+
+    monkeypatch.setattr(store_module, "_check_part", check_then_swap)
+    store.commit(draft, manifest_for(draft, TENANT, b"abc"))
+    assert os.listdir(outside) == []
+    assert sorted(os.listdir(moved)) == ["files.part", MANIFEST]
+
+
 def test_a_symlinked_root_is_refused(tmp_path):
     real = tmp_path / "real"
     real.mkdir(mode=0o700)
@@ -549,8 +572,13 @@ def test_remove_never_follows_a_symlink(store, tmp_path):
     store.remove(sid, taken.snapshot_id)
     linked = session()
     (store.root / linked).symlink_to(victim)  # a link in place of a session dir
+    (victim / taken.snapshot_id).mkdir()  # named like a snapshot, behind the link
+    (victim / taken.snapshot_id / "precious").write_text("keep too")
+    assert store.remove(linked, taken.snapshot_id) == 0
+    assert (victim / taken.snapshot_id / "precious").read_text() == "keep too"
     assert store.remove(linked) == 0
     assert (victim / "precious").read_text() == "keep" and not (store.root / linked).is_symlink()
+    assert (victim / taken.snapshot_id / "precious").read_text() == "keep too"
 
 
 def test_total_bytes_counts_drafts_and_damaged_snapshots(store):

@@ -181,8 +181,7 @@ class SnapshotStore:
         with self._root_fd() as root_fd:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(session_id, 0o700, dir_fd=root_fd)
-            what = f"the snapshots of session {session_id}"
-            with _open_dir(root_fd, session_id, what, SnapshotError) as session_fd:
+            with _open_dir(root_fd, session_id, _session_where(session_id), SnapshotError) as session_fd:
                 os.mkdir(snapshot_id, 0o700, dir_fd=session_fd)
         return SnapshotDraft(snapshot_id, self.root / session_id / snapshot_id, session_id)
 
@@ -235,7 +234,9 @@ class SnapshotStore:
         _check_id(SNAPSHOT_ID, snapshot_id, "snapshot id", SnapshotRejectedError)
         with self._snapshot_fd(session_id, snapshot_id, SnapshotRejectedError) as fd:
             manifest = self._read_signed(fd, session_id, snapshot_id)
-            if not hmac.compare_digest(manifest.tenant.encode(), tenant.encode()):
+            if not hmac.compare_digest(
+                manifest.tenant.encode(errors="surrogatepass"), tenant.encode(errors="surrogatepass")
+            ):
                 raise SnapshotRejectedError(
                     f"snapshot {snapshot_id} of session {session_id} belongs to another tenant; "
                     "it is never restored into another tenant's session"
@@ -330,15 +331,22 @@ class SnapshotStore:
         what = _where(session_id, snapshot_id)
         with (
             self._root_fd() as root_fd,
-            _open_dir(root_fd, session_id, f"the snapshots of session {session_id}", error) as session_fd,
+            _open_dir(root_fd, session_id, _session_where(session_id), error) as session_fd,
             _open_dir(session_fd, snapshot_id, what, error) as fd,
         ):
             yield fd
 
     def _snapshot_ids(self, session_id: str) -> list[str]:
-        what = f"the snapshots of session {session_id}"
-        with self._root_fd() as root_fd, _open_dir(root_fd, session_id, what, SnapshotError, missing_ok=True) as fd:
-            names = [] if fd is None else os.listdir(fd)
+        try:
+            with (
+                self._root_fd() as root_fd,
+                _open_dir(root_fd, session_id, _session_where(session_id), SnapshotError) as fd,
+            ):
+                names = os.listdir(fd)
+        except SnapshotError:
+            if not os.path.lexists(self.root / session_id):  # never made, or removed meanwhile
+                return []
+            raise
         return [name for name in names if SNAPSHOT_ID.fullmatch(name)]
 
     def _read_signed(self, fd: int, session_id: str, snapshot_id: str) -> SnapshotManifest:
@@ -379,17 +387,22 @@ class SnapshotStore:
         return manifest
 
     def _remove(self, session_id: str, snapshot_id: str | None) -> int:
+        """Each level is lstat-checked before anything below it is named: a symlink in place of
+        the session dir is unlinked (all of the session's) or left alone (one snapshot), never
+        walked through. (Only this user can change the 0700 root between check and removal.)"""
         target = self.root / session_id
+        for level in (target,) if snapshot_id is None else (target, target / snapshot_id):
+            try:
+                st = os.lstat(level)
+            except FileNotFoundError:
+                return 0
+            if not stat.S_ISDIR(st.st_mode):
+                log.warning("%s is not a directory: unlinked if it is the target, never followed", level)
+                if snapshot_id is None or level != target:
+                    level.unlink()
+                return 0
         if snapshot_id is not None:
             target = target / snapshot_id
-        try:
-            st = os.lstat(target)
-        except FileNotFoundError:
-            return 0
-        if not stat.S_ISDIR(st.st_mode):
-            log.warning("removing %s, which is not a directory (never followed)", target)
-            target.unlink()
-            return 0
         freed = _tree_bytes(target)
         with contextlib.suppress(FileNotFoundError):  # removed meanwhile
             shutil.rmtree(target)  # fd-based on Linux: links inside are removed, never followed
@@ -466,18 +479,12 @@ def _make_key(root_fd: int) -> None:
 
 
 @contextlib.contextmanager
-def _open_dir(
-    parent_fd: int, name: str, what: str, error: type[SnapshotError], *, missing_ok: bool = False
-) -> Iterator[int | None]:
-    """``name`` under ``parent_fd`` opened as a directory of ours, never through a symlink;
-    None when it is missing and ``missing_ok``. ``what`` names it in messages (no host path:
-    they may reach the tenant)."""
+def _open_dir(parent_fd: int, name: str, what: str, error: type[SnapshotError]) -> Iterator[int]:
+    """``name`` under ``parent_fd`` opened as a directory of ours, never through a symlink.
+    ``what`` names it in messages (no host path: they may reach the tenant)."""
     try:
         fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except FileNotFoundError as err:
-        if missing_ok:
-            yield None
-            return
         raise error(f"{what} does not exist (removed, or never taken)") from err
     except OSError as err:
         why = _why(err)
@@ -541,6 +548,10 @@ def _tree_bytes(path: Path) -> int:
 
 def _where(session_id: str, snapshot_id: str) -> str:
     return f"snapshot {snapshot_id} of session {session_id}"
+
+
+def _session_where(session_id: str) -> str:
+    return f"the snapshot directory of session {session_id}"
 
 
 def _read_all(fd: int, limit: int) -> bytes:
