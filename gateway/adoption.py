@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError
-from sandkernel.gateway.registry import LostSession, ManagedSession, SessionRegistry, seconds_since
+from sandkernel.gateway.registry import LostSession, ManagedSession, PausedSession, SessionRegistry, seconds_since
 from sandkernel.gateway.settled_replies import SettledReplies
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.execution.session import KernelSession
@@ -50,6 +50,7 @@ class AdoptionReport:
 
     adopted: list[str] = dataclasses.field(default_factory=list)
     lost: list[str] = dataclasses.field(default_factory=list)
+    paused: list[str] = dataclasses.field(default_factory=list)
     refused: list[str] = dataclasses.field(default_factory=list)
     pooled: list[str] = dataclasses.field(default_factory=list)
     discarded: list[str] = dataclasses.field(default_factory=list)
@@ -57,7 +58,8 @@ class AdoptionReport:
 
     def summary(self) -> str:
         return (
-            f"adopted {len(self.adopted)} session(s), {len(self.lost)} lost, {len(self.refused)} refused, "
+            f"adopted {len(self.adopted)} session(s), {len(self.paused)} paused, {len(self.lost)} lost, "
+            f"{len(self.refused)} refused, "
             f"{len(self.pooled)} pooled sandbox(es) back in the pool, {len(self.discarded)} discarded, "
             f"in {self.seconds:.2f}s"
         )
@@ -91,6 +93,9 @@ async def _adopt_session(registry: SessionRegistry, record: SandboxRecord, repor
     if record.state == SandboxState.LOST:  # found lost by an earlier start: say so again
         registry.add_lost(LostSession(record, record.lost_reason or "its sandbox was lost"))
         report.lost.append(sid)
+        return
+    if record.state == SandboxState.PAUSED:
+        await _adopt_paused(registry, record, report)
         return
     try:
         session = await KernelSession.adopt(sid, record.kernel)
@@ -127,6 +132,21 @@ async def _adopt_session(registry: SessionRegistry, record: SandboxRecord, repor
         extra={"session": sid, "tenant": tenant, "running": bool(record.running)},
     )
     report.adopted.append(sid)
+
+
+async def _adopt_paused(registry: SessionRegistry, record: SandboxRecord, report: AdoptionReport) -> None:
+    """A paused session: listed as paused. A pause cut short by a crash left its old sandbox's
+    state (``previous``): what is left of that sandbox is removed now (its files are in the snapshot)."""
+    previous = record.kernel.pop("previous", None)
+    if isinstance(previous, dict):
+        try:
+            await KernelSession.discard(record.session_id, previous)
+        except SandkernelError as err:
+            log.warning("removing a paused session's old sandbox failed: %s", err, extra={"session": record.session_id})
+        if registry.store is not None:
+            await registry.store.update(record.session_id, kernel=record.kernel)
+    registry.add_paused(PausedSession(record))
+    report.paused.append(record.session_id)
 
 
 async def _restore(session: KernelSession, record: SandboxRecord) -> ManagedSession:

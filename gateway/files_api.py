@@ -16,11 +16,11 @@ from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, Workspace
 class FilesHandler(SessionScoped):
     """GET …/files?path=DIR lists; GET …/files/PATH downloads; PUT …/files/PATH uploads (raw body)."""
 
-    def _files(self, session_id: str) -> WorkspaceFiles:
-        return WorkspaceFiles(self.managed(session_id).session.container)
+    async def _files(self, session_id: str) -> WorkspaceFiles:
+        return WorkspaceFiles((await self.live(session_id)).session.container)
 
     async def get(self, session_id: str, path: str | None = None) -> None:
-        files = self._files(session_id)
+        files = await self._files(session_id)
         if path is None:
             self.write_json(await files.list(self.get_query_argument("path", "")))
             return
@@ -34,7 +34,7 @@ class FilesHandler(SessionScoped):
             raise ApiError(400, "PUT needs a file path: /api/sessions/{id}/files/{path}")
         if len(self.body) > MAX_FILE_BYTES:
             raise ApiError(413, f"upload is over the limit of {MAX_FILE_BYTES} bytes", "too_large")
-        written = await self.managed(session_id).write_file(path, self.body, door=SESSION_API)
+        written = await (await self.live(session_id)).write_file(path, self.body, door=SESSION_API)
         self.write_json(written, status=201)
 
 

@@ -46,6 +46,20 @@ class GatewayMetrics:
         self.kernel_deaths = Counter(
             "sandkernel_kernel_deaths", "Kernels that died (crash or OOM kill)", ["cause"], registry=self.registry
         )
+        self.snapshot_ops = Counter(
+            "sandkernel_snapshot_operations",
+            "Snapshot operations that succeeded: pause, resume, fork (one per fork made), rewind",
+            ["operation"],
+            registry=self.registry,
+        )
+        self.paused_sessions = Gauge(
+            "sandkernel_sessions_paused", "Sessions paused to disk; set at each scrape", registry=self.registry
+        )
+        self.snapshot_bytes = Gauge(
+            "sandkernel_snapshot_bytes",
+            "Disk used by snapshots, all tenants; set at each scrape",
+            registry=self.registry,
+        )
         self.quarantined = Gauge(
             "sandkernel_sessions_quarantined",
             "Live sessions whose breaker refuses executes (repeated OOM kills or timeouts); set at each scrape",

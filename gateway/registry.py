@@ -19,12 +19,13 @@ import dataclasses
 import datetime as dt
 import hashlib
 import logging
+import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sandkernel.errors import ConfigError, KernelNotFoundError, SandboxLostError
+from sandkernel.errors import ConfigError, KernelNotFoundError, SandboxLostError, SandkernelError
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.session_observers import CatalogWriter, observe
 from sandkernel.gateway.settings import GatewaySettings
@@ -51,6 +52,22 @@ class TooManySessionsError(ConfigError):
     """A tenant (or the gateway) is at its session limit."""
 
     status = 429
+
+
+class SessionPausedError(SandkernelError):
+    """The call needs the kernel of a paused session (interrupt, restart, the kernel API): resume it
+    first. Executes and file calls resume it by themselves."""
+
+    status = 409
+    code = "session_paused"
+
+
+class SessionBusyError(SandkernelError):
+    """A snapshot (pause, fork, rewind) of a session that is running code: it would not be the
+    state of any cell."""
+
+    status = 409
+    code = "session_busy"
 
 
 def _now() -> str:
@@ -231,6 +248,58 @@ class LostSession:
         }
 
 
+@dataclasses.dataclass
+class PausedSession:
+    """A session paused to disk (gateway/snapshots.py): no container, no memory, no CPU; its files
+    and the cells that rebuild its memory are kept in a snapshot until it is resumed (explicitly,
+    or by its next execute or file call), deleted, or expired after ``paused_ttl``."""
+
+    record: SandboxRecord
+
+    @property
+    def id(self) -> str:
+        return self.record.session_id
+
+    @property
+    def tenant(self) -> str:
+        return self.record.tenant or ""
+
+    @property
+    def snapshot(self) -> dict[str, Any]:
+        """The snapshot's summary (id, bytes, cells, created)."""
+        paused = self.record.kernel.get("paused")
+        return dict(paused) if isinstance(paused, dict) else {}
+
+    def error(self) -> SessionPausedError:
+        return SessionPausedError(
+            f"session {self.id} is paused; resume it (POST /api/sessions/{self.id}/resume), or execute code or "
+            "use its files: that resumes it"
+        )
+
+    def session_model(self) -> dict[str, Any]:
+        """The session model with state ``paused`` and its snapshot; its kernel does not run."""
+        gateway = self.record.gateway
+        metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
+        return {
+            "id": self.id,
+            "path": gateway.get("transcript"),
+            "name": metadata.get("name", ""),
+            "type": "notebook",
+            "kernel": {
+                "id": None,
+                "name": gateway.get("kernel_name"),
+                "last_activity": gateway.get("last_activity"),
+                "execution_state": "paused",
+                "connections": 0,
+            },
+            "created": gateway.get("created"),
+            "profile": _public_profile(self.record.kernel.get("profile")),
+            "metadata": metadata,
+            "state": SandboxState.PAUSED.value,
+            "snapshot": self.snapshot,
+        }
+
+
 def _public_profile(recorded: Any) -> dict[str, Any]:
     """The public view of a recorded profile ({} when the record's cannot be read back)."""
     from sandkernel.kernels.durable.adoption import profile_from_record
@@ -267,6 +336,8 @@ class SessionRegistry:
         self.controls = controls
         self._sessions: dict[str, ManagedSession] = {}
         self._lost: dict[str, LostSession] = {}
+        self._paused: dict[str, PausedSession] = {}
+        self.snapshots: Any = None  # gateway/snapshots.py's SnapshotManager, set by the server
         self._pending: dict[str, int] = {}
         self._closing: set[asyncio.Task] = set()
         self._stopping = False
@@ -291,7 +362,25 @@ class SessionRegistry:
         """A tenant's sessions: live, lost (their workspace is kept until deleted) and starting."""
         live = sum(1 for s in self._sessions.values() if s.tenant == tenant)
         lost = sum(1 for s in self._lost.values() if s.tenant == tenant)
-        return live + lost + self._pending.get(tenant, 0)
+        paused = sum(1 for s in self._paused.values() if s.tenant == tenant)
+        return live + lost + paused + self._pending.get(tenant, 0)
+
+    def check_room(self, tenant: str, count: int = 1) -> None:
+        """TooManySessionsError unless ``count`` more live sessions fit the tenant's limit and the
+        gateway's (a resume needs room in the gateway's, not in the tenant's: it was counted)."""
+        if self._count(tenant) + count > self.settings.max_sessions:
+            raise TooManySessionsError(
+                f"session limit reached ({self.settings.max_sessions} per token); delete a session first"
+            )
+        self.check_gateway_room(count)
+
+    def check_gateway_room(self, count: int = 1) -> None:
+        reserved = self.pool.size if self.pool is not None else 0  # pooled sandboxes count toward the limit
+        in_all = len(self._sessions) + len(self._lost) + sum(self._pending.values()) + reserved
+        if in_all + count > self.settings.max_sessions_total:
+            raise TooManySessionsError(
+                f"the gateway is at its limit of {self.settings.max_sessions_total} sessions; try again later"
+            )
 
     async def create(
         self,
@@ -305,16 +394,7 @@ class SessionRegistry:
         for, checked against the operator's catalog (ConfigError / SettingNotPermittedError).
         It is recorded in the session catalog before it is returned (a StoreError removes it)."""
         chosen = self.catalog.for_tenant(profile, limits)
-        if self._count(tenant) >= self.settings.max_sessions:
-            raise TooManySessionsError(
-                f"session limit reached ({self.settings.max_sessions} per token); delete a session first"
-            )
-        reserved = self.pool.size if self.pool is not None else 0  # pooled sandboxes count toward the limit
-        in_all = len(self._sessions) + len(self._lost) + sum(self._pending.values()) + reserved
-        if in_all >= self.settings.max_sessions_total:
-            raise TooManySessionsError(
-                f"the gateway is at its limit of {self.settings.max_sessions_total} sessions; try again later"
-            )
+        self.check_room(tenant)
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         try:
             session = await self.pool.acquire() if self.pool is not None and self.pool.matches(chosen) else None
@@ -325,16 +405,16 @@ class SessionRegistry:
                 {"tenant": tenant, "client_metadata": dict(metadata or {}), "warm_pool": pooled},
             )
             if session is None:
-                session = await self._cold_start(chosen, session_id)
+                session = await self.cold_start(chosen, session_id)
             await attach_transcript(session, recorder)
             kernel_name = kernel_name_for(session.profile.runtime)
             managed = ManagedSession(
                 session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin, recorder=recorder
             )
-            await self._record(managed)
+            await self.record(managed)
         finally:
             self._pending[tenant] -= 1
-        self._observe(managed)
+        self.attach_observers(managed)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})
         managed.audit_record(
@@ -346,7 +426,7 @@ class SessionRegistry:
         )
         return managed
 
-    async def _cold_start(self, profile: Profile, session_id: str) -> KernelSession:
+    async def cold_start(self, profile: Profile, session_id: str) -> KernelSession:
         """Start a sandbox (none was waiting in the pool), through the start breaker if any."""
         if self.controls is None:
             return await KernelSession.start(profile=profile, session_id=session_id)
@@ -354,13 +434,13 @@ class SessionRegistry:
             lambda: KernelSession.start(profile=profile, session_id=session_id)
         )
 
-    def _observe(self, managed: ManagedSession) -> None:
+    def attach_observers(self, managed: ManagedSession) -> None:
         """Attach the gateway's observers and the operator's controls to a session it takes on."""
         if self.controls is not None:  # first: the breaker hears a result before the catalog records it
             self.controls.attach(managed)
         observe(managed, self.metrics, self.writer)
 
-    async def _record(self, managed: ManagedSession) -> None:
+    async def record(self, managed: ManagedSession) -> None:
         """Write a new session to the catalog (replacing its pool record, if it was pooled);
         a failure removes the session: one that a restart would lose is not handed out."""
         if self.store is None:
@@ -380,8 +460,53 @@ class SessionRegistry:
 
     def add_adopted(self, managed: ManagedSession) -> None:
         """A session a previous gateway process made, adopted at start-up (gateway/adoption.py)."""
-        self._observe(managed)
+        self.attach_observers(managed)
         self._sessions[managed.id] = managed
+
+    def add_live(self, managed: ManagedSession) -> None:
+        """A session made or brought back by a snapshot (a resume, a fork), observed and recorded."""
+        self.attach_observers(managed)
+        self._sessions[managed.id] = managed
+        self._paused.pop(managed.id, None)
+
+    def take_live(self, session_id: str) -> ManagedSession | None:
+        """Stop serving a live session (it is being paused or rewound) without closing it."""
+        return self._sessions.pop(session_id, None)
+
+    async def finish(self, work: Awaitable[Any]) -> Any:
+        """Run ``work`` to its end even if the caller is cancelled (a culler stopped, a client
+        gone), and make the gateway's stop wait for it: a container being removed or a session
+        being paused is never left half done."""
+        task = asyncio.ensure_future(work)
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        return await asyncio.shield(task)
+
+    async def settled(self, session_id: str) -> None:
+        """Wait until no pause, resume, fork or rewind of the session is under way (while one is,
+        the session is between live and paused)."""
+        if self.snapshots is not None:
+            await self.snapshots.settled(session_id)
+
+    def add_paused(self, paused: PausedSession) -> None:
+        """A session paused to disk (by this process, or recorded paused by an earlier one)."""
+        self._paused[paused.id] = paused
+
+    def paused(self, tenant: str, session_id: str) -> PausedSession | None:
+        """The tenant's paused session of that id, if it is paused."""
+        found = self._paused.get(session_id)
+        return found if found is not None and found.tenant == tenant else None
+
+    def paused_sessions(self) -> list[PausedSession]:
+        return list(self._paused.values())
+
+    async def live(self, tenant: str, session_id: str, door: str) -> ManagedSession:
+        """The tenant's live session, resumed first if it is paused: what every call that runs
+        code or touches files takes, so an agent never has to know its session was paused."""
+        await self.settled(session_id)
+        if self.paused(tenant, session_id) is not None and self.snapshots is not None:
+            await self.snapshots.resume(tenant, session_id, door)
+        return self.get(tenant, session_id)
 
     def add_lost(self, lost: LostSession) -> None:
         """A recorded session whose sandbox could not be adopted: listed as ``lost`` until deleted."""
@@ -395,13 +520,19 @@ class SessionRegistry:
         lost = self._lost.get(session_id)
         if lost is not None and lost.tenant == tenant:
             raise lost.error()
+        paused = self.paused(tenant, session_id)
+        if paused is not None:
+            raise paused.error()
         raise KernelNotFoundError(f"no session {session_id!r}")
 
-    def find(self, tenant: str, session_id: str) -> ManagedSession | LostSession:
-        """The tenant's session, live or lost (what GET and DELETE of a session see)."""
+    def find(self, tenant: str, session_id: str) -> ManagedSession | LostSession | PausedSession:
+        """The tenant's session, live, paused or lost (what GET and DELETE of a session see)."""
         lost = self._lost.get(session_id)
         if lost is not None and lost.tenant == tenant:
             return lost
+        paused = self.paused(tenant, session_id)
+        if paused is not None:
+            return paused
         return self.get(tenant, session_id)
 
     def by_kernel(self, tenant: str, kernel_id: str) -> ManagedSession:
@@ -421,6 +552,7 @@ class SessionRegistry:
         """The session models of the tenant's sessions, live and lost (GET /api/sessions)."""
         models = [s.session_model() for s in self.list(tenant)]
         models += [s.session_model() for s in self._lost.values() if s.tenant == tenant]
+        models += [s.session_model() for s in self._paused.values() if s.tenant == tenant]
         return models
 
     async def delete(self, tenant: str, session_id: str, keep_notebook: bool = True, reason: str = "deleted") -> None:
@@ -435,6 +567,9 @@ class SessionRegistry:
         if isinstance(found, LostSession):
             self._lost.pop(session_id, None)
             task = asyncio.create_task(self._discard(found))
+        elif isinstance(found, PausedSession):
+            self._paused.pop(session_id, None)
+            task = asyncio.create_task(self._drop_paused(found))
         else:
             self._sessions.pop(session_id, None)
             task = asyncio.create_task(self._remove(found))
@@ -443,10 +578,20 @@ class SessionRegistry:
         await asyncio.shield(task)
         if not keep_notebook and isinstance(found, ManagedSession) and found.recorder is not None:
             found.recorder.delete()
+        elif not keep_notebook and isinstance(found, PausedSession):
+            transcript = found.record.gateway.get("transcript")
+            if isinstance(transcript, str):
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(os.unlink, transcript)
 
     async def _remove(self, managed: ManagedSession) -> None:
         await managed.session.shutdown()
         await self.forget_record(managed.id)
+
+    async def _drop_paused(self, paused: PausedSession) -> None:
+        if self.snapshots is not None:
+            await self.snapshots.forget(paused.id)
+        await self.forget_record(paused.id)
 
     async def _discard(self, lost: LostSession) -> None:
         if lost.refused:
@@ -480,25 +625,36 @@ class SessionRegistry:
         return {"sandbox_starts": starts, "quarantined_sessions": quarantined}
 
     async def cull(self) -> list[str]:
-        """Delete sessions idle longer than ``idle_timeout`` or older than ``max_lifetime``
-        (busy ones are left to finish). Returns the culled ids. Lost sessions are not culled:
+        """Pause (``idle_action`` pause) or delete sessions idle longer than ``idle_timeout``,
+        delete those older than ``max_lifetime`` (busy ones are left to finish) and paused ones
+        past ``paused_ttl``. Returns the ids acted on. A session whose pause fails (its tenant's
+        snapshot quota is full) is deleted, and the audit says why. Lost sessions are not culled:
         they stay listed until their tenant has seen and deleted them."""
         now = time.monotonic()
         idle_timeout, max_lifetime = self.settings.idle_timeout, self.settings.max_lifetime
-        doomed = [
-            m
-            for m in self._sessions.values()
-            if m.execution_state != "busy"
-            and not m.session.busy  # an execution is running or queued, by any door
-            and (
-                (idle_timeout is not None and now - m.active_mono > idle_timeout)
-                or (max_lifetime is not None and now - m.created_mono > max_lifetime)
-            )
-        ]
-        for managed in doomed:
+        culled = []
+        for managed in list(self._sessions.values()):
+            if managed.execution_state == "busy" or managed.session.busy:  # running or queued, by any door
+                continue
+            too_old = max_lifetime is not None and now - managed.created_mono > max_lifetime
+            idle = idle_timeout is not None and now - managed.active_mono > idle_timeout
+            if not (too_old or idle):
+                continue
+            culled.append(managed.id)
+            reason = "culled"
+            if idle and not too_old and self.settings.idle_action == "pause" and self.snapshots is not None:
+                try:
+                    await self.snapshots.pause(managed, door="idle")
+                    continue
+                except SandkernelError as err:
+                    log.warning("pausing an idle session failed (%s); deleting it", err, extra={"session": managed.id})
+                    reason = f"culled: its pause failed ({err})"
             log.info("culling session", extra={"session": managed.id, "tenant": managed.tenant})
-            await self.delete(managed.tenant, managed.id, reason="culled")
-        return [m.id for m in doomed]
+            with contextlib.suppress(KernelNotFoundError):
+                await self.delete(managed.tenant, managed.id, reason=reason)
+        if self.snapshots is not None:
+            culled += await self.snapshots.expire()
+        return culled
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -560,12 +716,15 @@ class SessionRegistry:
         except those refused at adoption (left, with their records, for the operator)."""
         sessions = list(self._sessions.values())
         lost = [s for s in self._lost.values() if not s.refused]
+        paused = list(self._paused.values())
         self._sessions.clear()
         self._lost.clear()
+        self._paused.clear()
         pool_closed = self.pool.close() if self.pool is not None else asyncio.sleep(0)
         await asyncio.gather(
             *(self._remove(s) for s in sessions),
             *(self._discard(s) for s in lost),
+            *(self._drop_paused(s) for s in paused),
             *self._closing,
             pool_closed,
             return_exceptions=True,

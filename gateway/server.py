@@ -55,6 +55,8 @@ from sandkernel.gateway.sessions_api import (
     ShellHandler,
 )
 from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.gateway.snapshots import SnapshotManager
+from sandkernel.gateway.snapshots_api import SnapshotActionHandler
 from sandkernel.kernels.durable.store import SessionStore, open_store
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_runtime
@@ -103,9 +105,12 @@ class MetricsHandler(BaseHandler):
     def authenticate(self) -> str:
         return "anonymous"  # aggregate numbers only, no tenant labels
 
-    def get(self) -> None:
+    async def get(self) -> None:
         self.metrics.sessions.set(len(self.registry))
         self.metrics.quarantined.set(self.registry.breakers_health()["quarantined_sessions"])
+        self.metrics.paused_sessions.set(len(self.registry.paused_sessions()))
+        if self.registry.snapshots is not None:
+            self.metrics.snapshot_bytes.set(await asyncio.to_thread(self.registry.snapshots.store.total_bytes))
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
         self.finish(self.metrics.render())
 
@@ -149,6 +154,7 @@ def make_app(
         (rf"/api/sessions/{sid}/execute/?", ExecuteHandler, api),
         (rf"/api/sessions/{sid}/shell/?", ShellHandler, api),
         (rf"/api/sessions/{sid}/(?P<action>interrupt|restart)/?", SessionActionHandler, api),
+        (rf"/api/sessions/{sid}/(?P<action>pause|resume|fork|rewind)/?", SnapshotActionHandler, api),
         (rf"/api/sessions/{sid}/variables/?", VariablesHandler, api),
         (rf"/api/sessions/{sid}/egress/?", EgressHandler, api),
         (rf"/api/sessions/{sid}/notebook/?", NotebookHandler, api),
@@ -263,9 +269,13 @@ class Gateway:
             metrics = GatewayMetrics()
             controls = await asyncio.to_thread(SessionControls.from_settings, settings, metrics)
             registry = SessionRegistry(settings, catalog, pool, metrics, store, controls)
+            snapshots = await asyncio.to_thread(SnapshotManager, registry, settings)
             records = await store.load()
             report = await adopt_all(registry, records)
             log.info("start-up adoption: %s", report.summary())
+            orphans = await snapshots.sweep()
+            if orphans:
+                log.info("removed snapshots no session names", extra={"count": len(orphans)})
             # Sandboxes another state dir's catalog records are spared by the reaper itself.
             reaped = await reap(keep={record.session_id for record in records})
             if reaped.removed:

@@ -27,7 +27,7 @@ from sandkernel import doors
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler, error_reply
 from sandkernel.gateway.budget import OutputBudget, apply_budget
-from sandkernel.gateway.registry import LostSession, ManagedSession, TooManySessionsError
+from sandkernel.gateway.registry import LostSession, ManagedSession, PausedSession, TooManySessionsError
 from sandkernel.gateway.replies import client_door, execution_reply, run_shell
 from sandkernel.kernels.execution.outputs import ExecutionResult
 
@@ -73,15 +73,22 @@ class SessionScoped(BaseHandler):
         SandboxLostError, a 410 that says to delete it, for a lost one)."""
         return self.registry.get(self.tenant, session_id)
 
+    async def live(self, session_id: str) -> ManagedSession:
+        """The caller's session, resumed first if it is paused: for the calls that run code or
+        touch its files, so an agent never has to know its session was paused."""
+        return await self.registry.live(self.tenant, session_id, doors.SESSION_API)
+
 
 class SessionHandler(SessionScoped):
     """GET the session model (a lost session's too: state ``lost`` and why); DELETE the session
     (its container, or a lost one's leftovers; the transcript is kept unless asked)."""
 
-    def get(self, session_id: str) -> None:
+    async def get(self, session_id: str) -> None:
+        await self.registry.settled(session_id)
         self.write_json(self.registry.find(self.tenant, session_id).session_model())
 
     async def delete(self, session_id: str) -> None:
+        await self.registry.settled(session_id)
         self.registry.find(self.tenant, session_id)
         keep = self.get_query_argument("delete_notebook", "0") not in ("1", "true")
         await self.registry.delete(self.tenant, session_id, keep_notebook=keep)
@@ -160,8 +167,8 @@ class ExecuteHandler(SessionScoped):
     its execution."""
 
     async def post(self, session_id: str) -> None:
-        managed = self.managed(session_id)
         body = self.json_body()
+        managed = await self.live(session_id)
         code = body.get("code")
         if not isinstance(code, str):
             raise ApiError(400, "'code' must be a string of Python source", "bad_code")
@@ -254,8 +261,8 @@ class ShellHandler(SessionScoped):
     a /bin/sh command run as a cell of the session's kernel (see :mod:`sandkernel.shell`)."""
 
     async def post(self, session_id: str) -> None:
-        managed = self.managed(session_id)
         body = self.json_body()
+        managed = await self.live(session_id)
         source = client_door(body.get("source"), doors.SESSION_API)
         managed.touch()
         self.write_json(await run_shell(managed, body.get("command"), body.get("timeout"), source))
@@ -267,7 +274,7 @@ class NotebookHandler(SessionScoped):
 
     async def get(self, session_id: str) -> None:
         found = self.registry.find(self.tenant, session_id)
-        if isinstance(found, LostSession):
+        if isinstance(found, (LostSession, PausedSession)):
             await self._lost_transcript(found)
             return
         recorder = found.recorder
@@ -277,7 +284,7 @@ class NotebookHandler(SessionScoped):
         self.set_header("Content-Disposition", f'attachment; filename="{recorder.path.name}"')
         self.write_json(recorder.notebook)
 
-    async def _lost_transcript(self, lost: LostSession) -> None:
+    async def _lost_transcript(self, lost: LostSession | PausedSession) -> None:
         path = lost.record.gateway.get("transcript")
         if not isinstance(path, str):
             raise ApiError(404, "this session has no transcript")

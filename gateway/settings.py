@@ -46,6 +46,7 @@ from sandkernel.gateway.budget import OutputBudget
 ENV_PREFIX = "SANDKERNEL_"
 CONFIG_ENV = "SANDKERNEL_CONFIG"
 RUNTIME_CHOICES = ("auto", "runc", "runsc")
+IDLE_ACTIONS = ("pause", "delete")
 ON_EXIT_CHOICES = ("keep", "delete")
 BREAKER_ACTIONS = ("quarantine", "restart")
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
@@ -144,7 +145,22 @@ class GatewaySettings:
     max_sessions: int = _setting(20, "live sessions per token", metavar="N")
     max_sessions_total: int = _setting(100, "live sessions in all (the warm pool counts)", metavar="N")
     idle_timeout: float | None = _setting(
-        3600.0, "cull sessions idle this long, seconds (0: never)", metavar="S", zero_is_none=True
+        3600.0,
+        "pause or delete (--idle-action) sessions idle this long, seconds (0: never)",
+        metavar="S",
+        zero_is_none=True,
+    )
+    idle_action: str = _setting(
+        "pause",
+        "what the idle timeout does: pause (the session's files are kept in a snapshot and its container removed; "
+        "its next call resumes it) or delete",
+        choices=IDLE_ACTIONS,
+    )
+    paused_ttl: float | None = _setting(
+        7 * 86400.0, "delete sessions paused this long, seconds (0: never)", metavar="S", zero_is_none=True
+    )
+    snapshot_quota_mb: int = _setting(
+        10240, "disk each token's snapshots may use, MiB (a pause beyond it is refused)", metavar="MB", positive=True
     )
     max_lifetime: float | None = _setting(
         86400.0, "cull sessions this old, seconds (0: never)", metavar="S", zero_is_none=True

@@ -151,11 +151,31 @@ class TranscriptRecorder:
         """A markdown note from sandkernel itself (kernel restarts, deaths)."""
         await self.add_markdown(f"> **sandkernel:** {text}", role="event")
 
-    async def add_markdown(self, text: str, role: str = "agent") -> None:
-        """A markdown cell (the agent's reasoning, or a note), recorded in order."""
+    async def add_markdown(self, text: str, role: str = "agent", **fields: Any) -> None:
+        """A markdown cell (the agent's reasoning, or a note), recorded in order; ``fields`` go in
+        its ``metadata.sandkernel`` (a rewind says where to: notebooks/resume.py reads it)."""
         cell = markdown_cell(text)
-        cell.metadata["sandkernel"] = {"role": role, "at": dt.datetime.now(dt.timezone.utc).isoformat()}
+        cell.metadata["sandkernel"] = {"role": role, "at": dt.datetime.now(dt.timezone.utc).isoformat(), **fields}
         self._append(cell)
+
+    def inherit(self, notebook: nbformat.NotebookNode, parent: str, code_cells: int) -> None:
+        """Start this transcript with the cells of ``parent``'s (a fork) up to its ``code_cells``-th
+        code cell, each marked ``metadata.sandkernel.inherited``, and its uploaded inputs, so the
+        fork's notebook reads, replays and resumes as a whole."""
+        seen = 0
+        for cell in notebook.cells:
+            if cell.get("cell_type") == "code":
+                seen += 1
+                if seen > code_cells:
+                    break
+            copied = nbformat.from_dict(json.loads(json.dumps(cell)))
+            copied.setdefault("metadata", {}).setdefault("sandkernel", {})["inherited"] = {"from": parent}
+            self._append(copied)
+        inputs = notebook.metadata.get("sandkernel", {}).get("inputs")
+        if isinstance(inputs, list):
+            self.update_metadata(
+                inputs=[i for i in inputs if isinstance(i, dict) and i.get("before_cell", 0) <= code_cells]
+            )
 
     def record_input(self, path: str, data: bytes) -> None:
         """Note a file uploaded into the workspace, so a replay can put it back before the same

@@ -26,6 +26,7 @@ import hashlib
 import logging
 import sys
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 # Seconds one cell may run before the timeout ladder stops it (``sandkernel replay --timeout``).
 DEFAULT_CELL_TIMEOUT = 600.0
 # What an original transcript's cell status must be for a replay's death or timeout to agree.
+# The verdict note of a cell a resume does not re-run: its effects were lost with the kernel's state.
+NOT_IN_MEMORY = "the kernel's state was lost after it: not in memory"
 RECORDED_AS = {Verdict.KERNEL_DIED: {"kernel_died", "oom"}, Verdict.TIMED_OUT: {"timeout"}}
 
 
@@ -221,8 +224,11 @@ async def _run_cells(
     timeout: float,
     rules: list[tuple[str, str]],
     notes: list[str],
+    only: Collection[int] | None = None,
 ) -> tuple[list[dict[str, Any]], list[CellVerdict]]:
-    """Run the code cells in order; return the replay's cells (all kinds, valid) and verdicts."""
+    """Run the code cells in order; return the replay's cells (all kinds, valid) and verdicts.
+    ``only``: the indexes of the code cells to run (a resume runs those whose effects are in the
+    kernel's memory; the others are judged "not run" with :data:`NOT_IN_MEMORY`); None: all."""
     cells: list[dict[str, Any]] = []
     verdicts: list[CellVerdict] = []
     taken: set[str] = set()
@@ -246,6 +252,9 @@ async def _run_cells(
         code = repair.source_of(cell)
         if until is not None and index > until:
             verdict = CellVerdict(index, Verdict.NOT_RUN)
+            replayed = _unrun_cell(code, cell, new_id)
+        elif only is not None and index not in only:
+            verdict = CellVerdict(index, Verdict.NOT_RUN, note=NOT_IN_MEMORY)
             replayed = _unrun_cell(code, cell, new_id)
         elif _recorded(cell).get("status") == ExecutionStatus.REFUSED.value:
             # A gate refused it in the original session: it never ran then, so it is not run now.

@@ -112,6 +112,7 @@ DOCKER_FIXTURES = frozenset(
 DOCKER_TESTS: dict[str, str | frozenset[str]] = {
     "tests/test_bad_input.py": "*",
     "tests/test_gateway_lifecycle.py": "*",
+    "tests/test_snapshots.py": "*",
     "tests/test_jupyter_server_gateway.py": "*",
     "tests/test_jupyter_tools.py": "*",
     "tests/test_lifecycle.py": "*",

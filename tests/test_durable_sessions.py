@@ -230,7 +230,7 @@ async def test_kill9_with_ten_live_sessions_every_session_carries_on(tmp_path, r
         started = time.monotonic()
         await serve.start()
         took = time.monotonic() - started
-        assert "adopted 10 session(s), 0 lost" in serve.output, serve.output
+        assert "adopted 10 session(s), 0 paused, 0 lost" in serve.output, serve.output
         status, listed = await serve.call("GET", "/api/sessions")
         assert status == 200 and sorted(m["id"] for m in listed) == sorted(ids)
         assert all(m["state"] == "running" and "lost_reason" not in m for m in listed)
@@ -392,7 +392,7 @@ async def test_a_restart_lists_dead_sandboxes_as_lost_with_the_reason(tmp_path, 
         subprocess.run(["docker", "rm", "-f", *container_ids_of(removed["id"])], check=True, capture_output=True)
 
         await serve.start()
-        assert "adopted 1 session(s), 2 lost" in serve.output, serve.output
+        assert "adopted 1 session(s), 0 paused, 2 lost" in serve.output, serve.output
         status, listed = await serve.call("GET", "/api/sessions")
         models = {m["id"]: m for m in listed}
         assert models[kept["id"]]["state"] == "running"
@@ -554,7 +554,7 @@ async def test_warm_pool_sandboxes_are_adopted_back_into_the_pool_or_removed(tmp
 async def test_an_adopted_session_keeps_its_idle_clock(tmp_path, runtime):
     """Idle 5 s of an 8 s idle timeout before the restart: culled about 3 s after it, not 8."""
     serve = Serve(tmp_path, runtime)
-    options = ("--idle-timeout", "8", "--cull-interval", "0.5")
+    options = ("--idle-timeout", "8", "--cull-interval", "0.5", "--idle-action", "delete")
     await serve.start(*options)
     ids: list[str] = []
     try:

@@ -68,7 +68,7 @@ async def test_hostile_cells_do_not_disturb_another_session(gateway):
 
 
 async def test_idle_sessions_are_culled(tmp_path):
-    gw = await start_gateway(tmp_path, idle_timeout=1.0, cull_interval=0.2)
+    gw = await start_gateway(tmp_path, idle_timeout=1.0, cull_interval=0.2, idle_action="delete")
     try:
         _, session = await gw.request("POST", "/api/sessions", {})
         for _ in range(300):  # bounded wait for the outcome, not a fixed sleep

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 from mcp.server.context import ServerRequestContext
 
+from sandkernel import doors
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandboxLostError
 from sandkernel.gateway.registry import ManagedSession, SessionRegistry
 
@@ -106,11 +107,11 @@ class TenantResolver:
 
     async def session_for(self, session_id: str | None) -> ManagedSession:
         if session_id is not None:
-            return self.registry.get(self.tenant, session_id)
+            return await self.registry.live(self.tenant, session_id, doors.MCP)
         async with self._lock:
             if self.default_id is not None:
                 with contextlib.suppress(KernelNotFoundError, SandboxLostError):
-                    return self.registry.get(self.tenant, self.default_id)
+                    return await self.registry.live(self.tenant, self.default_id, doors.MCP)
                 log.info("the default MCP session is gone; starting another", extra={"session": self.default_id})
             managed = await self.create(self.defaults)
             self.default_id = managed.id

@@ -24,10 +24,12 @@ class SandboxKind(enum.StrEnum):
 
 class SandboxState(enum.StrEnum):
     """``running``: the sandbox was alive when last seen. ``lost``: it died or was removed while
-    no gateway was attached (``lost_reason`` says how); kept so a GET can say so."""
+    no gateway was attached (``lost_reason`` says how); kept so a GET can say so. ``paused``: it
+    has no sandbox; a snapshot (kernels/snapshots/) holds its files, ``kernel["paused"]`` names it."""
 
     RUNNING = "running"
     LOST = "lost"
+    PAUSED = "paused"
 
 
 # The fields ``SessionStore.update`` may change (the rest identify a record or are set by the store).
@@ -42,7 +44,7 @@ class SandboxRecord:
     session_id: str
     kind: str  # SandboxKind: "session" | "pool"
     kernel: dict[str, Any]  # KernelSession.durable_state(): JSON, opaque to the store; holds the HMAC key
-    state: str = SandboxState.RUNNING  # SandboxState: "running" | "lost"
+    state: str = SandboxState.RUNNING  # SandboxState: "running" | "lost" | "paused"
     tenant: str | None = None
     gateway: dict[str, Any] = dataclasses.field(default_factory=dict)  # the registry's own JSON
     running: dict[str, Any] | None = None  # the execution in flight (request fields + started_at), or None

@@ -147,6 +147,12 @@ class KernelSession:
         return durable_state(self.provisioner, self._kernel.km)
 
     @property
+    def state_lost_pending(self) -> bool:
+        """The kernel's memory was lost after the last execution (a restart) and no execution has
+        said so yet: a snapshot taken now holds nothing of the recorded cells in memory."""
+        return self._pending_state_lost is not None
+
+    @property
     def running_request(self) -> ExecutionRequest | None:
         """The execution in flight, if any (the gateway records it, to settle after a restart)."""
         return self._running
@@ -306,6 +312,11 @@ class KernelSession:
     def busy(self) -> bool:
         """Whether an execution is running or queued."""
         return self._lock.locked()
+
+    def exclusive(self) -> asyncio.Lock:
+        """Hold while nothing may execute (``async with session.exclusive():``): executes by any
+        door queue until it is released. A snapshot holds it while it archives the files."""
+        return self._lock
 
     # -- lifecycle ------------------------------------------------------------------------
 

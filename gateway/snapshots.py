@@ -1,0 +1,410 @@
+"""Pause, resume, fork and rewind sessions: the gateway's side of snapshots.
+
+A **pause** archives the session's /workspace and /tmp from inside its sandbox (kernels/snapshots/
+archive.py) into a signed snapshot (kernels/snapshots/store.py), records the session as ``paused``
+in the catalog and removes its container: its memory and CPU are given back, and the snapshot
+outlives gateway restarts and reboots. A **resume** (asked for, or the next execute or file call)
+starts a fresh sandbox of the recorded profile (fresh uid, fresh kernel key, the same egress
+policy, every hardening of a new sandbox), puts the files back and rebuilds the memory by
+re-running the cells that built it (notebooks/resume.py): ``restored_by: "replay"`` with a
+verdict per cell, never passed off as exact. A **fork** does the same into ``count`` new sessions
+of the same tenant, whose transcripts start with the parent's cells marked inherited; a
+**rewind** pauses the session and resumes it as it was right after an earlier cell, and records
+that in the transcript.
+
+Why replay and not a memory checkpoint: see docs/snapshots.md (this host's gVisor cannot save the
+kernel's host-connected sockets; its CRIU does not run on this kernel).
+
+Each session has one lock here: a pause, resume, fork or rewind of a session waits for the one
+before it, and the calls that resume by themselves (:meth:`SessionRegistry.live`) wait too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+from sandkernel.errors import ConfigError, SnapshotError, SnapshotQuotaError
+from sandkernel.gateway.registry import (
+    ManagedSession,
+    PausedSession,
+    SessionBusyError,
+    SessionRegistry,
+    _now,
+    seconds_since,
+)
+from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.kernels.durable.adoption import profile_from_record, profile_record
+from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
+from sandkernel.kernels.snapshots.archive import capture_files
+from sandkernel.kernels.snapshots.store import SnapshotManifest, SnapshotStore
+from sandkernel.notebooks.compare import code_cells
+from sandkernel.notebooks.observer import attach_transcript
+from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
+from sandkernel.notebooks.resume import Restored, cells_in_memory, rebuild
+from sandkernel.notebooks.transcript import build_notebook
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+MAX_FORKS = 10  # per request: each fork is a cold start plus a replay
+FORKS_AT_ONCE = 4  # started concurrently: the engine and 2 cores do not gain from more
+FILES = "files"  # the archive part of a snapshot
+
+
+class SnapshotManager:
+    """Pause, resume, fork and rewind for one gateway's registry."""
+
+    def __init__(
+        self, registry: SessionRegistry, settings: GatewaySettings, store: SnapshotStore | None = None
+    ) -> None:
+        self.registry = registry
+        self.settings = settings
+        self.store = store or SnapshotStore()
+        self._locks: dict[str, asyncio.Lock] = {}
+        registry.snapshots = self
+
+    def _lock(self, session_id: str) -> asyncio.Lock:
+        return self._locks.setdefault(session_id, asyncio.Lock())
+
+    async def settled(self, session_id: str) -> None:
+        """Return once no snapshot operation holds the session."""
+        lock = self._locks.get(session_id)
+        if lock is not None and lock.locked():
+            async with lock:
+                pass
+
+    # -- pause ------------------------------------------------------------------------------
+
+    async def pause(self, managed: ManagedSession, door: str) -> dict[str, Any]:
+        """Archive the session's files, record it paused and remove its container."""
+        async with self._lock(managed.id):
+            started = time.monotonic()
+            paused = await self._pause_locked(managed, "pause")
+            managed.audit_record("session_paused", door=door, snapshot=paused.snapshot)
+            self.registry.metrics.snapshot_ops.labels("pause").inc()
+            return {
+                "id": managed.id,
+                "state": SandboxState.PAUSED.value,
+                "snapshot": paused.snapshot,
+                "seconds": round(time.monotonic() - started, 3),
+            }
+
+    async def _pause_locked(self, managed: ManagedSession, kind: str) -> PausedSession:
+        live = self.registry.get(managed.tenant, managed.id)  # still this tenant's and live
+        _check_idle(live)
+        async with live.session.exclusive():  # no execute starts while the files are archived
+            manifest = await self._snapshot(live, kind)
+            # From here on it runs to its end (a stopping gateway waits for it): the session is
+            # recorded paused, then its container goes.
+            return await self.registry.finish(self._retire(live, manifest))
+
+    async def _retire(self, live: ManagedSession, manifest: SnapshotManifest) -> PausedSession:
+        session = live.session
+        self.registry.take_live(live.id)
+        summary = _summary(manifest)
+        kernel = {"paused": summary, "profile": manifest.profile, "previous": session.durable_state()}
+        record = SandboxRecord(
+            live.id,
+            SandboxKind.SESSION,
+            kernel,
+            state=SandboxState.PAUSED,
+            tenant=live.tenant,
+            gateway=live.gateway_record(paused_at=_now()),
+        )
+        await self._put(record)
+        await session.shutdown()
+        kernel.pop("previous")  # the container is gone: nothing left to clean up at the next start
+        await self._update(live.id, kernel=kernel)
+        paused = PausedSession(record)
+        self.registry.add_paused(paused)
+        log.info("session paused", extra={"session": live.id, "tenant": live.tenant, "bytes": summary["bytes"]})
+        return paused
+
+    async def _snapshot(self, managed: ManagedSession, kind: str) -> SnapshotManifest:
+        """Archive the live session's files and sign a manifest naming the cells in its memory."""
+        used = await asyncio.to_thread(self.store.tenant_bytes, managed.tenant)
+        quota = self.settings.snapshot_quota_mb * MiB
+        if used >= quota:
+            raise SnapshotQuotaError(
+                f"this token's snapshots already use {used // MiB} MiB of its {quota // MiB} MiB quota; "
+                "delete paused sessions it no longer needs, or ask the operator for a larger --snapshot-quota-mb"
+            )
+        session = managed.session
+        draft = await asyncio.to_thread(self.store.draft, managed.id)
+        try:
+            part = await capture_files(session.container, draft.part_path(FILES), quota - used)
+            notebook = await _notebook_of(managed)
+            manifest = SnapshotManifest(
+                snapshot_id=draft.snapshot_id,
+                session_id=managed.id,
+                tenant=managed.tenant,
+                kind=kind,
+                created=time.time(),
+                profile=profile_record(session.profile),
+                cells=len(code_cells(notebook)),
+                replay_from=0,
+                cell=None,
+                parts={FILES: part},
+                extra={"cells_in_memory": cells_in_memory(notebook, lost_since=session.state_lost_pending)},
+            )
+            return await asyncio.to_thread(self.store.commit, draft, manifest)
+        except BaseException:
+            await asyncio.to_thread(self.store.discard, draft)
+            raise
+
+    # -- resume -----------------------------------------------------------------------------
+
+    async def resume(self, tenant: str, session_id: str, door: str) -> dict[str, Any]:
+        """Bring a paused session back (a live one: nothing to do, ``restored_by`` null)."""
+        async with self._lock(session_id):
+            paused = self.registry.paused(tenant, session_id)
+            if paused is None:
+                managed = self.registry.get(tenant, session_id)  # 404 / 410 as for any call
+                return {"id": managed.id, "state": SandboxState.RUNNING.value, "restored_by": None}
+            managed, restored = await self._resume_locked(paused, door)
+            return {"id": managed.id, "state": SandboxState.RUNNING.value, **restored.to_dict()}
+
+    async def _resume_locked(
+        self, paused: PausedSession, door: str, rewind_to: int | None = None
+    ) -> tuple[ManagedSession, Restored]:
+        self.registry.check_gateway_room()
+        snapshot_id = str(paused.snapshot.get("id", ""))
+        manifest = await asyncio.to_thread(self.store.load, paused.id, snapshot_id, paused.tenant)
+        recorder = await _reopen_transcript(paused.record.gateway.get("transcript"))
+        notebook = recorder.notebook if recorder is not None else build_notebook([], {})
+        if rewind_to is None:
+            cells, files = list(manifest.extra.get("cells_in_memory") or []), self._files(manifest)
+        else:  # the files of that moment are not kept: the cells remake them on a fresh workspace
+            cells, files = cells_in_memory(notebook, after=rewind_to), None
+        session = await self.registry.cold_start(profile_from_record(manifest.profile), paused.id)
+        try:
+            restored = await rebuild(session, notebook, cells=cells, files=files)
+        except BaseException as err:
+            await self.registry.finish(session.shutdown())
+            if isinstance(err, SnapshotError):
+                raise
+            raise SnapshotError(
+                f"session {paused.id} could not be resumed ({err}); it stays paused and its snapshot is kept"
+            ) from err
+        managed = _managed(session, paused.record, recorder)
+        if recorder is not None:
+            await attach_transcript(session, recorder)
+            if rewind_to is not None:
+                await recorder.add_markdown(
+                    f"> **sandkernel:** rewound to cell {rewind_to}: the state is again the one right after it "
+                    f"({_said(restored)}); the cells below it above this note no longer count",
+                    role="event",
+                    rewind={"to": rewind_to},
+                )
+            else:
+                await recorder.note(f"resumed from a pause ({_said(restored)})")
+        await self.registry.record(managed)
+        self.registry.add_live(managed)
+        if managed.breaker is not None:  # a quarantine outlives a pause, as it outlives a restart
+            managed.breaker.restore(paused.record.gateway.get("quarantined"))
+        await asyncio.to_thread(self.store.remove, paused.id, manifest.snapshot_id)
+        self.registry.metrics.snapshot_ops.labels("resume" if rewind_to is None else "rewind").inc()
+        managed.audit_record(
+            "session_resumed" if rewind_to is None else "session_rewound",
+            door=door,
+            restored_by=restored.restored_by,
+            reproduced=restored.reproduced,
+            files=restored.files,
+            **({"cell": rewind_to} if rewind_to is not None else {}),
+        )
+        log.info("session resumed", extra={"session": managed.id, "tenant": managed.tenant})
+        return managed, restored
+
+    def _files(self, manifest: SnapshotManifest) -> tuple[Path, Any]:
+        return self.store.part_path(manifest, FILES), manifest.parts[FILES]
+
+    # -- rewind -----------------------------------------------------------------------------
+
+    async def rewind(self, managed: ManagedSession, cell: Any, door: str) -> dict[str, Any]:
+        """Return the session to its state right after code cell ``cell``: pause it, then resume
+        it with the cells that made that state (on a fresh workspace: the files of that moment are
+        the cells' doing). A failure leaves it paused as it was before the rewind."""
+        async with self._lock(managed.id):
+            notebook = await _notebook_of(managed)
+            _check_cell(cell, len(code_cells(notebook)))
+            paused = await self._pause_locked(managed, "pause")
+            _, restored = await self._resume_locked(paused, door, rewind_to=cell)
+            return {"id": managed.id, "state": SandboxState.RUNNING.value, "rewound_to": cell, **restored.to_dict()}
+
+    # -- fork -------------------------------------------------------------------------------
+
+    async def fork(self, managed: ManagedSession, count: Any, cell: Any, door: str) -> list[dict[str, Any]]:
+        """``count`` new sessions of the same tenant with the session's state (now, or right after
+        code cell ``cell``). Either all are made or none (those started are removed)."""
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
+            raise ConfigError(f"count must be a whole number of forks from 1 to {MAX_FORKS}, not {count!r}")
+        self.registry.check_room(managed.tenant, count)
+        async with self._lock(managed.id):
+            notebook = copy.deepcopy(await _notebook_of(managed))
+            total = len(code_cells(notebook))
+            manifest = None
+            if cell is None:
+                _check_idle(managed)
+                async with managed.session.exclusive():
+                    manifest = await self._snapshot(managed, "fork")
+                cells, files, upto = list(manifest.extra["cells_in_memory"]), self._files(manifest), total
+            else:
+                _check_cell(cell, total)
+                cells, files, upto = cells_in_memory(notebook, after=cell), None, cell
+            profile = managed.session.profile
+        limit = asyncio.Semaphore(FORKS_AT_ONCE)
+
+        async def one() -> tuple[ManagedSession, Restored]:
+            async with limit:
+                return await self._child(managed, profile, notebook, cells, files, upto)
+
+        try:
+            outcomes = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
+        finally:
+            if manifest is not None:
+                await asyncio.to_thread(self.store.remove, managed.id, manifest.snapshot_id)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        made = [o for o in outcomes if not isinstance(o, BaseException)]
+        if failed:
+            for child, _ in made:
+                await self.registry.delete(child.tenant, child.id, reason="fork failed")
+            raise SnapshotError(f"the fork failed ({failed[0]}); no fork was kept") from failed[0]
+        self.registry.metrics.snapshot_ops.labels("fork").inc(count)
+        managed.audit_record("session_forked", door=door, forks=[c.id for c, _ in made], cell=cell)
+        return [{"session": child.session_model(), **restored.to_dict()} for child, restored in made]
+
+    async def _child(
+        self,
+        parent: ManagedSession,
+        profile: Any,
+        notebook: nbformat.NotebookNode,
+        cells: list[int],
+        files: tuple[Path, Any] | None,
+        upto: int,
+    ) -> tuple[ManagedSession, Restored]:
+        session_id = uuid.uuid4().hex
+        session = await self.registry.cold_start(profile, session_id)
+        try:
+            restored = await rebuild(session, notebook, cells=cells, files=files)
+            metadata = {**parent.metadata, "forked_from": parent.id}
+            recorder = TranscriptRecorder(
+                notebook_path_for(session_id, self.settings.notebook_dir),
+                {"tenant": parent.tenant, "client_metadata": metadata, "forked_from": parent.id},
+            )
+            recorder.inherit(notebook, parent.id, upto)
+            await attach_transcript(session, recorder)
+            await recorder.note(f"forked from session {parent.id} after its cell {upto} ({_said(restored)})")
+            child = ManagedSession(
+                session,
+                parent.tenant,
+                _now(),
+                metadata,
+                kernel_name_for(session.profile.runtime),
+                origin=parent.origin,
+                recorder=recorder,
+            )
+            await self.registry.record(child)
+        except BaseException:
+            await self.registry.finish(session.shutdown())
+            raise
+        self.registry.add_live(child)
+        child.audit_record("session_created", door="fork", forked_from=parent.id, runtime=profile.runtime.value)
+        return child, restored
+
+    # -- housekeeping -----------------------------------------------------------------------
+
+    async def forget(self, session_id: str) -> None:
+        """Remove every snapshot of a session (it was deleted)."""
+        await asyncio.to_thread(self.store.remove, session_id)
+        self._locks.pop(session_id, None)
+
+    async def expire(self) -> list[str]:
+        """Delete paused sessions older than ``paused_ttl`` (seconds paused); their ids."""
+        ttl = self.settings.paused_ttl
+        if ttl is None:
+            return []
+        expired = [p for p in self.registry.paused_sessions() if seconds_since(p.record.gateway.get("paused_at")) > ttl]
+        for paused in expired:
+            log.info("paused session expired", extra={"session": paused.id, "tenant": paused.tenant})
+            await self.registry.delete(paused.tenant, paused.id, reason="paused_ttl")
+        return [p.id for p in expired]
+
+    async def sweep(self) -> list[str]:
+        """Remove snapshots of sessions the registry does not know (a crash mid-pause, a record
+        deleted by hand): run at start-up, after adoption."""
+        known = {p.id for p in self.registry.paused_sessions()}
+        orphans = [sid for sid in await asyncio.to_thread(self.store.sessions) if sid not in known]
+        for session_id in orphans:
+            await asyncio.to_thread(self.store.remove, session_id)
+        return orphans
+
+    async def _put(self, record: SandboxRecord) -> None:
+        if self.registry.store is not None:
+            if self.registry.writer is not None:
+                await self.registry.writer.flush()
+            await self.registry.store.put(record)
+
+    async def _update(self, session_id: str, **fields: Any) -> None:
+        if self.registry.store is not None:
+            await self.registry.store.update(session_id, **fields)
+
+
+def _summary(manifest: SnapshotManifest) -> dict[str, Any]:
+    return {"id": manifest.snapshot_id, "bytes": manifest.bytes, "cells": manifest.cells, "created": manifest.created}
+
+
+def _said(restored: Restored) -> str:
+    ran = sum(1 for v in restored.verdicts if v.verdict.value != "not run")
+    agreed = "every one as recorded" if restored.reproduced else "some differ from the record: see the reply"
+    return f"restored by replay: {ran} cell(s) re-run, {agreed}; files from the {restored.files}"
+
+
+def _check_idle(managed: ManagedSession) -> None:
+    if managed.session.busy:
+        raise SessionBusyError(f"session {managed.id} is running code; wait for it or interrupt it first")
+
+
+def _check_cell(cell: Any, total: int) -> None:
+    if isinstance(cell, bool) or not isinstance(cell, int) or not 1 <= cell <= total:
+        raise ConfigError(f"cell must be the number of a code cell of this session, 1 to {total}, not {cell!r}")
+
+
+async def _notebook_of(managed: ManagedSession) -> nbformat.NotebookNode:
+    """The session's transcript as recorded so far (an empty one when it keeps none)."""
+    if managed.recorder is None:
+        return build_notebook([], {})
+    await managed.recorder.flushed()
+    return managed.recorder.notebook
+
+
+async def _reopen_transcript(path: Any) -> TranscriptRecorder | None:
+    if not isinstance(path, str):
+        return None
+    return await asyncio.to_thread(TranscriptRecorder.reopen, Path(path))
+
+
+def _managed(session: KernelSession, record: SandboxRecord, recorder: TranscriptRecorder | None) -> ManagedSession:
+    """The registry entry of a resumed session: what it was before its pause."""
+    gateway = record.gateway
+    metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
+    managed = ManagedSession(
+        session,
+        record.tenant or "",
+        gateway.get("created") or _now(),
+        dict(metadata),
+        gateway.get("kernel_name") or kernel_name_for(session.profile.runtime),
+        origin=gateway.get("origin") or "session_api",
+        recorder=recorder,
+    )
+    managed.created_mono = time.monotonic() - seconds_since(managed.created)
+    return managed

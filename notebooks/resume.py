@@ -1,0 +1,150 @@
+"""Rebuild a session's state in a fresh sandbox from its transcript: the **replay** resume.
+
+Why replay: a memory checkpoint is not possible on this project's hosts (see docs/snapshots.md:
+Debian's gVisor cannot save the kernel's host-connected ipc sockets, and Debian's CRIU does not
+run on current kernels), so a paused, forked or rewound session gets its memory back by
+re-running the code cells that built it, through the one execute path, and every cell is judged
+against what the transcript recorded (the same verdicts as ``sandkernel replay``). The result
+always says ``restored_by: "replay"`` with those verdicts: a resume that was not exact is never
+passed off as one.
+
+Which cells: only those whose effects are still in the kernel's memory, i.e. after the last loss
+of its state (a restart, a death, an OOM: :func:`memory_starts_at`); refused cells never ran and
+are not run. Files: with a saved archive (a pause, a fork, a per-cell checkpoint), /workspace and
+/tmp are put back before the cells run (so the cells find their inputs) and again after (so the
+files end exactly as they were saved, whatever the cells rewrote); without one (a rewind to a cell
+no checkpoint follows) the cells run on a fresh workspace with the recorded uploads put back
+before the cells that followed them, and the files are whatever the cells make (``files:
+"replay"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import nbformat
+
+from sandkernel.errors import ConfigError
+from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
+from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.snapshots.archive import ArchivePart, restore_files
+from sandkernel.notebooks.compare import CellVerdict, Verdict, load_rules
+from sandkernel.notebooks.replay import DEFAULT_CELL_TIMEOUT, _recorded, _run_cells, _uploads_of
+
+log = logging.getLogger(__name__)
+
+REPLAY = "replay"
+# What a cell's recorded status or rung means for the memory: the cell itself ended the kernel.
+DIED = frozenset({ExecutionStatus.KERNEL_DIED.value, ExecutionStatus.OOM.value})
+REPLACED = frozenset({TimeoutStep.RESTART.value, TimeoutStep.KILL.value})
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """How a session's state came back: the mechanism, each code cell's verdict, where its files
+    came from (``snapshot``, ``checkpoint``, ``replay``) and how long it took."""
+
+    restored_by: str
+    verdicts: list[CellVerdict]
+    files: str
+    seconds: float
+    notes: list[str]
+
+    @property
+    def reproduced(self) -> bool:
+        """Every re-run cell agreed with the transcript."""
+        return all(v.reproduced for v in self.verdicts)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "restored_by": self.restored_by,
+            "reproduced": self.reproduced,
+            "cells": [{"cell": v.index, "verdict": v.verdict.value, "note": v.note or None} for v in self.verdicts],
+            "files": self.files,
+            "seconds": round(self.seconds, 3),
+            "notes": list(self.notes),
+        }
+
+
+def cells_in_memory(notebook: nbformat.NotebookNode, after: int | None = None, lost_since: bool = False) -> list[int]:
+    """The indexes (from 1) of the code cells whose effects are in the kernel's memory right
+    after code cell ``after`` (after the last: None), walking the transcript in order:
+
+    - the session marks ``state_lost`` on the cell that lost the state (it died, or the timeout
+      ladder restarted the kernel: none of it is left) and again on the next cell, which ran on
+      the fresh kernel (only it is left);
+    - a rewind note (``metadata.sandkernel.rewind.to``) puts memory back to what it was after that cell;
+    - ``lost_since``: the state was lost after the last cell (a restart no cell has followed yet).
+    """
+    live: list[int] = []
+    after_cell: dict[int, list[int]] = {0: []}
+    index = 0
+    for cell in notebook.cells:
+        recorded = _recorded(cell) if isinstance(cell, dict) else {}
+        if cell.get("cell_type") != "code":
+            rewind = recorded.get("rewind")
+            target = rewind.get("to") if isinstance(rewind, dict) else None
+            if isinstance(target, int) and not isinstance(target, bool) and target in after_cell:
+                live = list(after_cell[target])
+            continue
+        index += 1
+        if after is not None and index > after:
+            break
+        if recorded.get("status") == ExecutionStatus.REFUSED.value:
+            pass  # never ran
+        elif recorded.get("state_lost") and (recorded.get("status") in DIED or recorded.get("ended_by") in REPLACED):
+            live = []
+        elif recorded.get("state_lost"):
+            live = [index]
+        else:
+            live.append(index)
+        after_cell[index] = list(live)
+    return [] if lost_since and after is None else live
+
+
+async def rebuild(
+    session: KernelSession,
+    notebook: nbformat.NotebookNode,
+    *,
+    cells: list[int],
+    files: tuple[Path, ArchivePart] | None = None,
+    files_from: str = "snapshot",
+    timeout: float = DEFAULT_CELL_TIMEOUT,
+) -> Restored:
+    """Bring the fresh ``session`` to a recorded state: put back the saved ``files`` archive, if
+    any, re-run the code ``cells`` (:func:`cells_in_memory`), and put the files back again.
+    Raises SnapshotRejectedError for an altered archive (before any cell runs) and
+    SandkernelError when the sandbox fails; what the cells do is in the verdicts."""
+    started = time.monotonic()
+    notes: list[str] = []
+    if files is not None:
+        await restore_files(session.container, *files)
+        uploads = []
+    else:
+        files_from = REPLAY
+        try:
+            uploads = _uploads_of(notebook, [], notes)
+        except ConfigError as error:  # a large upload the transcript only names: the cells may miss it
+            notes.append(f"an uploaded file could not be put back: {error}")
+            uploads = []
+    rules = load_rules(None)
+    last = max(cells, default=0)
+    _, verdicts = await _run_cells(session, notebook, uploads, last, timeout, rules, notes, only=set(cells))
+    if files is not None:
+        await restore_files(session.container, *files)
+    if session.meter is not None:  # the rebuild is nobody's cell
+        session.meter.forget_files()
+    restored = Restored(REPLAY, verdicts, files_from, time.monotonic() - started, notes)
+    log.info(
+        "session state rebuilt by replay",
+        extra={
+            "session": session.id,
+            "cells": sum(1 for v in verdicts if v.verdict is not Verdict.NOT_RUN),
+            "files": files_from,
+        },
+    )
+    return restored
