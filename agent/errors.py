@@ -163,16 +163,15 @@ STATUS_ERRORS: dict[int, type[ClientError]] = {
     429: LimitExceededError,
 }
 
-# Gateway codes that say more than their status: checked before STATUS_ERRORS. The snapshot codes
-# come from the gateway's own error classes (sandkernel.errors, the common base), so the two ends
-# cannot drift apart; session_paused and session_busy are gateway/registry.py's, which a client
-# library may not import (tests/test_client_snapshots.py checks the strings against them).
+# Gateway codes that say more than their status: checked before STATUS_ERRORS. The codes come from
+# the gateway's own error classes (sandkernel.errors, the common base), so the two ends cannot
+# drift apart.
 CODE_ERRORS: dict[str, type[ClientError]] = {
     gateway_errors.SnapshotError.code: SnapshotFailedError,
     gateway_errors.SnapshotRejectedError.code: SnapshotRejectedError,
     gateway_errors.SnapshotQuotaError.code: SnapshotQuotaError,
-    "session_paused": SessionPausedError,
-    "session_busy": SessionBusyError,
+    gateway_errors.SessionPausedError.code: SessionPausedError,
+    gateway_errors.SessionBusyError.code: SessionBusyError,
 }
 
 EXECUTION_ERRORS: dict[str, type[ExecutionFailed]] = {

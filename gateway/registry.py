@@ -25,7 +25,13 @@ import uuid
 from collections.abc import Awaitable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from sandkernel.errors import ConfigError, KernelNotFoundError, SandboxLostError, SandkernelError
+from sandkernel.errors import (
+    ConfigError,
+    KernelNotFoundError,
+    SandboxLostError,
+    SandkernelError,
+    SessionPausedError,
+)
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.session_observers import CatalogWriter, observe
 from sandkernel.gateway.settings import GatewaySettings
@@ -52,22 +58,6 @@ class TooManySessionsError(ConfigError):
     """A tenant (or the gateway) is at its session limit."""
 
     status = 429
-
-
-class SessionPausedError(SandkernelError):
-    """The call needs the kernel of a paused session (interrupt, restart, the kernel API): resume it
-    first. Executes and file calls resume it by themselves."""
-
-    status = 409
-    code = "session_paused"
-
-
-class SessionBusyError(SandkernelError):
-    """A snapshot (pause, fork, rewind) of a session that is running code: it would not be the
-    state of any cell."""
-
-    status = 409
-    code = "session_busy"
 
 
 def _now() -> str:

@@ -31,15 +31,8 @@ from typing import Any
 
 import nbformat
 
-from sandkernel.errors import ConfigError, SnapshotError, SnapshotQuotaError
-from sandkernel.gateway.registry import (
-    ManagedSession,
-    PausedSession,
-    SessionBusyError,
-    SessionRegistry,
-    _now,
-    seconds_since,
-)
+from sandkernel.errors import ConfigError, SessionBusyError, SnapshotError, SnapshotQuotaError
+from sandkernel.gateway.registry import ManagedSession, PausedSession, SessionRegistry, _now, seconds_since
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.adoption import profile_from_record, profile_record
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState

@@ -175,3 +175,19 @@ class SnapshotQuotaError(SnapshotError):
     """A new snapshot would take a tenant past its snapshot disk quota."""
 
     code = "snapshot_quota_exceeded"
+
+
+class SessionPausedError(SandkernelError):
+    """The call needs the kernel of a paused session (interrupt, restart, the kernel API): resume it
+    first. Executes and file calls resume it by themselves."""
+
+    status = 409
+    code = "session_paused"
+
+
+class SessionBusyError(SandkernelError):
+    """A snapshot (pause, fork, rewind) of a session that is running code: it would not be the
+    state of any cell."""
+
+    status = 409
+    code = "session_busy"

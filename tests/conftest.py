@@ -113,6 +113,11 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
     "tests/test_bad_input.py": "*",
     "tests/test_gateway_lifecycle.py": "*",
     "tests/test_snapshots.py": "*",
+    "tests/test_client_snapshots.py": frozenset(
+        {"test_pause_then_execute_resumes_with_variables_and_files", "test_fork_copies_the_state_and_the_forks_diverge",
+         "test_rewind_forgets_what_later_cells_made", "test_a_pause_while_code_runs_is_refused_as_busy",
+         "test_the_sync_client_forks_into_sync_sessions"}
+    ),
     "tests/test_jupyter_server_gateway.py": "*",
     "tests/test_jupyter_tools.py": "*",
     "tests/test_lifecycle.py": "*",

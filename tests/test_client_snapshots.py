@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import asyncio
-import importlib.util
 
 import pytest
 
@@ -28,16 +27,9 @@ from sandkernel.agent.errors import CODE_ERRORS, error_for_status
 
 from .gateway_fixtures import ALICE, start_gateway, stop_gateway
 
-API_MISSING = importlib.util.find_spec("sandkernel.gateway.snapshots_api") is None
-needs_api = pytest.mark.skipif(
-    API_MISSING, reason="the gateway's snapshot API (gateway/snapshots_api.py) is not built yet"
-)
-
 
 @pytest.fixture(scope="module")
 async def gateway(tmp_path_factory):
-    if API_MISSING:
-        pytest.skip("the gateway's snapshot API (gateway/snapshots_api.py) is not built yet")
     gw = await start_gateway(tmp_path_factory.mktemp("client-snapshots"), max_sessions=6)
     yield gw
     await stop_gateway(gw)
@@ -52,15 +44,12 @@ async def client(gateway):
 def test_each_snapshot_refusal_is_its_own_exception():
     """Callers catch what they can act on: a full quota is a limit, a busy session waits, and
     every one is still a 409 ConflictError for callers that catch broadly."""
-    from sandkernel.gateway.registry import SessionBusyError as GatewayBusy
-    from sandkernel.gateway.registry import SessionPausedError as GatewayPaused
-
     expected = {
         gateway_errors.SnapshotError.code: SnapshotFailedError,
         gateway_errors.SnapshotRejectedError.code: SnapshotRejectedError,
         gateway_errors.SnapshotQuotaError.code: SnapshotQuotaError,
-        GatewayPaused.code: SessionPausedError,
-        GatewayBusy.code: SessionBusyError,
+        gateway_errors.SessionPausedError.code: SessionPausedError,
+        gateway_errors.SessionBusyError.code: SessionBusyError,
     }
     assert expected == CODE_ERRORS  # the client's strings are the gateway's codes
     for code, cls in expected.items():
@@ -77,7 +66,6 @@ async def _names(session: AsyncSession, *names: str) -> list[str]:
     return ast.literal_eval(probe.text)
 
 
-@needs_api
 async def test_pause_then_execute_resumes_with_variables_and_files(client):
     async with client.session(profile="small") as s:
         await s.run("total = 41", check=True)
@@ -102,7 +90,6 @@ async def test_pause_then_execute_resumes_with_variables_and_files(client):
         assert await s.download("note.txt") == b"kept"
 
 
-@needs_api
 async def test_fork_copies_the_state_and_the_forks_diverge(client):
     async with client.session(profile="small") as parent:
         await parent.run("trail = ['parent']", check=True)
@@ -121,7 +108,6 @@ async def test_fork_copies_the_state_and_the_forks_diverge(client):
                 await fork.delete()
 
 
-@needs_api
 async def test_rewind_forgets_what_later_cells_made(client):
     async with client.session(profile="small") as s:
         for code in ("a = 1", "b = 2", "c = 3\nopen('c.txt', 'w').write('three')"):
@@ -133,7 +119,6 @@ async def test_rewind_forgets_what_later_cells_made(client):
         assert "c.txt" not in {entry["name"] for entry in await s.list_files()}
 
 
-@needs_api
 async def test_a_pause_while_code_runs_is_refused_as_busy(client):
     async with client.session(profile="small") as s:
         running = asyncio.create_task(s.run("import time; time.sleep(3); 'done'"))
@@ -144,7 +129,6 @@ async def test_a_pause_while_code_runs_is_refused_as_busy(client):
         assert (await s.refresh())["state"] == "running"
 
 
-@needs_api
 async def test_the_sync_client_forks_into_sync_sessions(gateway):
     def use_it() -> tuple[str, str | None, str]:
         with Sandkernel(gateway.url, ALICE) as sk, sk.session(profile="small") as s:
