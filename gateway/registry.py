@@ -429,6 +429,8 @@ class SessionRegistry:
         if self.controls is not None:  # first: the breaker hears a result before the catalog records it
             self.controls.attach(managed)
         observe(managed, self.metrics, self.writer)
+        if self.snapshots is not None:  # per-cell checkpoints, when the operator keeps them
+            self.snapshots.watch(managed)
 
     async def record(self, managed: ManagedSession) -> None:
         """Write a new session to the catalog (replacing its pool record, if it was pooled);
@@ -486,6 +488,9 @@ class SessionRegistry:
         """The tenant's paused session of that id, if it is paused."""
         found = self._paused.get(session_id)
         return found if found is not None and found.tenant == tenant else None
+
+    def live_ids(self) -> set[str]:
+        return set(self._sessions)
 
     def paused_sessions(self) -> list[PausedSession]:
         return list(self._paused.values())

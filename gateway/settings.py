@@ -159,6 +159,12 @@ class GatewaySettings:
     paused_ttl: float | None = _setting(
         7 * 86400.0, "delete sessions paused this long, seconds (0: never)", metavar="S", zero_is_none=True
     )
+    checkpoint_every_cell: bool = _setting(
+        False,
+        "keep the files of each session after each cell (the newest --checkpoints-kept), so a rewind or a fork at a "
+        "cell restores them exactly; costs an archive of /workspace and /tmp after every cell",
+    )
+    checkpoints_kept: int = _setting(10, "per-cell checkpoints kept per session", metavar="N", positive=True)
     snapshot_quota_mb: int = _setting(
         10240, "disk each token's snapshots may use, MiB (a pause beyond it is refused)", metavar="MB", positive=True
     )

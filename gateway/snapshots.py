@@ -32,6 +32,7 @@ from typing import Any
 import nbformat
 
 from sandkernel.errors import ConfigError, SessionBusyError, SnapshotError, SnapshotQuotaError
+from sandkernel.gateway.checkpoints import CellCheckpoints
 from sandkernel.gateway.registry import ManagedSession, PausedSession, SessionRegistry, _now, seconds_since
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.adoption import profile_from_record, profile_record
@@ -52,6 +53,7 @@ MiB = 1024 * 1024
 MAX_FORKS = 10  # per request: each fork is a cold start plus a replay
 FORKS_AT_ONCE = 4  # started concurrently: the engine and 2 cores do not gain from more
 FILES = "files"  # the archive part of a snapshot
+CELL = "cell"  # the kind of a per-cell checkpoint
 
 
 class SnapshotManager:
@@ -146,7 +148,7 @@ class SnapshotManager:
                 profile=profile_record(session.profile),
                 cells=len(code_cells(notebook)),
                 replay_from=0,
-                cell=None,
+                cell=len(code_cells(notebook)) if kind == CELL else None,
                 parts={FILES: part},
                 extra={"cells_in_memory": cells_in_memory(notebook, lost_since=session.state_lost_pending)},
             )
@@ -176,12 +178,16 @@ class SnapshotManager:
         recorder = await _reopen_transcript(paused.record.gateway.get("transcript"))
         notebook = recorder.notebook if recorder is not None else build_notebook([], {})
         if rewind_to is None:
-            cells, files = list(manifest.extra.get("cells_in_memory") or []), self._files(manifest)
-        else:  # the files of that moment are not kept: the cells remake them on a fresh workspace
-            cells, files = cells_in_memory(notebook, after=rewind_to), None
+            cells, files, files_from = (
+                list(manifest.extra.get("cells_in_memory") or []),
+                self._files(manifest),
+                "snapshot",
+            )
+        else:
+            cells, files, files_from = await self._state_after(paused.id, paused.tenant, notebook, rewind_to)
         session = await self.registry.cold_start(profile_from_record(manifest.profile), paused.id)
         try:
-            restored = await rebuild(session, notebook, cells=cells, files=files)
+            restored = await rebuild(session, notebook, cells=cells, files=files, files_from=files_from)
         except BaseException as err:
             await self.registry.finish(session.shutdown())
             if isinstance(err, SnapshotError):
@@ -221,6 +227,36 @@ class SnapshotManager:
     def _files(self, manifest: SnapshotManifest) -> tuple[Path, Any]:
         return self.store.part_path(manifest, FILES), manifest.parts[FILES]
 
+    async def _state_after(
+        self, session_id: str, tenant: str, notebook: nbformat.NotebookNode, cell: int
+    ) -> tuple[list[int], tuple[Path, Any] | None, str]:
+        """What rebuilds the state right after code cell ``cell``: the cells in memory then, and
+        the files from that cell's checkpoint if one is kept (else the cells remake them on a
+        fresh workspace: ``replay``)."""
+        kept = await asyncio.to_thread(self.store.list, session_id)
+        for manifest in reversed(kept):
+            if manifest.kind == CELL and manifest.cell == cell and manifest.tenant == tenant:
+                return list(manifest.extra.get("cells_in_memory") or []), self._files(manifest), "checkpoint"
+        return cells_in_memory(notebook, after=cell), None, "replay"
+
+    # -- per-cell checkpoints ------------------------------------------------------------------
+
+    def watch(self, managed: ManagedSession) -> None:
+        """With ``--checkpoint-every-cell``, checkpoint the session's files after each cell."""
+        if self.settings.checkpoint_every_cell:
+            checkpoints = CellCheckpoints(self, managed)
+            managed.session.add_observer(checkpoints)
+            managed.session.add_gate(checkpoints)
+
+    async def checkpoint(self, managed: ManagedSession) -> SnapshotManifest:
+        """Archive the files as the last cell left them, and drop the oldest checkpoints beyond
+        ``checkpoints_kept``. Takes no lock: a pause may be waiting for it (gateway/checkpoints.py)."""
+        manifest = await self._snapshot(managed, CELL)
+        kept = [m for m in await asyncio.to_thread(self.store.list, managed.id) if m.kind == CELL]
+        for old in kept[: max(0, len(kept) - self.settings.checkpoints_kept)]:
+            await asyncio.to_thread(self.store.remove, managed.id, old.snapshot_id)
+        return manifest
+
     # -- rewind -----------------------------------------------------------------------------
 
     async def rewind(self, managed: ManagedSession, cell: Any, door: str) -> dict[str, Any]:
@@ -251,15 +287,17 @@ class SnapshotManager:
                 async with managed.session.exclusive():
                     manifest = await self._snapshot(managed, "fork")
                 cells, files, upto = list(manifest.extra["cells_in_memory"]), self._files(manifest), total
+                files_from = "snapshot"
             else:
                 _check_cell(cell, total)
-                cells, files, upto = cells_in_memory(notebook, after=cell), None, cell
+                cells, files, files_from = await self._state_after(managed.id, managed.tenant, notebook, cell)
+                upto = cell
             profile = managed.session.profile
         limit = asyncio.Semaphore(FORKS_AT_ONCE)
 
         async def one() -> tuple[ManagedSession, Restored]:
             async with limit:
-                return await self._child(managed, profile, notebook, cells, files, upto)
+                return await self._child(managed, profile, notebook, cells, (files, files_from), upto)
 
         try:
             outcomes = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
@@ -282,13 +320,13 @@ class SnapshotManager:
         profile: Any,
         notebook: nbformat.NotebookNode,
         cells: list[int],
-        files: tuple[Path, Any] | None,
+        files: tuple[tuple[Path, Any] | None, str],
         upto: int,
     ) -> tuple[ManagedSession, Restored]:
         session_id = uuid.uuid4().hex
         session = await self.registry.cold_start(profile, session_id)
         try:
-            restored = await rebuild(session, notebook, cells=cells, files=files)
+            restored = await rebuild(session, notebook, cells=cells, files=files[0], files_from=files[1])
             metadata = {**parent.metadata, "forked_from": parent.id}
             recorder = TranscriptRecorder(
                 notebook_path_for(session_id, self.settings.notebook_dir),
@@ -335,7 +373,7 @@ class SnapshotManager:
     async def sweep(self) -> list[str]:
         """Remove snapshots of sessions the registry does not know (a crash mid-pause, a record
         deleted by hand): run at start-up, after adoption."""
-        known = {p.id for p in self.registry.paused_sessions()}
+        known = {p.id for p in self.registry.paused_sessions()} | self.registry.live_ids()
         orphans = [sid for sid in await asyncio.to_thread(self.store.sessions) if sid not in known]
         for session_id in orphans:
             await asyncio.to_thread(self.store.remove, session_id)

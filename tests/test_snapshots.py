@@ -209,3 +209,36 @@ async def test_idle_sessions_pause_expire_and_the_quota_refuses(tmp_path):
         assert _text(await _execute(gw, big["id"], "print(b)")) == "eHh4\n"  # still live, nothing lost
     finally:
         await stop_gateway(gw)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_checkpoint_every_cell_rewinds_files_exactly(tmp_path, runtime):
+    """A file made from a random token comes back as it was (a re-run would make another), and only
+    the newest checkpoints are kept: a rewind past them remakes the files by replay."""
+    require_runtime(runtime)
+    gw = await start_gateway(tmp_path, default_runtime=runtime, checkpoint_every_cell=True, checkpoints_kept=3)
+    try:
+        _, session = await gw.request("POST", "/api/sessions", {})
+        sid = session["id"]
+        await _execute(gw, sid, "open('/workspace/log', 'w').write('1')")  # cell 1
+        await _execute(gw, sid, "import secrets; open('/workspace/token', 'w').write(secrets.token_hex(8))")
+        token = _text(await _execute(gw, sid, "print(open('/workspace/token').read())")).strip()  # cell 3
+        await _execute(gw, sid, "open('/workspace/log', 'a').write('4'); import os; os.remove('/workspace/token')")
+        await _execute(gw, sid, "z = 5")  # cell 5: checkpoints after cells 3, 4 and 5 are kept
+        for _ in range(100):  # the checkpoint after the last cell is taken after its reply
+            kept = sorted(m.cell for m in await asyncio.to_thread(SnapshotStore().list, sid) if m.kind == "cell")
+            if kept == [3, 4, 5]:
+                break
+            await asyncio.sleep(0.1)
+        assert kept == [3, 4, 5]
+
+        code, rewound = await gw.request("POST", f"/api/sessions/{sid}/rewind", {"cell": 3})
+        assert code == 200 and rewound["files"] == "checkpoint", rewound
+        assert _text(
+            await _execute(gw, sid, "print(open('/workspace/token').read(), open('/workspace/log').read())")
+        ) == (f"{token} 1\n")
+        code, rewound = await gw.request("POST", f"/api/sessions/{sid}/rewind", {"cell": 1})
+        assert code == 200 and rewound["files"] == "replay", rewound  # cell 1's checkpoint was dropped
+        assert _text(await _execute(gw, sid, "import os; print(os.path.exists('/workspace/token'))")) == "False\n"
+    finally:
+        await stop_gateway(gw)
