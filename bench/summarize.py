@@ -97,6 +97,25 @@ def main() -> None:
                     f"{off['p50_ms']:.2f} ms with all off ({row['ratio_to_off'] - 1:+.1%})",
                 )
             )
+    for runtime, sizes in load("snapshots.json").items():
+        for size, data in sizes.items():
+            fork = next(name for name in data if name.startswith("fork of "))
+            base, forks = data["cold start + cells"]["p50_s"], fork.removeprefix("fork of ")
+            rows.append(
+                (
+                    f"pause / resume ({', '.join(data['restored_by'])}), {size} session ({runtime})",
+                    f"{data['pause']['p50_s']:.2f} / {data['resume']['p50_s']:.2f} s",
+                    f"cold start + the same cells {base:.2f} s (resume {data['resume']['ratio_to_baseline']:.2f}x)",
+                )
+            )
+            rows.append(
+                (
+                    f"{fork}, {size} session ({runtime})",
+                    f"{data[fork]['p50_s']:.2f} s",
+                    f"{forks} cold starts + cells at once {data[f'{forks} x cold start + cells']['p50_s']:.2f} s "
+                    f"({data[fork]['ratio_to_baseline']:.2f}x)",
+                )
+            )
     agent = load("agent_roundtrips.json").get("median", {})
     if agent:
         base = agent["stateful session"]

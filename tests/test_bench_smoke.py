@@ -35,7 +35,10 @@ def test_bench_suite_runs_and_summarises(tmp_path):
         assert not data["watching"] or data["walks_on"] == 0, data  # trivial cells take no walk
     controls = json.loads((tmp_path / "controls_overhead.json").read_text())["runc"]
     assert len(controls) == 3 and all(row["n"] == 5 for row in controls.values()), controls
+    for runtime, sizes in json.loads((tmp_path / "snapshots.json").read_text()).items():
+        assert sizes["5 MB"]["restored_by"] == ["replay"] and sizes["5 MB"]["verdicts"] == ["same"], (runtime, sizes)
     summary = (tmp_path / "SUMMARY.md").read_text()
     assert "trivial execute with per-cell accounting (runc, empty workspace)" in summary
     assert "controls defaults (accounting + audit) (runc)" in summary
+    assert "pause / resume (replay), 5 MB session (runc)" in summary
     assert "acquire -> 1+1, warm pool (runc)" in summary and "| measure | sandkernel | baseline |" in summary
