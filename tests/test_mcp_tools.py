@@ -236,3 +236,131 @@ async def test_the_notebook_resource_records_mcp_runs_and_replays(mcp_stack):
     assert [v.verdict for v in outcome.verdicts] == [Verdict.SAME] * 3
     assert json.loads(path.read_text())["cells"][-1]["outputs"][0]["text"] == "42\n"
     await client.call_tool("close_session", {"session_id": sid})
+
+
+# -- snapshots: pause, resume, fork, rewind --------------------------------------------------
+
+
+async def new_session(client, *cells: str) -> str:
+    """A session of its own (the module's default one has restarts and sleeps in its notebook),
+    with ``cells`` run in it."""
+    created = await client.call_tool("create_session", {})
+    assert not created.is_error, text_of(created)
+    sid = created.structured_content["session_id"]
+    for code in cells:
+        ran = await client.call_tool("run_python", {"code": code, "session_id": sid})
+        assert not ran.is_error, text_of(ran)
+    return sid
+
+
+async def test_fork_two_then_the_forks_diverge(mcp_stack):
+    client, alice, _, _ = mcp_stack
+    sid = await new_session(client, "base = [1, 2]", "open('note.txt', 'w').write('parent')")
+    before = {s["session_id"] for s in (await client.call_tool("list_sessions", {})).structured_content["sessions"]}
+
+    # a count out of range is refused before anything starts, with the range in the message
+    for count in (0, 11):
+        refused = await client.call_tool("fork_session", {"count": count, "session_id": sid})
+        assert refused.is_error and "1 to 10" in text_of(refused), text_of(refused)
+    wrong_cell = await client.call_tool("fork_session", {"cell": 9, "session_id": sid})
+    assert wrong_cell.is_error and "1 to 2" in text_of(wrong_cell), text_of(wrong_cell)
+    listed = await client.call_tool("list_sessions", {})
+    assert {s["session_id"] for s in listed.structured_content["sessions"]} == before
+
+    forked = await client.call_tool("fork_session", {"count": 2, "session_id": sid})
+    assert not forked.is_error, text_of(forked)
+    forks = forked.structured_content["forks"]
+    ids = [f["session_id"] for f in forks]
+    assert len(set(ids)) == 2 and sid not in ids and not set(ids) & before
+    for fork in forks:
+        assert fork["restored_by"] == "replay" and fork["reproduced"] is True
+        assert [(c["cell"], c["verdict"]) for c in fork["cells"]] == [(1, "same"), (2, "same")]
+        assert fork["files"] == "snapshot"
+        assert fork["session_id"] in text_of(forked)
+    assert "every one as recorded" in text_of(forked)
+    assert set(ids) <= alice.started  # they end with the caller, like sessions it created
+
+    for fork, tag in zip(ids, ("a", "b"), strict=True):
+        changed = await client.call_tool("run_python", {"code": f"base.append({tag!r}); base", "session_id": fork})
+        assert not changed.is_error, text_of(changed)
+    for where, expected in ((ids[0], "[1, 2, 'a']"), (ids[1], "[1, 2, 'b']"), (sid, "[1, 2]")):
+        seen = await client.call_tool("run_python", {"code": "base", "session_id": where})
+        assert text_of(seen) == expected
+    note = await client.call_tool("run_python", {"code": "open('note.txt').read()", "session_id": ids[1]})
+    assert text_of(note) == "'parent'"
+    for closing in (*ids, sid):
+        assert not (await client.call_tool("close_session", {"session_id": closing})).is_error
+
+
+async def test_rewind_undoes_the_cells_that_broke_the_state(mcp_stack):
+    client, *_ = mcp_stack
+    sid = await new_session(
+        client, "rows = list(range(5))", "rows = None\nopen('later.txt', 'w').write('made after cell 1')"
+    )
+    out_of_range = await client.call_tool("rewind_session", {"cell": 7, "session_id": sid})
+    assert out_of_range.is_error and "1 to 2" in text_of(out_of_range), text_of(out_of_range)
+
+    rewound = await client.call_tool("rewind_session", {"cell": 1, "session_id": sid})
+    assert not rewound.is_error, text_of(rewound)
+    assert rewound.structured_content["rewound_to"] == 1
+    assert rewound.structured_content["restored_by"] == "replay"
+    cells = [(c["cell"], c["verdict"]) for c in rewound.structured_content["cells"]]
+    assert cells == [(1, "same"), (2, "not run")]  # cell 2 is undone: not re-run
+    assert "rewound to right after cell 1, restored by replay: 1 cell(s) re-run" in text_of(rewound)
+    rows = await client.call_tool("run_python", {"code": "rows", "session_id": sid})
+    assert text_of(rows) == "[0, 1, 2, 3, 4]"
+    later = await client.call_tool("run_python", {"code": "import os; os.path.exists('later.txt')", "session_id": sid})
+    assert text_of(later) == "False"
+    await client.call_tool("close_session", {"session_id": sid})
+
+
+async def test_pause_then_run_python_resumes_and_other_tenants_see_nothing(mcp_stack):
+    client, alice, bob, _ = mcp_stack
+    sid = await new_session(client, "y = 6 * 7", "open('kept.txt', 'w').write('on disk')")
+    registry = alice.registry
+
+    paused = await client.call_tool("pause_session", {"session_id": sid})
+    assert not paused.is_error, text_of(paused)
+    assert paused.structured_content["state"] == "paused"
+    assert paused.structured_content["snapshot"]["cells"] == 2
+    assert registry.paused("alice", sid) is not None  # no container: really paused
+    again = await client.call_tool("pause_session", {"session_id": sid})
+    assert not again.is_error and "already paused" in text_of(again)
+    listed = await client.call_tool("list_sessions", {})
+    [entry] = [s for s in listed.structured_content["sessions"] if s["session_id"] == sid]
+    assert entry["state"] == "paused"
+
+    # bob: alice's session, paused or live, answers as an unknown id does, and is left alone
+    bob_server = build_mcp_server(lambda ctx: bob, registry.settings.budget)
+    calls = {
+        "pause_session": {},
+        "resume_session": {},
+        "fork_session": {"count": 1},
+        "rewind_session": {"cell": 1},
+        "run_python": {"code": "y"},
+    }
+    async with Client(bob_server) as bob_client:
+        for tool, args in calls.items():
+            foreign = await bob_client.call_tool(tool, {**args, "session_id": sid})
+            unknown = await bob_client.call_tool(tool, {**args, "session_id": "0" * 32})
+            assert foreign.is_error and unknown.is_error, tool
+            assert text_of(foreign).replace(sid, "ID") == text_of(unknown).replace("0" * 32, "ID"), tool
+            assert registry.paused("alice", sid) is not None, tool  # still paused: nothing resumed it
+    assert registry.list("bob") == []
+
+    # a run on the paused session resumes it by itself, with its variables and files
+    resumed = await client.call_tool("run_python", {"code": "y, open('kept.txt').read()", "session_id": sid})
+    assert not resumed.is_error, text_of(resumed)
+    assert text_of(resumed) == "(42, 'on disk')"
+    assert registry.paused("alice", sid) is None
+
+    # the explicit resume reports how the state came back; on a running session it does nothing
+    await client.call_tool("pause_session", {"session_id": sid})
+    report = await client.call_tool("resume_session", {"session_id": sid})
+    assert not report.is_error, text_of(report)
+    assert report.structured_content["restored_by"] == "replay"
+    assert report.structured_content["reproduced"] is True and report.structured_content["files"] == "snapshot"
+    assert [c["verdict"] for c in report.structured_content["cells"]][:3] == ["same"] * 3
+    running = await client.call_tool("resume_session", {"session_id": sid})
+    assert not running.is_error and "nothing to resume" in text_of(running)
+    await client.call_tool("close_session", {"session_id": sid})

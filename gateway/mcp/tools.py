@@ -13,6 +13,10 @@ session API's replies (gateway/budget.py through gateway/replies.py). A bad argu
 (unknown session, path outside /workspace, a limit) comes back as a tool error that says what to
 fix; nothing a caller sends can crash the server (the SDK turns any other exception into a
 generic tool error and logs it).
+
+The snapshot tools (pause, resume, fork, rewind) call the gateway's SnapshotManager
+(gateway/snapshots.py) as the session API does, and say how each state came back: restored by
+replay, with a verdict per re-run cell, never passed off as exact.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import binascii
 import json
 import mimetypes
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol, runtime_checkable
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError, ToolError
@@ -43,9 +47,10 @@ from sandkernel.doors import MCP
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
 from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.mcp.resolver import ResolverFor, SessionResolver
-from sandkernel.gateway.registry import ManagedSession
+from sandkernel.gateway.registry import ManagedSession, PausedSession, SessionRegistry
 from sandkernel.gateway.replies import execution_reply, run_shell
 from sandkernel.gateway.sessions_api import MAX_CODE_BYTES
+from sandkernel.gateway.snapshots import MAX_FORKS, SnapshotManager
 from sandkernel.images import fit_image
 from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFiles
 from sandkernel.mime import IMAGE_MIME_TYPES, is_api_image
@@ -62,7 +67,9 @@ notebook. Every result names the session it ran in (session_id): pass that sessi
 next calls to keep working in the same state (without one, a connection that keeps no MCP session
 starts a new sandbox each time). Start more with create_session to keep separate states. Figures you
 display (matplotlib, PIL) come back as images. Every call is recorded in the session's notebook
-(resource sandkernel://sessions/{session_id}/notebook)."""
+(resource sandkernel://sessions/{session_id}/notebook). A session can be forked (try several
+approaches from one state), rewound (undo cells that broke the state) and paused (kept on disk
+while idle; the next call resumes it)."""
 
 SessionId = Annotated[
     str | None,
@@ -151,6 +158,78 @@ def _check_timeout(timeout: float | None) -> float | None:
     return timeout
 
 
+def _check_session_id(session_id: str | None) -> None:
+    if session_id is not None and (not session_id or len(session_id) > 200):
+        raise ToolError("session_id must be a session id from create_session or list_sessions")
+
+
+@runtime_checkable
+class TenantScope(Protocol):
+    """What the snapshot tools need of a resolver beyond :class:`SessionResolver`: the registry
+    (its SnapshotManager), the caller's tenant, the default session's id and the ids it started
+    (a fork joins them, so it ends with the caller like a created session). Every resolver of the
+    gateway's doors is a :class:`~sandkernel.gateway.mcp.resolver.TenantResolver`, which has them."""
+
+    registry: SessionRegistry
+    tenant: str
+    default_id: str | None
+    started: set[str]
+
+
+VERDICT_NOTE_CHARS = 300  # a verdict's note as the model reads it (the notebook keeps the diff)
+
+
+def _restore_summary(reply: dict[str, Any]) -> dict[str, Any]:
+    """How a state came back, compact: the mechanism, whether every re-run cell agreed with the
+    record, where the files came from, and one entry per cell (a note only where there is one)."""
+    cells = [
+        {
+            "cell": c["cell"],
+            "verdict": c["verdict"],
+            **({"note": clip_text(c["note"], VERDICT_NOTE_CHARS).text} if c.get("note") else {}),
+        }
+        for c in reply.get("cells") or ()
+    ]
+    return {
+        "restored_by": reply.get("restored_by"),
+        "reproduced": reply.get("reproduced"),
+        "files": reply.get("files"),
+        "seconds": reply.get("seconds"),
+        "cells": cells,
+        "notes": list(reply.get("notes") or ()),
+    }
+
+
+def _restore_text(summary: dict[str, Any]) -> str:
+    """One line a model can act on: what was re-run, and which cells came out differently."""
+    cells = summary["cells"]
+    ran = sum(1 for c in cells if c["verdict"] != "not run")
+    text = f"restored by {summary['restored_by']}: {ran} cell(s) re-run"
+    if summary["reproduced"]:
+        text += ", every one as recorded"
+    else:
+        differ = [c for c in cells if c["verdict"] not in ("same", "not run")]
+        text += "; differing from the record: " + "; ".join(
+            f"cell {c['cell']} {c['verdict']}" + (f" ({c['note']})" if c.get("note") else "") for c in differ
+        )
+        text += " (their variables may not be what they were: check them before relying on them)"
+    text += f"; files from the {summary['files']}"
+    return "; ".join([text, *summary["notes"]])
+
+
+def _paused_summary(paused: PausedSession) -> dict[str, Any]:
+    model = paused.session_model()
+    return {
+        "session_id": paused.id,
+        "name": model["name"],
+        "profile": model["profile"].get("name", ""),
+        "state": model["state"],
+        "created": model["created"],
+        "notebook": NOTEBOOK_URI.format(session_id=paused.id),
+        "snapshot": model["snapshot"],
+    }
+
+
 class McpTools:
     """The tools and the notebook resource of one MCP server; every call resolves its caller."""
 
@@ -164,9 +243,25 @@ class McpTools:
         except SandkernelError as err:
             raise _tool_error(err) from err
 
+    def scope(self, ctx: Context) -> tuple[TenantScope, SnapshotManager]:
+        """The caller's resolver as a tenant scope, and the gateway's snapshot manager."""
+        resolver = self.resolver(ctx)
+        if isinstance(resolver, TenantScope) and isinstance(resolver.registry.snapshots, SnapshotManager):
+            return resolver, resolver.registry.snapshots
+        raise ToolError("this sandkernel server keeps no snapshots: pause, resume, fork and rewind are not available")
+
+    def target(self, scope: TenantScope, session_id: str | None, verb: str) -> str:
+        """The id a pause or resume acts on: the one named, else the caller's default session
+        (never started for it: there is nothing to pause or resume in a new one)."""
+        _check_session_id(session_id)
+        if session_id is not None:
+            return session_id
+        if scope.default_id is None:
+            raise ToolError(f"there is no default session to {verb}: pass session_id (list_sessions shows yours)")
+        return scope.default_id
+
     async def managed(self, ctx: Context, session_id: str | None) -> ManagedSession:
-        if session_id is not None and (not session_id or len(session_id) > 200):
-            raise ToolError("session_id must be a session id from create_session or list_sessions")
+        _check_session_id(session_id)
         try:
             return await self.resolver(ctx).session_for(session_id)
         except SandkernelError as err:
@@ -391,10 +486,135 @@ class McpTools:
         return _result(f"session {session_id} closed", {"session_id": session_id})
 
     async def list_sessions(self, ctx: Context) -> CallToolResult:
-        """List your live sessions (ids, names, profiles, whether busy)."""
-        sessions = [_summary(m) for m in self.resolver(ctx).sessions()]
+        """List your sessions (ids, names, profiles, whether busy or paused)."""
+        resolver = self.resolver(ctx)
+        sessions = [_summary(m) for m in resolver.sessions()]
+        if isinstance(resolver, TenantScope):
+            paused = [p for p in resolver.registry.paused_sessions() if p.tenant == resolver.tenant]
+            sessions += [_paused_summary(p) for p in paused]
         lines = [f"{s['session_id']}  {s['name'] or '-'}  {s['profile']}  {s['state']}" for s in sessions]
         return _result("\n".join(lines) or "(no sessions yet)", {"sessions": sessions})
+
+    # -- snapshots ----------------------------------------------------------------------------
+
+    async def pause_session(self, ctx: Context, session_id: SessionId = None) -> CallToolResult:
+        """Pause a session to disk: its files are kept exactly and its variables are rebuilt later
+        by re-running its cells, while its sandbox is removed (no memory or CPU held).
+
+        Use it to keep an expensive state (loaded data, a trained model) while you do something
+        else for a long time. Nothing else is needed to come back: the next run_python,
+        run_shell or file call on the session resumes it by itself (resume_session does it
+        explicitly and reports how each cell came back). A session running code cannot be paused."""
+        scope, manager = self.scope(ctx)
+        sid = self.target(scope, session_id, "pause")
+        try:
+            await scope.registry.settled(sid)  # a resume or fork under way finishes first
+            paused = scope.registry.paused(scope.tenant, sid)
+            if paused is not None:
+                return _result(
+                    f"session {sid} is already paused",
+                    {"session_id": sid, "state": "paused", "snapshot": paused.snapshot},
+                )
+            reply = await manager.pause(scope.registry.get(scope.tenant, sid), SOURCE)
+        except SandkernelError as err:
+            raise _tool_error(err) from err
+        snapshot = reply["snapshot"]
+        text = (
+            f"session {sid} paused in {reply['seconds']} s: its files ({snapshot.get('bytes')} bytes) are kept and "
+            "its sandbox is stopped; run code in it (or call resume_session) to bring it back"
+        )
+        return _result(
+            text, {"session_id": sid, "state": reply["state"], "snapshot": snapshot, "seconds": reply["seconds"]}
+        )
+
+    async def resume_session(self, ctx: Context, session_id: SessionId = None) -> CallToolResult:
+        """Resume a paused session now, and say how its state came back.
+
+        Optional: run_python, run_shell and the file tools resume a paused session by themselves.
+        Call it to resume ahead of time or to see the report: the files are restored exactly; the
+        variables are rebuilt by re-running the session's cells, each judged against its recorded
+        output (a cell with unseeded randomness, the clock or the network may come out differently).
+        A session that is running already is left as it is."""
+        scope, manager = self.scope(ctx)
+        sid = self.target(scope, session_id, "resume")
+        try:
+            reply = await manager.resume(scope.tenant, sid, SOURCE)
+        except SandkernelError as err:
+            raise _tool_error(err) from err
+        if reply.get("restored_by") is None:
+            return _result(f"session {sid} is running: nothing to resume", {"session_id": sid, "state": reply["state"]})
+        summary = _restore_summary(reply)
+        text = f"session {sid} resumed, {_restore_text(summary)}"
+        return _result(text, {"session_id": sid, "state": reply["state"], **summary}, not summary["reproduced"])
+
+    async def fork_session(
+        self,
+        ctx: Context,
+        count: Annotated[int, Field(description=f"How many copies to make, 1 to {MAX_FORKS}.")] = 1,
+        cell: Annotated[
+            int | None,
+            Field(
+                description="Fork the state right after this code cell (numbered from 1 in the session's "
+                "notebook) instead of the state now."
+            ),
+        ] = None,
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """Copy a session into new, independent sessions with the same variables and files, and
+        return their session ids.
+
+        Use it to try different approaches from one point without redoing the work that led there:
+        fork, then run one approach in each fork (pass the fork's session_id) and keep the one that
+        works; the original session is left unchanged. Close the forks you no longer need. Each
+        fork is a fresh sandbox whose variables are rebuilt by re-running the cells; the result says,
+        per fork, whether every cell came out as recorded."""
+        if isinstance(count, bool) or not 1 <= count <= MAX_FORKS:
+            raise ToolError(f"count must be a whole number of forks from 1 to {MAX_FORKS}, not {count!r}")
+        scope, manager = self.scope(ctx)
+        managed = await self.managed(ctx, session_id)
+        try:
+            forks = await manager.fork(managed, count, cell, SOURCE)
+        except SandkernelError as err:
+            raise _tool_error(err) from err
+        made = [{"session_id": fork["session"]["id"], **_restore_summary(fork)} for fork in forks]
+        scope.started.update(f["session_id"] for f in made)  # they end with the caller, as created ones do
+        where = "its current state" if cell is None else f"its state right after cell {cell}"
+        lines = [f"forked session {managed.id} ({where}) into {len(made)} new session(s):"]
+        lines += [f"- {f['session_id']}: {_restore_text(f)}" for f in made]
+        lines.append("pass a fork's session_id to work in it; the original session is unchanged")
+        failed = not all(f["reproduced"] for f in made)
+        return _result("\n".join(lines), {"session_id": managed.id, "cell": cell, "forks": made}, failed)
+
+    async def rewind_session(
+        self,
+        ctx: Context,
+        cell: Annotated[
+            int,
+            Field(
+                description="The code cell whose state to return to, numbered from 1 in the session's notebook "
+                "(every run_python and run_shell call is a cell; a fork's notebook starts with its parent's)."
+            ),
+        ],
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """Return a session to its state right after an earlier cell: the variables and files that
+        later cells made are gone.
+
+        Use it to undo cells that broke the state (a variable overwritten, data mangled in place, a
+        bad import) instead of restarting and redoing everything. The notebook keeps every cell and
+        records the rewind. The variables are rebuilt by re-running the cells up to that one; the
+        result says whether each came out as recorded. A wrong cell number is refused with the
+        range of valid ones."""
+        _, manager = self.scope(ctx)
+        managed = await self.managed(ctx, session_id)
+        try:
+            reply = await manager.rewind(managed, cell, SOURCE)
+        except SandkernelError as err:
+            raise _tool_error(err) from err
+        summary = _restore_summary(reply)
+        text = f"session {managed.id} rewound to right after cell {cell}, {_restore_text(summary)}"
+        structured = {"session_id": managed.id, "state": reply["state"], "rewound_to": cell, **summary}
+        return _result(text, structured, not summary["reproduced"])
 
     async def notebook(self, session_id: str, ctx: Context) -> str:
         """The session's transcript: an .ipynb document of every run, by every door."""
@@ -442,6 +662,10 @@ def build_mcp_server(resolver_for: ResolverFor, budget: OutputBudget, *, name: s
         (tools.create_session, closed),
         (tools.close_session, ToolAnnotations(destructive_hint=True, open_world_hint=False)),
         (tools.list_sessions, READ_ONLY),
+        (tools.pause_session, ToolAnnotations(destructive_hint=False, idempotent_hint=True, open_world_hint=False)),
+        (tools.resume_session, ToolAnnotations(destructive_hint=False, idempotent_hint=True, open_world_hint=False)),
+        (tools.fork_session, ToolAnnotations(destructive_hint=False, open_world_hint=False)),
+        (tools.rewind_session, ToolAnnotations(destructive_hint=True, open_world_hint=False)),
     ]
     for fn, hints in table:
         server.add_tool(fn, name=fn.__name__, annotations=hints, structured_output=False)
