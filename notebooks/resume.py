@@ -53,11 +53,12 @@ class Restored:
     files: str
     seconds: float
     notes: list[str]
+    complete: bool = True  # every cell that built the memory was in the transcript to re-run
 
     @property
     def reproduced(self) -> bool:
-        """Every re-run cell agreed with the transcript."""
-        return all(v.reproduced for v in self.verdicts)
+        """Every cell that built the memory was re-run and agreed with the transcript."""
+        return self.complete and all(v.reproduced for v in self.verdicts)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -121,6 +122,7 @@ async def rebuild(
     SandkernelError when the sandbox fails; what the cells do is in the verdicts."""
     started = time.monotonic()
     notes: list[str] = []
+    complete = _all_recorded(notebook, cells, notes)
     if files is not None:
         await restore_files(session.container, *files)
         uploads = []
@@ -138,7 +140,7 @@ async def rebuild(
         await restore_files(session.container, *files)
     if session.meter is not None:  # the rebuild is nobody's cell
         session.meter.forget_files()
-    restored = Restored(REPLAY, verdicts, files_from, time.monotonic() - started, notes)
+    restored = Restored(REPLAY, verdicts, files_from, time.monotonic() - started, notes, complete)
     log.info(
         "session state rebuilt by replay",
         extra={
@@ -148,3 +150,17 @@ async def rebuild(
         },
     )
     return restored
+
+
+def _all_recorded(notebook: nbformat.NotebookNode, cells: list[int], notes: list[str]) -> bool:
+    """Whether the transcript holds every cell to re-run; says what is missing otherwise (a
+    transcript past its byte cap stops recording cells; a transcript file that was lost)."""
+    recorded = sum(1 for cell in notebook.cells if cell.get("cell_type") == "code")
+    missing = [index for index in cells if index > recorded]
+    cap = notebook.metadata.get("sandkernel", {}).get("transcript_cap")
+    dropped = cap.get("cells_not_recorded", 0) if isinstance(cap, dict) else 0
+    if missing:
+        notes.append(f"{len(missing)} cell(s) that built the memory are not in the transcript: their effects are lost")
+    if dropped:
+        notes.append(f"{dropped} cell(s) ran past the transcript's size cap and were not recorded: they are not re-run")
+    return not missing and not dropped
