@@ -216,23 +216,8 @@ class LostSession:
     def session_model(self) -> dict[str, Any]:
         """The session model of a live session, with state ``lost`` and the reason; its kernel is
         ``dead``."""
-        gateway = self.record.gateway
-        metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
         return {
-            "id": self.id,
-            "path": gateway.get("transcript"),
-            "name": metadata.get("name", ""),
-            "type": "notebook",
-            "kernel": {
-                "id": self.record.kernel.get("kernel_id"),
-                "name": gateway.get("kernel_name"),
-                "last_activity": gateway.get("last_activity"),
-                "execution_state": "dead",
-                "connections": 0,
-            },
-            "created": gateway.get("created"),
-            "profile": _public_profile(self.record.kernel.get("profile")),
-            "metadata": metadata,
+            **_recorded_model(self.record, self.record.kernel.get("kernel_id"), "dead"),
             "state": SandboxState.LOST.value,
             "lost_reason": self.reason,
         }
@@ -268,26 +253,33 @@ class PausedSession:
 
     def session_model(self) -> dict[str, Any]:
         """The session model with state ``paused`` and its snapshot; its kernel does not run."""
-        gateway = self.record.gateway
-        metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
         return {
-            "id": self.id,
-            "path": gateway.get("transcript"),
-            "name": metadata.get("name", ""),
-            "type": "notebook",
-            "kernel": {
-                "id": None,
-                "name": gateway.get("kernel_name"),
-                "last_activity": gateway.get("last_activity"),
-                "execution_state": "paused",
-                "connections": 0,
-            },
-            "created": gateway.get("created"),
-            "profile": _public_profile(self.record.kernel.get("profile")),
-            "metadata": metadata,
+            **_recorded_model(self.record, None, "paused"),
             "state": SandboxState.PAUSED.value,
             "snapshot": self.snapshot,
         }
+
+
+def _recorded_model(record: SandboxRecord, kernel_id: Any, execution_state: str) -> dict[str, Any]:
+    """The session model of a session known only by its catalog record (lost, paused)."""
+    gateway = record.gateway
+    metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
+    return {
+        "id": record.session_id,
+        "path": gateway.get("transcript"),
+        "name": metadata.get("name", ""),
+        "type": "notebook",
+        "kernel": {
+            "id": kernel_id,
+            "name": gateway.get("kernel_name"),
+            "last_activity": gateway.get("last_activity"),
+            "execution_state": execution_state,
+            "connections": 0,
+        },
+        "created": gateway.get("created"),
+        "profile": _public_profile(record.kernel.get("profile")),
+        "metadata": metadata,
+    }
 
 
 def _public_profile(recorded: Any) -> dict[str, Any]:
