@@ -78,6 +78,10 @@ SessionId = Annotated[
         "omit it on your first call to start one."
     ),
 ]
+TargetId = Annotated[
+    str | None,
+    Field(description="The session, as named by an earlier result or list_sessions; omit it for your default session."),
+]
 
 
 # -- images -------------------------------------------------------------------------------------
@@ -497,7 +501,7 @@ class McpTools:
 
     # -- snapshots ----------------------------------------------------------------------------
 
-    async def pause_session(self, ctx: Context, session_id: SessionId = None) -> CallToolResult:
+    async def pause_session(self, ctx: Context, session_id: TargetId = None) -> CallToolResult:
         """Pause a session to disk: its files are kept exactly and its variables are rebuilt later
         by re-running its cells, while its sandbox is removed (no memory or CPU held).
 
@@ -527,7 +531,7 @@ class McpTools:
             text, {"session_id": sid, "state": reply["state"], "snapshot": snapshot, "seconds": reply["seconds"]}
         )
 
-    async def resume_session(self, ctx: Context, session_id: SessionId = None) -> CallToolResult:
+    async def resume_session(self, ctx: Context, session_id: TargetId = None) -> CallToolResult:
         """Resume a paused session now, and say how its state came back.
 
         Optional: run_python, run_shell and the file tools resume a paused session by themselves.
@@ -545,7 +549,7 @@ class McpTools:
             return _result(f"session {sid} is running: nothing to resume", {"session_id": sid, "state": reply["state"]})
         summary = _restore_summary(reply)
         text = f"session {sid} resumed, {_restore_text(summary)}"
-        return _result(text, {"session_id": sid, "state": reply["state"], **summary}, not summary["reproduced"])
+        return _result(text, {"session_id": sid, "state": reply["state"], **summary})
 
     async def fork_session(
         self,
@@ -582,8 +586,7 @@ class McpTools:
         lines = [f"forked session {managed.id} ({where}) into {len(made)} new session(s):"]
         lines += [f"- {f['session_id']}: {_restore_text(f)}" for f in made]
         lines.append("pass a fork's session_id to work in it; the original session is unchanged")
-        failed = not all(f["reproduced"] for f in made)
-        return _result("\n".join(lines), {"session_id": managed.id, "cell": cell, "forks": made}, failed)
+        return _result("\n".join(lines), {"session_id": managed.id, "cell": cell, "forks": made})
 
     async def rewind_session(
         self,
@@ -592,7 +595,8 @@ class McpTools:
             int,
             Field(
                 description="The code cell whose state to return to, numbered from 1 in the session's notebook "
-                "(every run_python and run_shell call is a cell; a fork's notebook starts with its parent's)."
+                "(every run_python and run_shell call, by any client, is a cell; a fork's notebook starts with "
+                "its parent's)."
             ),
         ],
         session_id: SessionId = None,
@@ -614,7 +618,7 @@ class McpTools:
         summary = _restore_summary(reply)
         text = f"session {managed.id} rewound to right after cell {cell}, {_restore_text(summary)}"
         structured = {"session_id": managed.id, "state": reply["state"], "rewound_to": cell, **summary}
-        return _result(text, structured, not summary["reproduced"])
+        return _result(text, structured)
 
     async def notebook(self, session_id: str, ctx: Context) -> str:
         """The session's transcript: an .ipynb document of every run, by every door."""
