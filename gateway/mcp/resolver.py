@@ -140,8 +140,10 @@ class TenantResolver:
         return self.registry.list(self.tenant)
 
     async def close_all(self) -> None:
-        """End every session this resolver started that is still live (the caller went away)."""
+        """End every session this resolver started that is still there, live or paused (the caller
+        went away)."""
         live = {m.id for m in self.registry.list(self.tenant)}
+        live |= {p.id for p in self.registry.paused_sessions() if p.tenant == self.tenant}
         doomed = [sid for sid in self.started if sid in live]
         results = await asyncio.gather(
             *(self.registry.delete(self.tenant, sid) for sid in doomed), return_exceptions=True
