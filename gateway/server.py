@@ -57,6 +57,7 @@ from sandkernel.gateway.sessions_api import (
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.gateway.snapshots import SnapshotManager
 from sandkernel.gateway.snapshots_api import SnapshotActionHandler
+from sandkernel.kernels.durable.records import SandboxState
 from sandkernel.kernels.durable.store import SessionStore, open_store
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_runtime
@@ -277,7 +278,9 @@ class Gateway:
             if orphans:
                 log.info("removed snapshots no session names", extra={"count": len(orphans)})
             # Sandboxes another state dir's catalog records are spared by the reaper itself.
-            reaped = await reap(keep={record.session_id for record in records})
+            # A paused session has no sandbox: a container of one (a crash mid-resume) goes.
+            paused = {record.session_id for record in records if record.state == SandboxState.PAUSED}
+            reaped = await reap(keep={record.session_id for record in records} - paused, sessions=paused)
             if reaped.removed:
                 log.info("reaped orphaned containers", extra={"count": len(reaped.removed)})
             mcp = await McpHttp.start(registry, settings)  # None without the mcp extra

@@ -129,6 +129,11 @@ class SnapshotManager:
         """Archive the live session's files and sign a manifest naming the cells in its memory."""
         used = await asyncio.to_thread(self.store.tenant_bytes, managed.tenant)
         quota = self.settings.snapshot_quota_mb * MiB
+        if used >= quota and kind != CELL:  # a pause or a fork outranks the session's own cell checkpoints
+            for old in await asyncio.to_thread(self.store.list, managed.id):
+                if old.kind == CELL:
+                    await asyncio.to_thread(self.store.remove, managed.id, old.snapshot_id)
+            used = await asyncio.to_thread(self.store.tenant_bytes, managed.tenant)
         if used >= quota:
             raise SnapshotQuotaError(
                 f"this token's snapshots already use {used // MiB} MiB of its {quota // MiB} MiB quota; "

@@ -242,3 +242,33 @@ async def test_checkpoint_every_cell_rewinds_files_exactly(tmp_path, runtime):
         assert _text(await _execute(gw, sid, "import os; print(os.path.exists('/workspace/token'))")) == "False\n"
     finally:
         await stop_gateway(gw)
+
+
+async def test_a_gateway_killed_mid_resume_leaves_the_session_paused_and_no_sandbox(tmp_path):
+    """kill -9 while a resume re-runs a slow cell: the next gateway removes the half-resumed sandbox
+    (nobody manages it) and lists the session paused; resuming it then works."""
+    from .test_durable_sessions import Serve, clean_up
+
+    serve = Serve(tmp_path, "runc")
+    await serve.start()
+    sid = ""
+    try:
+        sid = (await serve.create())["id"]
+        await serve.execute(sid, "import time; time.sleep(20); z = 9")
+        assert (await serve.call("POST", f"/api/sessions/{sid}/pause"))[0] == 200
+        resuming = asyncio.create_task(serve.call("POST", f"/api/sessions/{sid}/resume"))
+        for _ in range(300):  # the replay has started its sandbox
+            if container_ids_of(sid):
+                break
+            await asyncio.sleep(0.1)
+        assert container_ids_of(sid)
+        serve.kill9()
+        resuming.cancel()
+        await serve.start()
+        assert "1 paused" in serve.output, serve.output
+        assert container_ids_of(sid) == []
+        code, model = await serve.call("GET", f"/api/sessions/{sid}")
+        assert code == 200 and model["state"] == "paused"
+        assert (await serve.execute(sid, "print(z)"))["outputs"][0]["text"] == "9\n"
+    finally:
+        await clean_up(serve, [sid] if sid else [])

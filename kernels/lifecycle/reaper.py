@@ -116,14 +116,18 @@ def reap_sync(
     owner: str | None = None,
     everything: bool = False,
     keep: Collection[str] = (),
+    sessions: Collection[str] = (),
 ) -> ReapReport:
     """Remove orphaned sandkernel containers (blocking; call from a thread or the CLI).
 
     ``owner``: remove exactly the containers of that owner (a test suite cleaning up after
     itself). ``everything``: remove all sandkernel containers. Default: those whose owner died.
     ``keep``: session ids never removed, whichever of these applies (the catalogued ones).
+    ``sessions``: session ids whose containers are removed whoever owns them (paused sessions
+    have none: one left by a crash mid-resume would otherwise run unmanaged).
     """
     keep = frozenset(keep)
+    sessions = frozenset(sessions)
     engine = engine or default_engine()
     removed: list[str] = []
     kept = 0
@@ -136,6 +140,7 @@ def reap_sync(
             kept += 1
         elif (
             everything
+            or labels.get(SESSION_LABEL) in sessions
             or (owner is not None and label == owner)
             or (owner is None and not owner_alive(label) and not recorded(labels))
         ):
