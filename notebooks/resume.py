@@ -11,8 +11,9 @@ passed off as one.
 Which cells: only those whose effects are still in the kernel's memory, i.e. after the last loss
 of its state (a restart, a death, an OOM: :func:`memory_starts_at`); refused cells never ran and
 are not run. Files: with a saved archive (a pause, a fork, a per-cell checkpoint), /workspace and
-/tmp are put back before the cells run (so the cells find their inputs) and again after (so the
-files end exactly as they were saved, whatever the cells rewrote); without one (a rewind to a cell
+/tmp are put back before the cells run (so the cells find their inputs) and again after if the
+cells changed any file (so the files end exactly as they were saved, whatever the cells rewrote;
+a fingerprint of names, sizes and mtimes taken in the sandbox tells); without one (a rewind to a cell
 no checkpoint follows) the cells run on a fresh workspace with the recorded uploads put back
 before the cells that followed them, and the files are whatever the cells make (``files:
 "replay"``).
@@ -31,7 +32,7 @@ import nbformat
 from sandkernel.errors import ConfigError
 from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.snapshots.archive import ArchivePart, restore_files
+from sandkernel.kernels.snapshots.archive import ArchivePart, files_fingerprint, restore_files
 from sandkernel.notebooks.compare import CellVerdict, Verdict, load_rules
 from sandkernel.notebooks.replay import DEFAULT_CELL_TIMEOUT, _recorded, _run_cells, _uploads_of
 
@@ -54,6 +55,7 @@ class Restored:
     seconds: float
     notes: list[str]
     complete: bool = True  # every cell that built the memory was in the transcript to re-run
+    unpacked: int = 0  # times the saved files were put back: 2 when the re-run cells changed any
 
     @property
     def reproduced(self) -> bool:
@@ -68,6 +70,7 @@ class Restored:
             "files": self.files,
             "seconds": round(self.seconds, 3),
             "notes": list(self.notes),
+            "unpacked": self.unpacked,
         }
 
 
@@ -123,8 +126,10 @@ async def rebuild(
     started = time.monotonic()
     notes: list[str] = []
     complete = _all_recorded(notebook, cells, notes)
+    fingerprint, unpacked = None, 0
     if files is not None:
         await restore_files(session.container, *files)
+        fingerprint, unpacked = await files_fingerprint(session.container), 1
         uploads = []
     else:
         files_from = REPLAY
@@ -136,11 +141,12 @@ async def rebuild(
     rules = load_rules(None)
     last = max(cells, default=0)
     _, verdicts = await _run_cells(session, notebook, uploads, last, timeout, rules, notes, only=set(cells))
-    if files is not None:
-        await restore_files(session.container, *files)
+    if files is not None and (fingerprint is None or await files_fingerprint(session.container) != fingerprint):
+        await restore_files(session.container, *files)  # the cells changed files: put them back as saved
+        unpacked += 1
     if session.meter is not None:  # the rebuild is nobody's cell
         session.meter.forget_files()
-    restored = Restored(REPLAY, verdicts, files_from, time.monotonic() - started, notes, complete)
+    restored = Restored(REPLAY, verdicts, files_from, time.monotonic() - started, notes, complete, unpacked)
     log.info(
         "session state rebuilt by replay",
         extra={

@@ -23,7 +23,13 @@ from sandkernel.errors import SnapshotError, SnapshotQuotaError, SnapshotRejecte
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON
-from sandkernel.kernels.snapshots.archive import KERNEL_TMP_FILES, ArchivePart, capture_files, restore_files
+from sandkernel.kernels.snapshots.archive import (
+    KERNEL_TMP_FILES,
+    ArchivePart,
+    capture_files,
+    files_fingerprint,
+    restore_files,
+)
 
 from .conftest import ROOT, RUNTIMES, require_runtime
 
@@ -386,3 +392,21 @@ async def test_a_hostile_archive_writes_nothing_the_sandbox_user_could_not_and_n
     assert "/workspace/device" not in after
     assert {entry[4] for entry in after.values()} == {target.container.spec.uid}
     await one_plus_one(target)
+
+
+async def test_the_fingerprint_sees_any_change_to_the_files_but_the_kernels(pair):
+    """What lets a resume skip putting the files back a second time: equal only while nothing
+    under /workspace or /tmp changed (a touch, a write, a new file in /tmp), whatever the kernel
+    writes to its own files meanwhile."""
+    _, target = pair
+    await reset(target)
+    await sh(target, "echo a > /workspace/a; mkdir -p /workspace/d; echo t > /tmp/t")
+    first = await files_fingerprint(target.container)
+    assert first is not None and await files_fingerprint(target.container) == first
+    await one_plus_one(target)  # the kernel logs and keeps its history: not the tenant's files
+    assert await files_fingerprint(target.container) == first
+    for change in ("touch -d '2001-01-01' /workspace/a", "echo b >> /tmp/t", "echo n > /workspace/d/n"):
+        await sh(target, change)
+        changed = await files_fingerprint(target.container)
+        assert changed not in (None, first), change
+        first = changed

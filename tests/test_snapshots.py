@@ -82,7 +82,7 @@ async def test_pause_survives_a_gateway_restart_and_resume_rebuilds_the_state(tm
         code, resumed = await gw.request("POST", f"/api/sessions/{sid}/resume")
         assert code == 200, resumed
         assert resumed["restored_by"] == "replay" and resumed["files"] == "snapshot"
-        assert resumed["reproduced"], resumed["cells"]
+        assert resumed["reproduced"] and resumed["unpacked"] == 2, resumed  # the cells rewrote files
         assert [c["verdict"] for c in resumed["cells"]][-2:] == ["same", "same"]
         assert _text(await _execute(gw, sid, CHECK)) == EXPECTED
         code, notebook = await gw.request("GET", f"/api/sessions/{sid}/notebook")
@@ -147,14 +147,20 @@ async def test_tampered_snapshots_and_other_tenants_are_refused(tmp_path):
     try:
         _, session = await gw.request("POST", "/api/sessions", {})
         sid = session["id"]
-        await _execute(gw, sid, "x = 41\nopen('/workspace/a.txt', 'w').write('a')")
+        assert (await gw.request("PUT", f"/api/sessions/{sid}/files/up.txt", raw=b"up"))[0] == 201
+        await _execute(gw, sid, "x = 41")
+        assert (await gw.request("POST", f"/api/sessions/{sid}/pause"))[0] == 200
+        code, resumed = await gw.request("POST", f"/api/sessions/{sid}/resume")
+        assert code == 200 and resumed["unpacked"] == 1, resumed  # the cell changed no file: put back once
+        assert _text(await _execute(gw, sid, "print(x, open('up.txt').read())")) == "41 up\n"
+        await _execute(gw, sid, "open('/workspace/a.txt', 'w').write('a')")
         for action, body in (("pause", None), ("resume", None), ("fork", {"count": 1}), ("rewind", {"cell": 1})):
             code, reply = await gw.request("POST", f"/api/sessions/{sid}/{action}", body, token=BOB)
             assert code == 404, (action, reply)
         code, reply = await gw.request("POST", f"/api/sessions/{sid}/fork", {"count": 11})
         assert code == 400 and "1 to 10" in reply["message"]
         code, reply = await gw.request("POST", f"/api/sessions/{sid}/rewind", {"cell": 9})
-        assert code == 400 and "1 to 1" in reply["message"]
+        assert code == 400 and "1 to 3" in reply["message"]
 
         code, _ = await gw.request("POST", f"/api/sessions/{sid}/pause")
         assert code == 200

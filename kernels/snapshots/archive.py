@@ -52,6 +52,8 @@ SH = "/bin/sh"
 FIND = "/usr/bin/find"
 RM = "/bin/rm"
 CHMOD = "/bin/chmod"
+SORT = "/usr/bin/sort"
+SHA256SUM = "/usr/bin/sha256sum"
 # What a snapshot holds, as member names relative to / (tar runs with -C /).
 MEMBERS = ("workspace", "tmp")
 # /tmp entries of the kernel running now: launch-kernel's files (it rewrites them at each start)
@@ -159,6 +161,22 @@ def restore_argv() -> list[str]:
         f"exec {shlex.join(unpack)}"
     )
     return [SH, "-c", script]
+
+
+def fingerprint_argv() -> list[str]:
+    """A SHA-256 of what /workspace and /tmp hold (kind, mode, size, mtime and name of every
+    entry but the kernel's files): equal before and after some work means the work changed no
+    file. A ``find`` that fails makes a fingerprint that matches nothing."""
+    spared = " ".join(f"-path {shlex.quote(p)} -prune -o" for p in KERNEL_TMP_FILES)
+    listing = f"{FIND} /workspace /tmp -mindepth 1 {spared} -printf '%y %m %s %T@ %p\\0'"
+    return [SH, "-c", f"{{ {listing} || echo find-failed-$$; }} | {SORT} -z | {SHA256SUM}"]
+
+
+async def files_fingerprint(container: SandboxContainer, timeout: float = 120.0) -> str | None:
+    """:func:`fingerprint_argv`'s digest, run as the sandbox user; None when it could not be had."""
+    status, out = await container.run_as_sandbox(fingerprint_argv(), timeout)
+    digest = out.split()[0] if out.split() else ""
+    return digest if status == 0 and _SHA256.fullmatch(digest) else None
 
 
 async def capture_files(
