@@ -466,11 +466,11 @@ class SessionRegistry:
         task.add_done_callback(self._closing.discard)
         return await asyncio.shield(task)
 
-    async def settled(self, session_id: str) -> None:
+    async def settled(self, session_id: str, tenant: str | None = None) -> None:
         """Wait until no pause, resume, fork or rewind of the session is under way (while one is,
         the session is between live and paused)."""
         if self.snapshots is not None:
-            await self.snapshots.settled(session_id)
+            await self.snapshots.settled(session_id, tenant)
 
     def add_paused(self, paused: PausedSession) -> None:
         """A session paused to disk (by this process, or recorded paused by an earlier one)."""
@@ -490,7 +490,7 @@ class SessionRegistry:
     async def live(self, tenant: str, session_id: str, door: str) -> ManagedSession:
         """The tenant's live session, resumed first if it is paused: what every call that runs
         code or touches files takes, so an agent never has to know its session was paused."""
-        await self.settled(session_id)
+        await self.settled(session_id, tenant)
         if self.paused(tenant, session_id) is not None and self.snapshots is not None:
             await self.snapshots.resume(tenant, session_id, door)
         return self.get(tenant, session_id)
@@ -573,6 +573,8 @@ class SessionRegistry:
 
     async def _remove(self, managed: ManagedSession) -> None:
         await managed.session.shutdown()
+        if self.snapshots is not None:  # its per-cell checkpoints, if it kept any
+            await self.snapshots.forget(managed.id)
         await self.forget_record(managed.id)
 
     async def _drop_paused(self, paused: PausedSession) -> None:

@@ -84,11 +84,11 @@ class SessionHandler(SessionScoped):
     (its container, or a lost one's leftovers; the transcript is kept unless asked)."""
 
     async def get(self, session_id: str) -> None:
-        await self.registry.settled(session_id)
+        await self.registry.settled(session_id, self.tenant)
         self.write_json(self.registry.find(self.tenant, session_id).session_model())
 
     async def delete(self, session_id: str) -> None:
-        await self.registry.settled(session_id)
+        await self.registry.settled(session_id, self.tenant)
         self.registry.find(self.tenant, session_id)
         keep = self.get_query_argument("delete_notebook", "0") not in ("1", "true")
         await self.registry.delete(self.tenant, session_id, keep_notebook=keep)

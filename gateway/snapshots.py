@@ -66,15 +66,19 @@ class SnapshotManager:
         self.settings = settings
         self.store = store or SnapshotStore()
         self._locks: dict[str, asyncio.Lock] = {}
+        self._owners: dict[str, str] = {}  # session id -> tenant, for every lock made
         registry.snapshots = self
 
-    def _lock(self, session_id: str) -> asyncio.Lock:
+    def _lock(self, session_id: str, tenant: str) -> asyncio.Lock:
+        """The session's lock; made only for a session already found to be ``tenant``'s."""
+        self._owners[session_id] = tenant
         return self._locks.setdefault(session_id, asyncio.Lock())
 
-    async def settled(self, session_id: str) -> None:
-        """Return once no snapshot operation holds the session."""
+    async def settled(self, session_id: str, tenant: str | None = None) -> None:
+        """Return once no snapshot operation holds the session (``tenant``'s only: another
+        tenant's call must not wait, which would tell it the id exists)."""
         lock = self._locks.get(session_id)
-        if lock is not None and lock.locked():
+        if lock is not None and lock.locked() and tenant in (None, self._owners.get(session_id)):
             async with lock:
                 pass
 
@@ -82,7 +86,7 @@ class SnapshotManager:
 
     async def pause(self, managed: ManagedSession, door: str) -> dict[str, Any]:
         """Archive the session's files, record it paused and remove its container."""
-        async with self._lock(managed.id):
+        async with self._lock(managed.id, managed.tenant):
             started = time.monotonic()
             paused = await self._pause_locked(managed, "pause")
             managed.audit_record("session_paused", door=door, snapshot=paused.snapshot)
@@ -166,7 +170,9 @@ class SnapshotManager:
 
     async def resume(self, tenant: str, session_id: str, door: str) -> dict[str, Any]:
         """Bring a paused session back (a live one: nothing to do, ``restored_by`` null)."""
-        async with self._lock(session_id):
+        if self._owners.get(session_id) != tenant:
+            self.registry.find(tenant, session_id)  # 404 before any lock is made for another's id
+        async with self._lock(session_id, tenant):
             paused = self.registry.paused(tenant, session_id)
             if paused is None:
                 managed = self.registry.get(tenant, session_id)  # 404 / 410 as for any call
@@ -268,7 +274,7 @@ class SnapshotManager:
         """Return the session to its state right after code cell ``cell``: pause it, then resume
         it with the cells that made that state (on a fresh workspace: the files of that moment are
         the cells' doing). A failure leaves it paused as it was before the rewind."""
-        async with self._lock(managed.id):
+        async with self._lock(managed.id, managed.tenant):
             notebook = await _notebook_of(managed)
             _check_cell(cell, len(code_cells(notebook)))
             paused = await self._pause_locked(managed, "pause")
@@ -283,7 +289,7 @@ class SnapshotManager:
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
             raise ConfigError(f"count must be a whole number of forks from 1 to {MAX_FORKS}, not {count!r}")
         self.registry.check_room(managed.tenant, count)
-        async with self._lock(managed.id):
+        async with self._lock(managed.id, managed.tenant):
             notebook = copy.deepcopy(await _notebook_of(managed))
             total = len(code_cells(notebook))
             manifest = None
@@ -363,6 +369,7 @@ class SnapshotManager:
         """Remove every snapshot of a session (it was deleted)."""
         await asyncio.to_thread(self.store.remove, session_id)
         self._locks.pop(session_id, None)
+        self._owners.pop(session_id, None)
 
     async def expire(self) -> list[str]:
         """Delete paused sessions older than ``paused_ttl`` (seconds paused); their ids."""

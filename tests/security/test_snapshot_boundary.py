@@ -583,11 +583,6 @@ async def test_another_tenant_can_neither_act_on_nor_see_a_paused_session_and_fo
         await _delete(arena, session_id)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hole: SnapshotManager.resume makes (and keeps) a lock for any session id before the tenant "
-    "check, and registry.settled (GET, DELETE, every live() call) waits on another tenant's lock",
-)
 async def test_another_tenants_snapshot_calls_leave_nothing_behind_and_wait_for_nothing(arena):
     """Bob's resume of ids that are not his is a 404 that leaves no state in the gateway (a lock
     per id asked for grows without bound: any tenant could fill the gateway's memory), and his
