@@ -64,7 +64,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
         type=float,
         default=3600.0,
         metavar="S",
-        help="delete a session idle this long, seconds (0: never; default 3600)",
+        help="pause a session idle this long (its next call resumes it), seconds (0: never; default 3600)",
     )
     parser.add_argument("--port", type=int, default=0, help="loopback port of the local gateway (default: a free one)")
     parser.set_defaults(func=run_from_args)

@@ -226,5 +226,9 @@ async def session(request):
 def container_ids_of(session_id: str) -> list[str]:
     engine = default_engine()
     return [
-        c.id for c in engine.client.containers.list(all=True, filters={"label": f"sandkernel.session={session_id}"})
+        c.id
+        # sparse: one listing, no inspect per container (one removed meanwhile would raise NotFound)
+        for c in engine.client.containers.list(
+            all=True, sparse=True, filters={"label": f"sandkernel.session={session_id}"}
+        )
     ]

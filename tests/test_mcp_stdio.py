@@ -49,8 +49,13 @@ def server_params(runtime: str, notebooks: Path) -> StdioServerParameters:
     return StdioServerParameters(command=sys.executable, args=args, env=dict(os.environ))
 
 
-def containers_of(session_id: str) -> list:
-    return default_engine().client.containers.list(all=True, filters={"label": f"{SESSION_LABEL}={session_id}"})
+def containers_of(session_id: str, sparse: bool = True) -> list:
+    """The session's containers. Sparse (one listing, no inspect of each) unless their labels are
+    needed: a container removed between the listing and its inspect would raise NotFound, which is
+    exactly what the waits for a removal race against."""
+    return default_engine().client.containers.list(
+        all=True, sparse=sparse, filters={"label": f"{SESSION_LABEL}={session_id}"}
+    )
 
 
 def wait_until(condition, bound: float = CLEANUP_BOUND) -> bool:
@@ -132,7 +137,7 @@ def start_client(tmp_path: Path, runtime: str) -> tuple[subprocess.Popen, str, i
     line = client.stdout.readline()
     assert line, f"the client ended without a session: {(tmp_path / 'client.log').read_text()[-2000:]}"
     session_id = json.loads(line)["session_id"]
-    [container] = containers_of(session_id)
+    [container] = containers_of(session_id, sparse=False)
     server_pid = int(container.labels[OWNER_LABEL].split(":")[1])
     return client, session_id, server_pid, container.labels[STATE_DIR_LABEL]
 
