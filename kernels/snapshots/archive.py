@@ -169,7 +169,7 @@ def fingerprint_argv() -> list[str]:
     file. A ``find`` that fails makes a fingerprint that matches nothing."""
     spared = " ".join(f"-path {shlex.quote(p)} -prune -o" for p in KERNEL_TMP_FILES)
     listing = f"{FIND} /workspace /tmp -mindepth 1 {spared} -printf '%y %m %s %T@ %p\\0'"
-    return [SH, "-c", f"{{ {listing} || echo find-failed-$$; }} | {SORT} -z | {SHA256SUM}"]
+    return [SH, "-c", f"{{ {listing} 2>/dev/null || echo find-failed-$$; }} | {SORT} -z | {SHA256SUM}"]
 
 
 async def files_fingerprint(container: SandboxContainer, timeout: float = 120.0) -> str | None:
