@@ -525,7 +525,8 @@ class AsyncSession:
     async def fork(self, count: int = 1, cell: int | None = None, timeout: float | None = None) -> list[AsyncSession]:
         """``count`` new sessions (1..10) with this session's state, each its own sandbox and
         transcript, bound to the same client; ``cell``: the state right after that code cell
-        instead of now (needs per-cell checkpoints, else the gateway answers which cells it can).
+        instead of now (its files as that cell left them where the gateway keeps per-cell checkpoints,
+        else remade by re-running the cells: the fork's ``restore["files"]`` says which).
 
         Why: trying several approaches from one point (a tree search, a destructive step tried on
         a copy) without redoing the work that led there. Each fork's part of the reply (how it

@@ -152,28 +152,35 @@ async def _adopt_paused(registry: SessionRegistry, record: SandboxRecord, report
 async def _restore(session: KernelSession, record: SandboxRecord) -> ManagedSession:
     """The registry entry the previous process had, its transcript reopened and its clocks
     carried over (idle time and age count from before the restart)."""
-    gateway = record.gateway
-    metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
-    kernel_name = gateway.get("kernel_name") or kernel_name_for(session.profile.runtime)
     recorder = None
-    transcript = gateway.get("transcript")
+    transcript = record.gateway.get("transcript")
     if isinstance(transcript, str):
         recorder = await asyncio.to_thread(TranscriptRecorder.reopen, Path(transcript))
         await attach_transcript(session, recorder)
+    managed = managed_from_record(session, record, recorder)
+    if isinstance(record.gateway.get("last_activity"), str):
+        managed.last_activity = record.gateway["last_activity"]
+        managed.active_mono = time.monotonic() - seconds_since(managed.last_activity)
+    return managed
+
+
+def managed_from_record(
+    session: KernelSession, record: SandboxRecord, recorder: TranscriptRecorder | None
+) -> ManagedSession:
+    """The registry entry a catalog record describes, for a sandbox of it (adopted, or started
+    anew by a resume): tenant, creation time and age, metadata, kernel name, origin, transcript."""
+    gateway = record.gateway
+    metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
     managed = ManagedSession(
         session,
         record.tenant or "",
         gateway.get("created") or "",
         dict(metadata),
-        kernel_name,
+        gateway.get("kernel_name") or kernel_name_for(session.profile.runtime),
         origin=gateway.get("origin") or "session_api",
         recorder=recorder,
     )
-    now = time.monotonic()
-    if isinstance(gateway.get("last_activity"), str):
-        managed.last_activity = gateway["last_activity"]
-        managed.active_mono = now - seconds_since(managed.last_activity)
-    managed.created_mono = now - seconds_since(managed.created)
+    managed.created_mono = time.monotonic() - seconds_since(managed.created)
     return managed
 
 

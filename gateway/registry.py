@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from sandkernel.gateway.audit.log import AuditLog
     from sandkernel.gateway.breakers import SessionBreaker
     from sandkernel.gateway.controls import SessionControls
+    from sandkernel.gateway.snapshots import SnapshotManager
 
 log = logging.getLogger(__name__)
 
@@ -189,15 +190,10 @@ class ManagedSession:
 
 
 @dataclasses.dataclass
-class LostSession:
-    """A recorded session whose sandbox a restarted gateway could not adopt: it died or was
-    removed while no gateway was attached (or, ``refused``, it was not what the record says and
-    is left alone for the operator). Listed with its reason until its tenant deletes it; every
-    other call on it is a 410 that says so."""
+class RecordedSession:
+    """A session the registry knows only by its catalog record (lost or paused): no sandbox runs."""
 
     record: SandboxRecord
-    reason: str
-    refused: bool = False
 
     @property
     def id(self) -> str:
@@ -206,6 +202,17 @@ class LostSession:
     @property
     def tenant(self) -> str:
         return self.record.tenant or ""
+
+
+@dataclasses.dataclass
+class LostSession(RecordedSession):
+    """A recorded session whose sandbox a restarted gateway could not adopt: it died or was
+    removed while no gateway was attached (or, ``refused``, it was not what the record says and
+    is left alone for the operator). Listed with its reason until its tenant deletes it; every
+    other call on it is a 410 that says so."""
+
+    reason: str
+    refused: bool = False
 
     def error(self) -> SandboxLostError:
         return SandboxLostError(
@@ -224,20 +231,10 @@ class LostSession:
 
 
 @dataclasses.dataclass
-class PausedSession:
+class PausedSession(RecordedSession):
     """A session paused to disk (gateway/snapshots.py): no container, no memory, no CPU; its files
     and the cells that rebuild its memory are kept in a snapshot until it is resumed (explicitly,
     or by its next execute or file call), deleted, or expired after ``paused_ttl``."""
-
-    record: SandboxRecord
-
-    @property
-    def id(self) -> str:
-        return self.record.session_id
-
-    @property
-    def tenant(self) -> str:
-        return self.record.tenant or ""
 
     @property
     def snapshot(self) -> dict[str, Any]:
@@ -319,7 +316,7 @@ class SessionRegistry:
         self._sessions: dict[str, ManagedSession] = {}
         self._lost: dict[str, LostSession] = {}
         self._paused: dict[str, PausedSession] = {}
-        self.snapshots: Any = None  # gateway/snapshots.py's SnapshotManager, set by the server
+        self.snapshots: SnapshotManager | None = None  # set by gateway/snapshots.py's SnapshotManager
         self._pending: dict[str, int] = {}
         self._closing: set[asyncio.Task] = set()
         self._stopping = False
@@ -560,9 +557,7 @@ class SessionRegistry:
         else:
             self._sessions.pop(session_id, None)
             task = asyncio.create_task(self._remove(found))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-        await asyncio.shield(task)
+        await self.finish(task)
         if not keep_notebook and isinstance(found, ManagedSession) and found.recorder is not None:
             found.recorder.delete()
         elif not keep_notebook and isinstance(found, PausedSession):

@@ -32,12 +32,12 @@ from typing import Any
 import nbformat
 
 from sandkernel.errors import ConfigError, SessionBusyError, SnapshotError, SnapshotQuotaError
+from sandkernel.gateway.adoption import managed_from_record
 from sandkernel.gateway.checkpoints import CellCheckpoints
 from sandkernel.gateway.registry import ManagedSession, PausedSession, SessionRegistry, _now, seconds_since
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.adoption import profile_from_record, profile_record
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
-from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.snapshots.archive import capture_files
 from sandkernel.kernels.snapshots.store import SnapshotManifest, SnapshotStore
@@ -206,7 +206,7 @@ class SnapshotManager:
             raise SnapshotError(
                 f"session {paused.id} could not be resumed ({err}); it stays paused and its snapshot is kept"
             ) from err
-        managed = _managed(session, paused.record, recorder)
+        managed = managed_from_record(session, paused.record, recorder)
         if recorder is not None:
             await attach_transcript(session, recorder)
             if rewind_to is not None:
@@ -434,20 +434,3 @@ async def _reopen_transcript(path: Any) -> TranscriptRecorder | None:
     if not isinstance(path, str):
         return None
     return await asyncio.to_thread(TranscriptRecorder.reopen, Path(path))
-
-
-def _managed(session: KernelSession, record: SandboxRecord, recorder: TranscriptRecorder | None) -> ManagedSession:
-    """The registry entry of a resumed session: what it was before its pause."""
-    gateway = record.gateway
-    metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
-    managed = ManagedSession(
-        session,
-        record.tenant or "",
-        gateway.get("created") or _now(),
-        dict(metadata),
-        gateway.get("kernel_name") or kernel_name_for(session.profile.runtime),
-        origin=gateway.get("origin") or "session_api",
-        recorder=recorder,
-    )
-    managed.created_mono = time.monotonic() - seconds_since(managed.created)
-    return managed

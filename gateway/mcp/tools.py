@@ -512,7 +512,7 @@ class McpTools:
         scope, manager = self.scope(ctx)
         sid = self.target(scope, session_id, "pause")
         try:
-            await scope.registry.settled(sid)  # a resume or fork under way finishes first
+            await scope.registry.settled(sid, scope.tenant)  # a resume or fork under way finishes first
             paused = scope.registry.paused(scope.tenant, sid)
             if paused is not None:
                 return _result(
