@@ -266,7 +266,11 @@ class Gateway:
         controls: SessionControls | None = None
         try:
             default = catalog.profile("default")
-            pool = WarmPool(settings.pool_size, default, store=store) if settings.pool_size > 0 else None
+            pool = (
+                WarmPool(settings.pool_size, default, store=store, preload=settings.pool_preload)
+                if settings.pool_size > 0
+                else None
+            )
             metrics = GatewayMetrics()
             controls = await asyncio.to_thread(SessionControls.from_settings, settings, metrics)
             registry = SessionRegistry(settings, catalog, pool, metrics, store, controls)

@@ -142,6 +142,12 @@ class GatewaySettings:
     pool_size: int = _setting(
         2, "sandboxes of the default profile kept ready for new sessions (0 disables)", metavar="N"
     )
+    pool_preload: tuple[str, ...] = _setting(
+        ("numpy", "pandas", "matplotlib.pyplot"),
+        "a module pooled kernels import before handout, so a session's first import costs nothing (repeatable; "
+        "comma-separated in the environment; empty: none); silent, no cell, no execution count",
+        metavar="MODULE",
+    )
     max_sessions: int = _setting(20, "live sessions per token", metavar="N")
     max_sessions_total: int = _setting(100, "live sessions in all (the warm pool counts)", metavar="N")
     idle_timeout: float | None = _setting(

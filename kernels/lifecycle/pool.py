@@ -22,11 +22,13 @@ import collections
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
 
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord
 from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.prewarm import prewarm, validate_modules
 from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
 
 log = logging.getLogger(__name__)
@@ -35,9 +37,18 @@ RETRY_SECONDS = 5.0
 
 
 class WarmPool:
-    def __init__(self, size: int, profile: Profile | None = None, *, store: SessionStore | None = None) -> None:
-        """``store``: the session catalog pooled sandboxes are recorded in (None: not recorded)."""
+    def __init__(
+        self,
+        size: int,
+        profile: Profile | None = None,
+        *,
+        store: SessionStore | None = None,
+        preload: Sequence[str] = (),
+    ) -> None:
+        """``store``: the session catalog pooled sandboxes are recorded in (None: not recorded);
+        ``preload``: modules each pooled kernel imports before it is ready (see prewarm.py)."""
         self.size = size
+        self.preload = validate_modules(preload)
         self.profile = profile or resolve_profile()
         self.store = store
         self._ready: collections.deque[KernelSession] = collections.deque()
@@ -94,6 +105,12 @@ class WarmPool:
         """Start one sandbox and record it in the catalog; a sandbox that cannot be recorded is
         removed (a restart would not know it)."""
         session = await KernelSession.start(profile=self.profile)
+        if self.preload:
+            try:
+                await prewarm(session, self.preload)
+            except BaseException:
+                await session.shutdown()
+                raise
         if self.store is not None:
             try:
                 await self.store.put(SandboxRecord(session.id, SandboxKind.POOL, session.durable_state()))
