@@ -2,22 +2,31 @@
 
 - sandkernel session API (HTTP POST /api/sessions/{id}/execute, keep-alive connection)
 - sandkernel kernel websocket (/api/kernels/{id}/channels, what JupyterLab uses)
-- raw jupyter_client straight to a sandkernel kernel's ZMQ sockets (the floor: no gateway)
+- raw jupyter_client straight to the SAME kernel's ZMQ sockets (the floor: no gateway), its
+  connection read from the gateway's catalog
 - Jupyter Kernel Gateway 3 out of the box, serving a local (unsandboxed) ipykernel, over its websocket
 
+The first three take turns in blocks (``--block`` round trips each, the first few of a block not
+kept), so load and drift on a shared machine hit them alike; only one of them is connected to
+the kernel at a time. ``--before TREE`` adds the same two gateway doors of another checkout
+(its own gateway process, session and kernel, same image) to the turns, for before/after numbers
+from one run; TREE needs a virtualenv in TREE/.venv that imports sandkernel from TREE.
+
 Prints p50/p95 and the ratios the issue asks for; writes bench/results/execute_roundtrip.json.
-Usage: python bench/execute_roundtrip.py [--n 200]  (needs jupyter_kernel_gateway for the last row)
+Usage: python bench/execute_roundtrip.py [--n 200] [--before TREE]  (Kernel Gateway row if installed)
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import http.client
 import json
 import os
 import shutil
 import socket
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -25,14 +34,15 @@ import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
+from jupyter_client.asynchronous.client import AsyncKernelClient
 from results_dir import results_path
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.websocket import websocket_connect
 
-from sandkernel.kernels.execution.session import KernelSession
-
 TOKEN = "bench-token-" + uuid.uuid4().hex
+RAW = "raw jupyter_client (sandkernel kernel)"
 
 
 def free_port() -> int:
@@ -89,26 +99,26 @@ async def api(base: str, method: str, path: str, token: str, body=None) -> dict:
     return json.loads((await AsyncHTTPClient().fetch(req)).body)
 
 
-def session_api_round_trips(port: int, session_id: str, n: int) -> list[float]:
+def session_api_round_trips(port: int, session_id: str, n: int, warmup: int = 10) -> list[float]:
     conn = http.client.HTTPConnection("127.0.0.1", port)
     body = json.dumps({"code": "1+1"})
     headers = {"Authorization": f"token {TOKEN}", "Content-Type": "application/json"}
     samples = []
-    for i in range(n + 10):
+    for i in range(n + warmup):
         t0 = time.perf_counter()
         conn.request("POST", f"/api/sessions/{session_id}/execute", body, headers)
         reply = json.loads(conn.getresponse().read())
-        if i >= 10:  # warm-up
+        if i >= warmup:
             samples.append(time.perf_counter() - t0)
         assert reply["status"] == "ok", reply
     conn.close()
     return samples
 
 
-async def websocket_round_trips(ws_url: str, token: str, n: int) -> list[float]:
+async def websocket_round_trips(ws_url: str, token: str, n: int, warmup: int = 10) -> list[float]:
     ws = await websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {token}"}))
     samples = []
-    for i in range(n + 10):
+    for i in range(n + warmup):
         msg_id = uuid.uuid4().hex
         msg = {
             "header": {
@@ -140,96 +150,135 @@ async def websocket_round_trips(ws_url: str, token: str, n: int) -> list[float]:
                 continue
             got_reply |= data["header"]["msg_type"] == "execute_reply"
             got_idle |= data["header"]["msg_type"] == "status" and data["content"]["execution_state"] == "idle"
-        if i >= 10:
+        if i >= warmup:
             samples.append(time.perf_counter() - t0)
     ws.close()
     return samples
 
 
-async def raw_client_round_trips(n: int) -> list[float]:
-    async with await KernelSession.start() as session:
-        client = session.kernel_manager.client()
-        client.start_channels()
+def kernel_connection(state_dir: str, session_id: str) -> dict:
+    """The connection info of a session's kernel, from its gateway's catalog (read-only)."""
+    db = sqlite3.connect(f"file:{Path(state_dir) / 'catalog.sqlite3'}?mode=ro", uri=True)
+    try:
+        (kernel,) = db.execute("SELECT kernel FROM sandboxes WHERE session_id = ?", (session_id,)).fetchone()
+    finally:
+        db.close()
+    return json.loads(kernel)["connection_info"]
+
+
+async def raw_client_round_trips(connection: dict, n: int, warmup: int = 10) -> list[float]:
+    """Round trips of a plain jupyter_client connected straight to the kernel's sockets."""
+    client = AsyncKernelClient()
+    client.load_connection_info(connection)
+    client.start_channels()
+    try:
         await client.wait_for_ready(timeout=60)
         samples = []
-        for i in range(n + 10):
+        for i in range(n + warmup):
             t0 = time.perf_counter()
             reply = await client.execute_interactive("1+1", timeout=60, output_hook=lambda m: None)
-            if i >= 10:
+            if i >= warmup:
                 samples.append(time.perf_counter() - t0)
             assert reply["content"]["status"] == "ok"
-        client.stop_channels()
         return samples
+    finally:
+        client.stop_channels()
+
+
+class ServedGateway:
+    """``sandkernel serve`` of one checkout (no pool), with a private catalog, and one session."""
+
+    def __init__(self, python: str, cwd: str | None) -> None:
+        self.python, self.cwd = python, cwd
+        self.port = free_port()
+        self.state = tempfile.mkdtemp(prefix="sandkernel-bench-state-")  # sandboxes removed on exit
+        self.notebooks = tempfile.mkdtemp(prefix="sandkernel-bench-notebooks-")  # one gateway each
+        self.proc: subprocess.Popen | None = None
+
+    async def __aenter__(self) -> ServedGateway:
+        # fmt: off
+        command = [self.python, "-m", "sandkernel.cli", "serve", "--port", str(self.port), "--token", TOKEN,
+                   "--pool-size", "0", "--on-exit", "delete", "--state-dir", self.state,
+                   "--notebook-dir", self.notebooks]
+        # fmt: on
+        self.proc = subprocess.Popen(command, cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        base = f"http://127.0.0.1:{self.port}"
+        await wait_http(base + "/api/health", self.proc)
+        session = await api(base, "POST", "/api/sessions", TOKEN, {})
+        self.session_id, self.kernel_id = session["id"], session["kernel"]["id"]
+        self.ws_url = f"ws://127.0.0.1:{self.port}/api/kernels/{self.kernel_id}/channels"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.terminate()
+        await asyncio.to_thread(self.proc.wait, 60)
+
+
+async def gateway_doors(n: int, block: int, before: str | None) -> dict[str, list[float]]:
+    """Samples of each door (and raw jupyter_client on the same kernel), in rotating blocks."""
+    async with contextlib.AsyncExitStack() as stack:
+        now = await stack.enter_async_context(ServedGateway(sys.executable, None))
+        calls: dict[str, Callable[[int], Awaitable[list[float]]]] = {
+            "sandkernel session API": lambda m: asyncio.to_thread(
+                session_api_round_trips, now.port, now.session_id, m, 3
+            ),
+            "sandkernel websocket": lambda m: websocket_round_trips(now.ws_url, TOKEN, m, 3),
+            RAW: lambda m: raw_client_round_trips(kernel_connection(now.state, now.session_id), m, 3),
+        }
+        if before:
+            then = await stack.enter_async_context(ServedGateway(str(Path(before) / ".venv/bin/python"), before))
+            calls["before: sandkernel session API"] = lambda m: asyncio.to_thread(
+                session_api_round_trips, then.port, then.session_id, m, 3
+            )
+            calls["before: sandkernel websocket"] = lambda m: websocket_round_trips(then.ws_url, TOKEN, m, 3)
+        samples: dict[str, list[float]] = {name: [] for name in calls}
+        names = list(calls)
+        round_number = 0
+        while min(len(s) for s in samples.values()) < n:
+            for name in names[round_number % len(names) :] + names[: round_number % len(names)]:
+                samples[name].extend(await calls[name](min(block, n - len(samples[name])) or 1))
+            round_number += 1
+        return samples
+
+
+async def kernel_gateway_round_trips(n: int) -> list[float]:
+    kg_port = free_port()
+    kg_token = uuid.uuid4().hex
+    kg = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kernel_gateway",
+            f"--KernelGatewayApp.port={kg_port}",
+            "--KernelGatewayApp.ip=127.0.0.1",
+            f"--KernelGatewayApp.auth_token={kg_token}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ),
+    )
+    try:
+        kg_base = f"http://127.0.0.1:{kg_port}"
+        await wait_http(kg_base + f"/api?token={kg_token}", kg)
+        kernel = await api(kg_base, "POST", "/api/kernels", kg_token, {"name": "python3"})
+        return await websocket_round_trips(f"ws://127.0.0.1:{kg_port}/api/kernels/{kernel['id']}/channels", kg_token, n)
+    finally:
+        kg.terminate()
+        kg.wait(60)
 
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--n", type=int, default=200, help="round trips per contender (after 10 warm-up)")
+    parser.add_argument("--n", type=int, default=200, help="round trips kept per contender")
+    parser.add_argument("--block", type=int, default=25, help="round trips per turn (3 more not kept)")
+    parser.add_argument("--before", help="another checkout whose gateway doors join the turns")
     args = parser.parse_args()
-    results: dict[str, dict] = {}
-    port = free_port()
-    state = tempfile.mkdtemp(prefix="sandkernel-bench-state-")  # a private catalog; sandboxes removed on exit
-    gateway = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "sandkernel.cli",
-            "serve",
-            "--port",
-            str(port),
-            "--token",
-            TOKEN,
-            "--pool-size",
-            "0",
-            "--on-exit",
-            "delete",
-            "--state-dir",
-            state,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        base = f"http://127.0.0.1:{port}"
-        await wait_http(base + "/api/health", gateway)
-        session = await api(base, "POST", "/api/sessions", TOKEN, {})
-        results["sandkernel session API"] = stats(
-            await asyncio.to_thread(session_api_round_trips, port, session["id"], args.n)
-        )
-        ws_url = f"ws://127.0.0.1:{port}/api/kernels/{session['kernel']['id']}/channels"
-        results["sandkernel websocket"] = stats(await websocket_round_trips(ws_url, TOKEN, args.n))
-    finally:
-        gateway.terminate()
-        gateway.wait(60)
-    results["raw jupyter_client (sandkernel kernel)"] = stats(await raw_client_round_trips(args.n))
+    samples = await gateway_doors(args.n, args.block, args.before)
+    results = {name: stats(values) for name, values in samples.items()}
     if shutil.which("jupyter-kernelgateway") or _has_module("kernel_gateway"):
-        kg_port = free_port()
-        kg_token = uuid.uuid4().hex
-        kg = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kernel_gateway",
-                f"--KernelGatewayApp.port={kg_port}",
-                "--KernelGatewayApp.ip=127.0.0.1",
-                f"--KernelGatewayApp.auth_token={kg_token}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env=dict(os.environ),
-        )
-        try:
-            kg_base = f"http://127.0.0.1:{kg_port}"
-            await wait_http(kg_base + f"/api?token={kg_token}", kg)
-            kernel = await api(kg_base, "POST", "/api/kernels", kg_token, {"name": "python3"})
-            kg_ws = f"ws://127.0.0.1:{kg_port}/api/kernels/{kernel['id']}/channels"
-            results["Kernel Gateway 3 websocket (local kernel)"] = stats(
-                await websocket_round_trips(kg_ws, kg_token, args.n)
-            )
-        finally:
-            kg.terminate()
-            kg.wait(60)
-    raw = results["raw jupyter_client (sandkernel kernel)"]["p50_ms"]
+        results["Kernel Gateway 3 websocket (local kernel)"] = stats(await kernel_gateway_round_trips(args.n))
+    raw = results[RAW]["p50_ms"]
     print(f"{'path':45} {'p50 ms':>8} {'p95 ms':>8} {'vs raw':>7}")
     for name, row in results.items():
         print(f"{name:45} {row['p50_ms']:8.2f} {row['p95_ms']:8.2f} {row['p50_ms'] / raw:6.2f}x")
@@ -239,7 +288,8 @@ async def main() -> None:
         )
         print(f"\nsandkernel websocket is {kg_ratio:.1f}x faster than Kernel Gateway 3 out of the box (p50)")
     out = results_path("execute_roundtrip.json")
-    out.write_text(json.dumps({"n": args.n, "cpus": os.cpu_count(), "results": results}, indent=2))
+    kept = {name: row for name, row in results.items() if not name.startswith("before: ")}
+    out.write_text(json.dumps({"n": args.n, "cpus": os.cpu_count(), "results": kept}, indent=2))
     print(f"written: {out}")
 
 

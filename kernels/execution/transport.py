@@ -16,12 +16,15 @@ import logging
 import queue
 import time
 from collections.abc import Iterator
+from hmac import compare_digest
 from typing import Any
 
 import zmq
 import zmq.asyncio
 from jupyter_client import AsyncKernelManager
+from jupyter_client.adapter import adapt
 from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.session import Session
 
 from sandkernel.kernels.sandbox.kernelspec import SandkernelSpecManager
 
@@ -56,10 +59,56 @@ def iopub_receive_queue(context: zmq.Context) -> Iterator[None]:
         context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
 
 
+class DatelessSession(Session):
+    """A jupyter_client Session whose received headers keep their ``date`` as the kernel's string.
+
+    jupyter_client parses every ISO-8601-looking string of each received header and parent
+    header into a datetime (``extract_dates``, a regex and dateutil per string, on every
+    message of every execute); nothing in sandkernel reads those dates, and the websocket
+    relay would only format them back into strings. Everything else (signature check, replay
+    refusal, protocol adaptation) is jupyter_client's own, line for line."""
+
+    def deserialize(
+        self, msg_list: list[bytes] | list[zmq.Message], content: bool = True, copy: bool = True
+    ) -> dict[str, Any]:
+        minlen = 5
+        if not copy:  # pyzmq did not copy the first parts of the message: copy them now
+            msg_list = [bytes(msg.bytes) for msg in msg_list[:minlen]] + list(msg_list[minlen:])  # type: ignore[union-attr]
+        parts: list[Any] = list(msg_list)
+        if self.auth is not None:
+            signature = parts[0]
+            if not signature:
+                raise ValueError("Unsigned Message")
+            if signature in self.digest_history:
+                raise ValueError(f"Duplicate Signature: {signature!r}")
+            if content:  # only a message that is unpacked, not one peeked at, uses up its signature
+                self._add_digest(signature)
+            if not compare_digest(signature, self.sign(parts[1:5])):
+                raise ValueError(f"Invalid Signature: {signature!r}")
+        if len(parts) < minlen:
+            raise TypeError(f"malformed message, must have at least {minlen} elements")
+        header = self.unpack(parts[1])
+        buffers = [memoryview(b) for b in parts[5:]]
+        if buffers and buffers[0].shape is None:  # pyzmq #646: force a copy
+            buffers = [memoryview(bytes(b.bytes)) for b in parts[5:]]
+        message = {
+            "header": header,
+            "msg_id": header["msg_id"],
+            "msg_type": header["msg_type"],
+            "parent_header": self.unpack(parts[2]),
+            "metadata": self.unpack(parts[3]),
+            "content": self.unpack(parts[4]) if content else parts[4],
+            "buffers": buffers,
+        }
+        return adapt(message)
+
+
 def new_kernel_manager(kernel_name: str) -> AsyncKernelManager:
     """A kernel manager whose ZMQ sockets refuse oversized messages from the kernel: kernel
-    output is untrusted, and one 1 GB message would otherwise sit in host memory."""
+    output is untrusted, and one 1 GB message would otherwise sit in host memory. Its session
+    (and so every client and relay made from it) is a :class:`DatelessSession`."""
     km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=SandkernelSpecManager())
+    km.session = DatelessSession(parent=km)
     km.context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     # A flooding kernel queues in its own (memory-limited) send buffer, not in ours; when the
     # queue is full PUB drops messages, which the shell-reply fallback of the execute covers.
