@@ -42,8 +42,11 @@ class ExecutionRequest:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON for the session catalog: what a later process needs to settle it (see
-        KernelSession.resume)."""
-        return dataclasses.asdict(self)
+        KernelSession.resume). Every field is a scalar: no ``dataclasses.asdict`` deep copy."""
+        return {field: getattr(self, field) for field in _REQUEST_FIELDS}
+
+
+_REQUEST_FIELDS = tuple(field.name for field in dataclasses.fields(ExecutionRequest))
 
 
 @dataclasses.dataclass(frozen=True)
