@@ -186,8 +186,11 @@ class ExecuteHandler(SessionScoped):
         if streaming:
             await self._stream(managed, code, timeout, tag, source)
         else:
-            result = await managed.session.execute(code, timeout=timeout, tag=tag, source=source)
-            self.write_json(self._reply(result))
+            # Answered before the observers record it (same turn of the event loop; see execute).
+            await managed.session.execute(code, timeout=timeout, tag=tag, source=source, on_result=self._answer)
+
+    def _answer(self, result: ExecutionResult) -> None:
+        self.write_json(self._reply(result))
 
     def _reply(self, result: ExecutionResult) -> dict[str, Any]:
         data = execution_reply(result, self.gateway_settings.budget)

@@ -439,6 +439,7 @@ class KernelSession:
         tag: str | None = None,
         source: str = "python",
         shell: str | None = None,
+        on_result: Callable[[ExecutionResult], None] | None = None,
     ) -> ExecutionResult:
         """Run ``code`` in the kernel and return its ordered outputs and status.
 
@@ -450,6 +451,12 @@ class KernelSession:
         ``timeout`` is wall-clock seconds (default: the profile's ``execute_timeout``). Errors
         in the code are returned as status ``error``; timeouts, interrupts, kernel deaths and
         OOM kills as their statuses. Raises only for bad arguments or a closed session.
+
+        ``on_result`` is called with the result before the observers hear of it, so a door can
+        answer its client first: the observers' bookkeeping (transcript, catalog, audit,
+        metrics) then runs before this returns, in the same turn of the event loop (observers
+        only queue their slow work), so no request can see the reply's effects unrecorded.
+        Should it raise, the observers are still told and its exception is raised after them.
         """
         if not isinstance(code, str):
             raise ArgumentTypeError(f"code must be a string of Python source, not {type(code).__name__}")
@@ -459,7 +466,9 @@ class KernelSession:
             assert self._kernel.client is not None
             return self._kernel.client.execute(code, allow_stdin=False, stop_on_error=False)
 
-        return await self._run(code, limit, send, self._own_replies, on_output, tag, source, silent=False, shell=shell)
+        return await self._run(
+            code, limit, send, self._own_replies, on_output, tag, source, silent=False, shell=shell, on_result=on_result
+        )
 
     async def execute_relayed(
         self,
@@ -497,10 +506,11 @@ class KernelSession:
         holding: asyncio.Event | None = None,
         settle: Callable[[ExecutionResult], ExecutionResult] | None = None,
         shell: str | None = None,
+        on_result: Callable[[ExecutionResult], None] | None = None,
     ) -> ExecutionResult:
         """``holding`` is set once the lock is held; ``settle`` adjusts the result before the
         observers hear of it (an execution left running by a previous process: already running,
-        so no gate is asked)."""
+        so no gate is asked). ``on_result``: see :meth:`execute`."""
         self._check_open()
         verdict = ALLOW
         if settle is None:
@@ -508,8 +518,7 @@ class KernelSession:
             verdict = await self._admit(asked)
             if verdict.refusal is not None:
                 result = refused_result(verdict.refusal, verdict.findings, asked.started_at)
-                await self.observers.emit("execution_finished", asked, result)
-                return result
+                return await self._finish(asked, result, on_result, notes=False)
         async with self._lock:
             if holding is not None:
                 holding.set()
@@ -530,9 +539,29 @@ class KernelSession:
                 result = dataclasses.replace(result, policy=verdict.findings)
             if settle is not None:
                 result = settle(result)
-            await self.observers.emit("execution_finished", request, result)
+            return await self._finish(request, result, on_result, notes=True)
+
+    async def _finish(
+        self,
+        request: ExecutionRequest,
+        result: ExecutionResult,
+        on_result: Callable[[ExecutionResult], None] | None,
+        notes: bool,
+    ) -> ExecutionResult:
+        """Hand ``result`` to the door (``on_result``), then tell the observers; then the notes
+        (``notes``: only under the execute lock, where a restart's notes belong to this execution)."""
+        answer_failed: BaseException | None = None
+        if on_result is not None:
+            try:
+                on_result(result)
+            except Exception as err:  # the execution happened all the same: it is recorded first
+                answer_failed = err
+        await self.observers.emit("execution_finished", request, result)
+        if notes:
             await self._flush_notes()
-            return result
+        if answer_failed is not None:
+            raise answer_failed
+        return result
 
     async def _execute_locked(
         self,
