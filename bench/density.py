@@ -65,9 +65,7 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 def process_status(pid: int) -> dict[str, float]:
     """Resident memory (MiB) and thread count of ``pid``."""
-    status = dict(
-        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
-    )
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
     return {"rss_mib": int(status["VmRSS"].split()[0]) / 1024, "threads": int(status["Threads"])}
 
 
@@ -186,7 +184,10 @@ async def main() -> None:
     started = time.perf_counter()
     try:
         room = {"max_sessions": args.sessions + 5, "max_sessions_total": args.sessions + 5}
-        async with inprocess_gateway(**room, idle_timeout=None, max_lifetime=None) as port:
+        # default_runtime explicitly: the settings read $SANDKERNEL_RUNTIME only from the environment
+        # at parse time, so the variable set above would leave "auto" (gVisor where registered).
+        settings = {**room, "default_runtime": args.runtime, "idle_timeout": None, "max_lifetime": None}
+        async with inprocess_gateway(**settings) as port:
             await measure(GatewayApi(port), args, results, sids)
             t0 = time.perf_counter()
         results["delete_all_seconds"] = time.perf_counter() - t0
@@ -217,7 +218,8 @@ def report(r: dict) -> None:
     )
     per_session = (crowd["rss_mib"] - alone["rss_mib"]) / max(n - 1, 1)
     print(
-        f"  gateway memory: {alone['rss_mib']:.0f} MiB -> {crowd['rss_mib']:.0f} MiB ({per_session:.2f} MiB per session); "
+        f"  gateway memory: {alone['rss_mib']:.0f} MiB -> {crowd['rss_mib']:.0f} MiB "
+        f"({per_session:.2f} MiB per session); "
         f"threads {alone['threads']} -> {crowd['threads']}"
     )
     print(

@@ -19,8 +19,14 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandkernel.kernels.execution.transport import IOPUB_RECEIVE_QUEUE, RECEIVE_QUEUE_MESSAGES, is_our_output
 
-# How long the drain waits for kernel messages before re-checking (seconds).
-DRAIN_POLL_SECONDS = 1.0
+# How long the drain sleeps when its session has no client to read (a restart or replacement
+# in progress: transient), before looking again (seconds).
+NO_CLIENT_SECONDS = 1.0
+# The longest one wait for kernel messages lasts (seconds). A wait ends as soon as a message
+# arrives, a reader takes the channels, or the channels are closed (pyzmq cancels a poll on a
+# socket it closes): this bound is only a backstop, so an idle session costs its gateway nothing
+# but a wake-up this rarely (with a 1 s poll, 200 idle sessions cost 200 wake-ups a second).
+DRAIN_POLL_SECONDS = 60.0
 
 
 class IdleDrain:
@@ -36,6 +42,9 @@ class IdleDrain:
         self._free = asyncio.Event()
         self._free.set()
         self._task: asyncio.Task | None = None
+        # Resolved when a reader takes the channels: the drain's wait ends at once, so it never
+        # holds a poll on sockets a reader uses or a restart is about to close.
+        self._wake: asyncio.Future[None] | None = None
         self._discarded = [0, 0]  # output messages, bytes thrown away since the last take
 
     @contextlib.contextmanager
@@ -43,6 +52,8 @@ class IdleDrain:
         """Held while something of the session reads the kernel's channels: the drain keeps off."""
         self._readers += 1
         self._free.clear()
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
         try:
             yield
         finally:
@@ -67,25 +78,35 @@ class IdleDrain:
         return messages, size
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await self._free.wait()
             client = self._current_client()
             if client is None or client.iopub_channel.socket is None or client.shell_channel.socket is None:
-                await asyncio.sleep(DRAIN_POLL_SECONDS)
+                await asyncio.sleep(NO_CLIENT_SECONDS)
                 continue
             poller = zmq.asyncio.Poller()
             channels = {client.iopub_channel.socket: "iopub", client.shell_channel.socket: "shell"}
             for sock in channels:
                 poller.register(sock, zmq.POLLIN)
+            self._wake = loop.create_future()
             try:
-                ready = await poller.poll(DRAIN_POLL_SECONDS * 1000)
+                polling = poller.poll(DRAIN_POLL_SECONDS * 1000)
             except zmq.ZMQError:  # the channels were closed under us (restart, replacement)
-                await asyncio.sleep(DRAIN_POLL_SECONDS)
+                await asyncio.sleep(NO_CLIENT_SECONDS)
                 continue
+            try:
+                await asyncio.wait((polling, self._wake), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                polling.cancel()  # a no-op once done; else it unregisters from the sockets
+                self._wake = None
             # No await from here on: an execute cannot start reading while we discard.
-            if self._readers or self._current_client() is not client:
+            if self._readers or self._current_client() is not client or not polling.done() or polling.cancelled():
                 continue
-            for sock, _ in ready:
+            if polling.exception() is not None:  # the channels were closed under us
+                await asyncio.sleep(NO_CLIENT_SECONDS)
+                continue
+            for sock, _ in polling.result():
                 self._discard_ready(sock, channels[sock] == "iopub", client.session.session)
 
     def _discard_ready(self, sock: zmq.asyncio.Socket, count_output: bool, our_session: str) -> None:

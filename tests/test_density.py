@@ -1,0 +1,63 @@
+"""Density: an idle session costs its gateway nothing per second (issue 17: 200 idle sessions).
+
+Between executes the drain (kernels/execution/drain.py) is the only thing of a session that
+waits on its kernel. It used to poll with a one-second timeout, so N idle sessions cost N
+wake-ups a second of the gateway's event loop; now it waits until a message, a reader or the
+channels' close. These tests prove both halves: no polling while idle, and the drain still
+discards (and counts) output that arrives while idle, at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq.asyncio
+
+from sandkernel.kernels.execution.events import SessionObserver
+from sandkernel.kernels.execution.session import KernelSession
+from tests.conftest import RUNTIMES, require_runtime
+
+# A timer thread prints after the cell returned: output no execution reads.
+LATE_PRINT = "import threading\nthreading.Timer(0.5, print, ['late']).start()"
+
+
+class Notes(SessionObserver):
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    async def note_added(self, text: str) -> None:
+        self.notes.append(text)
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_an_idle_session_does_not_poll_and_still_drains_late_output(runtime, monkeypatch):
+    require_runtime(runtime)
+    polls = 0
+    poll = zmq.asyncio.Poller.poll
+
+    def counted(self, timeout=-1):  # type: ignore[no-untyped-def]
+        nonlocal polls
+        polls += 1
+        return poll(self, timeout)
+
+    monkeypatch.setattr(zmq.asyncio.Poller, "poll", counted)
+    notes = Notes()
+    session = await KernelSession.start(overrides={"runtime": runtime})
+    try:
+        session.add_observer(notes)
+        assert (await session.execute("1+1", timeout=60)).outputs[-1]["data"]["text/plain"] == "2"
+        await asyncio.sleep(0.5)  # the drain takes the channels back after the execute
+        before = polls
+        await asyncio.sleep(3.5)
+        assert polls == before, f"an idle session's drain polled {polls - before} times in 3.5 s"
+
+        await session.execute(LATE_PRINT, timeout=60)
+        await asyncio.sleep(2.5)  # 'late' arrives while no execution runs
+        # Noted only if the drain discarded it when it came: an execute skips others' output.
+        result = await session.execute("1+1", timeout=60)
+        assert result.outputs[-1]["data"]["text/plain"] == "2"
+        assert not any(o.get("text") == "late\n" for o in result.outputs), result.outputs
+        assert any("output after the cell returned: 1 messages" in note for note in notes.notes), notes.notes
+    finally:
+        await session.shutdown()
