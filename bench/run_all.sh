@@ -18,6 +18,12 @@ for runtime in "${runtimes[@]}"; do
     python session_acquire.py --n "$(n 10 1)" --runtime "$runtime"
 done
 for runtime in "${runtimes[@]}"; do
+    tti=50; [ "$runtime" = runsc ] && tti=20  # the issue's n=100: run it alone (bench/README.md)
+    step "time to interactive ($runtime): create -> 1+1 / pandas, sequential, staggered, burst; pool, pool off, bare docker"
+    python time_to_interactive.py --runtime "$runtime" --n "$(n "$tti" 2)" --references "$(n 50 3)" \
+        --modes "$(n sequential,staggered,burst sequential,burst)"
+done
+for runtime in "${runtimes[@]}"; do
     sessions=50; [ "$runtime" = runsc ] && sessions=20  # 50 under runc is the density target
     step "throughput, density and output ($runtime)"
     python throughput_density.py --runtime "$runtime" --sessions "$(n "$sessions" 3)" --seconds "$(n 5 1)" --repeats "$(n 5 1)"

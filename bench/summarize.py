@@ -15,6 +15,44 @@ def load(name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def ms(value: float) -> str:
+    return f"{value:.1f} ms" if value < 100 else f"{value:.0f} ms"
+
+
+def contender_p50(runs: dict, contender: str, mode: str, cell: str) -> str:
+    """One contender's p50 (p99) in a time-to-interactive run, or what failed."""
+    row = runs.get(contender, {}).get(mode, {}).get(cell)
+    if row is None:
+        return ""
+    if "p50_ms" not in row:
+        return f"{contender} all {row['failed']} failed"
+    failed = f", {row['failed']} failed" if row["failed"] else ""
+    return f"{contender} {ms(row['p50_ms'])} (p99 {ms(row['p99_ms'])}{failed})"
+
+
+def time_to_interactive_rows(data: dict) -> list[tuple[str, str, str]]:
+    """Per runtime, mode and cell: the pool's p50 (p99) and the pool-off one beside bare docker
+    run's (and the pool without preload's, for the pandas cell); then the issue's targets."""
+    rows = []
+    for runtime, result in data.items():
+        runs, n = result["runs"], result["n"]
+        for mode in result["modes"]:
+            for cell in ("1+1", "pandas read_csv"):
+                ours = [contender_p50(runs, c, mode, cell) for c in ("pool + preload", "pool off")]
+                theirs = [contender_p50(runs, c, mode, cell) for c in ("bare docker run", "pool, no preload")]
+                rows.append(
+                    (
+                        f"time to interactive: create -> {cell}, {mode}, n={n} ({runtime})",
+                        "; ".join(x for x in ours if x),
+                        "; ".join(x for x in theirs if x),
+                    )
+                )
+        for target in result["targets"]:
+            value = ms(target["value"]) if target["unit"] == "ms" else f"{target['value']:.2f}x"
+            rows.append((f"target: {target['target']} ({runtime})", value, "met" if target["met"] else "MISSED"))
+    return rows
+
+
 def main() -> None:
     rows = []
     acquire = load("session_acquire.json")
@@ -28,6 +66,7 @@ def main() -> None:
                 f"cold {cold:.0f} ms ({cold / warm:.0f}x), bare docker {bare:.0f} ms",
             )
         )
+    rows += time_to_interactive_rows(load("time_to_interactive.json"))
     roundtrip = load("execute_roundtrip.json").get("results", {})
     raw = roundtrip.get("raw jupyter_client (sandkernel kernel)", {}).get("p50_ms")
     for name in ("sandkernel session API", "sandkernel websocket", "Kernel Gateway 3 websocket (local kernel)"):
