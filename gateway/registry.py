@@ -324,6 +324,13 @@ class SessionRegistry:
         self._no_requests = asyncio.Event()
         self._no_requests.set()
         self.websockets: set[Any] = set()  # open kernel websockets (closed 1012 on a restart)
+        if pool is not None:  # the pool grows beyond its floor only into room the sessions leave
+            pool.room = self._pool_room
+
+    def _pool_room(self) -> int:
+        """How many more sandboxes the pool may start under ``max_sessions_total``."""
+        assert self.pool is not None
+        return self.settings.max_sessions_total - self._sandboxes() - self.pool.held
 
     @property
     def stopping(self) -> bool:
@@ -344,19 +351,34 @@ class SessionRegistry:
         paused = sum(1 for s in self._paused.values() if s.tenant == tenant)
         return live + lost + paused + self._pending.get(tenant, 0)
 
-    def check_room(self, tenant: str, count: int = 1) -> None:
-        """TooManySessionsError unless ``count`` more live sessions fit the tenant's limit and the
-        gateway's (a resume needs room in the gateway's, not in the tenant's: it was counted)."""
+    def check_room(self, tenant: str, count: int = 1, profile: Profile | None = None) -> None:
+        """TooManySessionsError unless ``count`` more live sessions (of ``profile``, if known) fit
+        the tenant's limit and the gateway's (a resume needs room in the gateway's, not in the
+        tenant's: it was counted)."""
         if self._count(tenant) + count > self.settings.max_sessions:
             raise TooManySessionsError(
                 f"session limit reached ({self.settings.max_sessions} per token); delete a session first"
             )
-        self.check_gateway_room(count)
+        self.check_gateway_room(count, profile)
 
-    def check_gateway_room(self, count: int = 1) -> None:
-        reserved = self.pool.size if self.pool is not None else 0  # pooled sandboxes count toward the limit
-        in_all = len(self._sessions) + len(self._lost) + sum(self._pending.values()) + reserved
-        if in_all + count > self.settings.max_sessions_total:
+    def _sandboxes(self) -> int:
+        """Sessions counted toward ``max_sessions_total`` apart from the pool: live, lost and starting."""
+        return len(self._sessions) + len(self._lost) + sum(self._pending.values())
+
+    def check_gateway_room(self, count: int = 1, profile: Profile | None = None) -> None:
+        """TooManySessionsError unless ``count`` more sessions (of ``profile``, if known) fit
+        ``max_sessions_total``. Pooled sandboxes count toward it: the pool's floor always (it
+        refills to it), what it grew beyond the floor while it holds it, less the ready ones these
+        sessions will take; idle ones beyond the floor give way to a session that needs their room."""
+        pool = self.pool
+        reserved = 0
+        if pool is not None:
+            taken = min(count, len(pool)) if profile is not None and pool.matches(profile) else 0
+            reserved = max(pool.size, pool.held - taken)
+        over = self._sandboxes() + reserved + count - self.settings.max_sessions_total
+        if over > 0 and pool is not None:
+            over -= pool.release_surplus(over)
+        if over > 0:
             raise TooManySessionsError(
                 f"the gateway is at its limit of {self.settings.max_sessions_total} sessions; try again later"
             )
@@ -373,7 +395,7 @@ class SessionRegistry:
         for, checked against the operator's catalog (ConfigError / SettingNotPermittedError).
         It is recorded in the session catalog before it is returned (a StoreError removes it)."""
         chosen = self.catalog.for_tenant(profile, limits)
-        self.check_room(tenant)
+        self.check_room(tenant, profile=chosen)
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         try:
             session = await self.pool.acquire() if self.pool is not None and self.pool.matches(chosen) else None
@@ -384,6 +406,8 @@ class SessionRegistry:
                 {"tenant": tenant, "client_metadata": dict(metadata or {}), "warm_pool": pooled},
             )
             if session is None:
+                if self.pool is not None:  # surplus pooled sandboxes that gave up their room are gone first
+                    await self.pool.removals_done()
                 session = await self.cold_start(chosen, session_id)
             await attach_transcript(session, recorder)
             kernel_name = kernel_name_for(session.profile.runtime)

@@ -267,7 +267,15 @@ class Gateway:
         try:
             default = catalog.profile("default")
             pool = (
-                WarmPool(settings.pool_size, default, store=store, preload=settings.pool_preload)
+                WarmPool(
+                    settings.pool_size,
+                    default,
+                    store=store,
+                    preload=settings.pool_preload,
+                    max_size=settings.pool_ceiling,
+                    concurrency=settings.pool_refill_concurrency,
+                    demand_window=settings.pool_demand_window,
+                )
                 if settings.pool_size > 0
                 else None
             )
@@ -390,7 +398,8 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event | None = None) ->
         )
     if gateway.registry.pool is not None:
         print(
-            f"warm pool: {settings.pool_size} sandbox(es) of the default profile, filling in the background",
+            f"warm pool: {settings.pool_size} sandbox(es) of the default profile (up to {settings.pool_ceiling} "
+            f"under demand), filling in the background",
             flush=True,
         )
     try:

@@ -142,6 +142,21 @@ class GatewaySettings:
     pool_size: int = _setting(
         2, "sandboxes of the default profile kept ready for new sessions (0 disables)", metavar="N"
     )
+    pool_max: int = _setting(
+        10,
+        "the most sandboxes the pool grows to while sessions drain it; it shrinks back to --pool-size once "
+        "--pool-demand-window passes without new sessions (never below --pool-size)",
+        metavar="N",
+    )
+    pool_demand_window: float = _setting(
+        120.0, "seconds a new session counts as demand the pool sizes itself for", metavar="S", positive=True
+    )
+    pool_refills: int = _setting(
+        0,
+        "pooled sandboxes started at once while the pool refills (0: one per CPU core)",
+        metavar="N",
+        maximum=64,
+    )
     pool_preload: tuple[str, ...] = _setting(
         ("numpy", "pandas", "matplotlib.pyplot"),
         "a module pooled kernels import before handout, so a session's first import costs nothing (repeatable; "
@@ -266,6 +281,18 @@ class GatewaySettings:
             value = _coerce(field.name, getattr(self, field.name))
             _check(field.name, value)
             object.__setattr__(self, field.name, value)
+
+    @property
+    def pool_ceiling(self) -> int:
+        """The most sandboxes the warm pool holds: ``pool_max``, but never below ``pool_size``."""
+        return max(self.pool_size, self.pool_max)
+
+    @property
+    def pool_refill_concurrency(self) -> int:
+        """Pooled sandboxes started at once: ``pool_refills``, or one per CPU core (a start is
+        mostly CPU work in dockerd, runc and the kernel's imports, so more than the cores only
+        queues there, and takes them from live sessions)."""
+        return self.pool_refills or max(1, os.cpu_count() or 1)
 
     @property
     def budget(self) -> OutputBudget:

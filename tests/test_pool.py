@@ -4,9 +4,11 @@ another session touched, and pooled sandboxes count toward limits and leave noth
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import nbformat
+import pytest
 
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
@@ -78,3 +80,120 @@ async def test_a_gateway_stopping_while_its_empty_pool_refills_leaves_no_sandbox
     await asyncio.sleep(3)  # a container created after the stop would show up meanwhile
     assert not docker_containers(), "a refill outlived its gateway"
     assert not list(tmp_path.rglob("*.mnt")), "a workspace disk outlived its gateway"
+
+
+class Watch:
+    """Samples, while a test runs, the most sandboxes of this test process Docker holds and the
+    most the pool holds (ready and starting): the ceilings must hold at every moment, not only
+    at the end."""
+
+    def __init__(self, gateway) -> None:
+        self.pool = gateway.server.registry.pool
+        self.containers = self.held = 0
+        self._tasks: list[asyncio.Task] = []
+
+    async def __aenter__(self) -> Watch:
+        self._tasks = [asyncio.create_task(self._docker()), asyncio.create_task(self._pool())]
+        return self
+
+    async def _docker(self) -> None:
+        while True:
+            self.containers = max(self.containers, len(await asyncio.to_thread(docker_containers)))
+            await asyncio.sleep(0.1)
+
+    async def _pool(self) -> None:
+        while True:
+            self.held = max(self.held, self.pool.held)
+            await asyncio.sleep(0.01)
+
+    async def __aexit__(self, *exc: object) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def create_all(gateway, count: int, profile: str | None = None) -> list[dict]:
+    """``count`` session creates at once, each then running ``1+1``; all must succeed."""
+
+    async def one() -> dict:
+        code, created = await gateway.request("POST", "/api/sessions", {"profile": profile} if profile else {})
+        assert code == 201, created
+        code, result = await gateway.request("POST", f"/api/sessions/{created['id']}/execute", {"code": "1 + 1"})
+        assert code == 200 and result["outputs"][0]["data"]["text/plain"] == "2", result
+        return created
+
+    return list(await asyncio.gather(*(one() for _ in range(count))))
+
+
+async def test_the_pool_grows_under_a_burst_and_shrinks_back_within_its_ceilings(tmp_path):
+    """A burst that drains the pool makes it grow toward pool_max (the next sessions come warm);
+    a gateway at max_sessions_total takes the surplus back for sessions; once the demand window
+    passes the pool is back at pool_size; at no moment are there more sandboxes than either
+    ceiling allows; and the stop removes everything, starts under way included."""
+    gateway = await start_gateway(
+        tmp_path,
+        pool_size=1,
+        pool_max=3,
+        pool_refills=2,
+        pool_demand_window=30,
+        pool_preload=(),
+        max_sessions=8,
+        max_sessions_total=6,
+    )
+    try:
+        pool = gateway.server.registry.pool
+        assert (pool.size, pool.max_size, pool.concurrency) == (1, 3, 2)
+        await wait_for_pool(gateway, 1)
+        async with Watch(gateway) as watch:
+            burst = await create_all(gateway, 3)  # 1 warm, 2 cold: 3 acquires of demand
+            await wait_for_pool(gateway, 3)  # grown to its ceiling: 3 sessions + 3 pooled = the total
+            # A session the pool cannot serve takes the room of a surplus pooled sandbox...
+            (small,) = await create_all(gateway, 1, profile="small")
+            assert pool.held == 2
+            # ...and one it can serve takes a pooled sandbox, grown by the burst
+            (warm,) = await create_all(gateway, 1)
+            assert nbformat.read(warm["path"], as_version=4).metadata["sandkernel"]["warm_pool"] is True
+            assert pool.held == 1  # 5 sessions: the total leaves the pool its floor only
+            code, refused = await gateway.request("POST", "/api/sessions", {"profile": "small"})
+            assert code == 429 and "limit of 6 sessions" in refused["message"]
+            for session in [*burst, small, warm]:
+                assert (await gateway.request("DELETE", f"/api/sessions/{session['id']}"))[0] == 204
+            deadline = time.monotonic() + 120
+            while await pool_size(gateway) > 1 or len(await asyncio.to_thread(docker_containers)) > 1:  # demand expired
+                assert time.monotonic() < deadline, "the pool did not shrink back to its floor"
+                await asyncio.sleep(0.2)
+        assert watch.held <= 3, f"the pool held {watch.held} sandboxes, over pool_max 3"
+        assert watch.containers <= 6, f"{watch.containers} sandboxes at once, over max_sessions_total 6"
+        assert pool.held == 1
+        await create_all(gateway, 2)  # demand again: it grows while the stop comes
+    finally:
+        await stop_gateway(gateway)
+    await asyncio.sleep(2)  # a container created after the stop would show up meanwhile
+    assert not docker_containers(), "the pool left sandboxes behind"
+    assert not list(tmp_path.rglob("*.mnt")), "a workspace disk outlived its gateway"
+
+
+async def test_a_burst_of_cold_creates_all_succeed_and_leave_nothing(tmp_path):
+    gateway = await start_gateway(tmp_path, pool_size=0, max_sessions=10, max_sessions_total=10)
+    try:
+        sessions = await create_all(gateway, 10)
+        assert len({s["id"] for s in sessions}) == 10
+        assert len(docker_containers()) == 10
+        deleted = await asyncio.gather(*(gateway.request("DELETE", f"/api/sessions/{s['id']}") for s in sessions))
+        assert [code for code, _ in deleted] == [204] * 10
+        assert not docker_containers()
+    finally:
+        await stop_gateway(gateway)
+    assert not docker_containers() and not list(tmp_path.rglob("*.mnt"))
+
+
+def test_a_pool_ceiling_below_its_size_is_refused_and_pool_max_never_shrinks_the_pool():
+    from sandkernel.errors import ConfigError
+    from sandkernel.gateway.settings import GatewaySettings
+    from sandkernel.kernels.lifecycle.pool import WarmPool
+
+    with pytest.raises(ConfigError, match="ceiling"):
+        WarmPool(3, max_size=2)
+    assert GatewaySettings(pool_size=5, pool_max=2).pool_ceiling == 5
+    assert GatewaySettings(pool_refills=0).pool_refill_concurrency == (os.cpu_count() or 1)
+    assert GatewaySettings(pool_refills=3).pool_refill_concurrency == 3

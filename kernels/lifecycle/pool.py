@@ -2,17 +2,27 @@
 
 Each pooled session is a complete sandbox (container, kernel, sockets locked, iopub live) that
 no one has used. :meth:`WarmPool.acquire` hands one out exactly once and never takes it back:
-a session that ran someone's code is never reused. Refilling runs in the background, one
-sandbox at a time, so it never competes with running sessions for more than one start; a
-failed start is retried after a pause. On close the pool removes every sandbox it holds.
+a session that ran someone's code is never reused. On close the pool removes every sandbox it
+holds.
+
+Sizing follows demand (issue 17). ``size`` is the floor the pool keeps ready; ``max_size`` its
+ceiling. Every acquire (served or not: a miss is demand too) is remembered for
+``demand_window`` seconds, and the pool aims at ``size`` plus that many, up to the ceiling: a
+burst that drains the pool makes it grow, so the next burst is served warm, and once the window
+passes without acquires the surplus idle sandboxes are removed (never a handed-out one: the
+pool forgets those). Growth beyond the floor also needs room in the gateway (``room``: how many
+more sandboxes ``max_sessions_total`` allows); the floor itself is reserved there. Refills run
+``concurrency`` starts at a time (matched to the host's cores by the gateway's settings), so a
+refill never takes the host from live sessions for more than that; a failed start pauses every
+refill for ``RETRY_SECONDS``.
 
 Nothing unaccounted (issue 13): with a session catalog (``store``), each pooled sandbox is
 recorded as kind ``pool`` as soon as it has started, and forgotten when it is handed out (the
 gateway records it as a session) or removed; a later gateway process re-adopts pool records
-into its pool (:meth:`WarmPool.adopt`) or removes them. A refill under way when the pool closes
-is never abandoned: the start runs in its own task, shielded from the filler's cancellation,
-and the sandbox it produces is removed once it is up (cancelling a start half-way would leave
-a container the Docker thread was still creating, with no one to remove it).
+into its pool (:meth:`WarmPool.adopt`) or removes them. A start under way when the pool closes
+is never abandoned: each start runs in its own task, which the tending loop's cancellation does
+not reach, and a start that ends after the close removes its sandbox itself (cancelling a start
+half-way would leave a container the Docker thread was still creating, with no one to remove it).
 """
 
 from __future__ import annotations
@@ -22,9 +32,9 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from sandkernel.errors import SandkernelError
+from sandkernel.errors import ConfigError, SandkernelError
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord
 from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.session import KernelSession
@@ -34,6 +44,8 @@ from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
 log = logging.getLogger(__name__)
 
 RETRY_SECONDS = 5.0
+# Seconds an acquire counts as demand: the pool shrinks back to its floor this long after the last.
+DEMAND_WINDOW = 120.0
 
 
 class WarmPool:
@@ -44,62 +56,126 @@ class WarmPool:
         *,
         store: SessionStore | None = None,
         preload: Sequence[str] = (),
+        max_size: int | None = None,
+        concurrency: int = 1,
+        demand_window: float = DEMAND_WINDOW,
     ) -> None:
-        """``store``: the session catalog pooled sandboxes are recorded in (None: not recorded);
-        ``preload``: modules each pooled kernel imports before it is ready (see prewarm.py)."""
+        """``size``: sandboxes kept ready (the floor); ``max_size``: the most it grows to under
+        demand (None: ``size``, a fixed pool); ``concurrency``: sandboxes started at once when
+        refilling; ``demand_window``: seconds an acquire counts as demand; ``store``: the session
+        catalog pooled sandboxes are recorded in (None: not recorded); ``preload``: modules each
+        pooled kernel imports before it is ready (see prewarm.py)."""
+        max_size = size if max_size is None else max_size
+        if size < 0 or max_size < size:
+            raise ConfigError(f"a warm pool's ceiling ({max_size}) must be at least its size ({size})")
+        if concurrency < 1:
+            raise ConfigError(f"a warm pool starts at least one sandbox at a time, not {concurrency}")
         self.size = size
+        self.max_size = max_size
+        self.concurrency = concurrency
+        self.demand_window = demand_window
         self.preload = validate_modules(preload)
         self.profile = profile or resolve_profile()
         self.store = store
+        # How many more sandboxes the gateway has room for beyond what the pool holds (the
+        # registry sets it: max_sessions_total); only growth beyond the floor asks.
+        self.room: Callable[[], int] = lambda: max_size
         self._ready: collections.deque[KernelSession] = collections.deque()
-        self._filler: asyncio.Task | None = None
-        self._starting: asyncio.Task | None = None  # the start in flight, in its own (shielded) task
+        self._starting: set[asyncio.Task] = set()  # each start in its own task (never cancelled)
+        self._removing: set[asyncio.Task] = set()  # surplus sandboxes being removed
+        self._acquires: collections.deque[float] = collections.deque()  # monotonic times, within the window
+        self._tender: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self._retry_at = 0.0  # no start before this (monotonic): a start failed
         self._closed = False
         self.handed_out = 0
 
     def __len__(self) -> int:
         return len(self._ready)
 
+    @property
+    def held(self) -> int:
+        """Sandboxes the pool has: ready and starting (what counts toward the gateway's total)."""
+        return len(self._ready) + len(self._starting)
+
     def matches(self, profile: Profile) -> bool:
         """Whether a session of this (fully resolved) profile can take a pooled sandbox."""
         return profile == self.profile
+
+    def target(self) -> int:
+        """How many sandboxes the pool aims to hold now: the floor plus the recent demand, up to
+        the ceiling."""
+        horizon = time.monotonic() - self.demand_window
+        while self._acquires and self._acquires[0] < horizon:
+            self._acquires.popleft()
+        return min(self.max_size, self.size + len(self._acquires))
 
     def start(self) -> None:
         """Begin filling in the background."""
         self._kick()
 
     def _kick(self) -> None:
-        if not self._closed and self.size > 0 and (self._filler is None or self._filler.done()):
-            self._filler = asyncio.create_task(self._fill())
+        if self._closed or self.max_size == 0:
+            return
+        if self._tender is None or self._tender.done():
+            self._tender = asyncio.create_task(self._tend())
+        self._wake.set()
 
-    async def _fill(self) -> None:
-        while not self._closed and len(self._ready) < self.size:
-            started = time.monotonic()
-            self._starting = asyncio.create_task(self._start_one())
-            try:
-                session = await asyncio.shield(self._starting)
-            except asyncio.CancelledError:
-                # close() (or the loop) cancelled the filler mid-start: the start goes on in its
-                # own task; remove its sandbox once it is up, so nothing is left running.
-                await self._reclaim(self._starting)
-                raise
-            except SandkernelError as err:
-                log.warning("warm pool: a sandbox failed to start (%s); retrying in %gs", err, RETRY_SECONDS)
-                await asyncio.sleep(RETRY_SECONDS)
-                continue
-            finally:
-                self._starting = None
-            if self._closed:
-                await self._remove(session)
-                return
-            self._ready.append(session)
-            log.info(
-                "warm pool: %d/%d ready (started in %.2fs)",
-                len(self._ready),
-                self.size,
-                time.monotonic() - started,
-                extra={"session": session.id},
-            )
+    async def _tend(self) -> None:
+        """Keep the pool at its target: start sandboxes (``concurrency`` at a time) while it holds
+        fewer, remove idle surplus ones when it holds more; look again on every acquire, start
+        and failure, and at least every quarter of the demand window (demand expires)."""
+        while not self._closed:
+            self._wake.clear()
+            target = self.target()
+            now = time.monotonic()
+            while (
+                self.held < target
+                and len(self._starting) < self.concurrency
+                and now >= self._retry_at
+                and (self.held < self.size or self.room() > 0)
+            ):
+                task = asyncio.create_task(self._start_and_keep())
+                self._starting.add(task)
+                task.add_done_callback(self._started)
+            while len(self._ready) > target:
+                self._discard(self._ready.pop())  # the newest: the oldest go out first on acquire
+            wait = max(0.05, min(self.demand_window / 4, self._retry_at - now if self._retry_at > now else 3600))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+
+    def _started(self, task: asyncio.Task) -> None:
+        self._starting.discard(task)
+        self._wake.set()
+
+    def _discard(self, session: KernelSession) -> None:
+        """Remove a surplus pooled sandbox in the background (close waits for it)."""
+        task = asyncio.create_task(self._remove(session))
+        self._removing.add(task)
+        task.add_done_callback(self._removing.discard)
+        log.info("warm pool: removing a surplus sandbox (target %d)", self.target(), extra={"session": session.id})
+
+    async def _start_and_keep(self) -> None:
+        """One refill: start a sandbox and add it to the pool, or remove it if the pool closed
+        meanwhile; a failure pauses refills for RETRY_SECONDS."""
+        started = time.monotonic()
+        try:
+            session = await self._start_one()
+        except SandkernelError as err:
+            log.warning("warm pool: a sandbox failed to start (%s); retrying in %gs", err, RETRY_SECONDS)
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            return
+        if self._closed:
+            await self._remove(session)
+            return
+        self._ready.append(session)
+        log.info(
+            "warm pool: %d/%d ready (started in %.2fs)",
+            len(self._ready),
+            self.target(),
+            time.monotonic() - started,
+            extra={"session": session.id},
+        )
 
     async def _start_one(self) -> KernelSession:
         """Start one sandbox and record it in the catalog; a sandbox that cannot be recorded is
@@ -119,17 +195,6 @@ class WarmPool:
                 raise
         return session
 
-    async def _reclaim(self, starting: asyncio.Task) -> None:
-        """Wait for a start the filler let go of and remove what it started (if it did)."""
-        try:
-            session = await asyncio.shield(starting)
-        except asyncio.CancelledError:
-            return  # cancelled again (the loop is going away): the start's own clean-up is all there is
-        except Exception as err:  # it failed and cleaned up after itself: nothing to remove
-            log.info("warm pool: a start under way when the pool closed failed: %s", err)
-            return
-        await self._remove(session)
-
     async def _remove(self, session: KernelSession) -> None:
         """Shut a pooled sandbox down and forget its record."""
         try:
@@ -146,15 +211,17 @@ class WarmPool:
             log.warning("warm pool: could not remove a catalog record: %s", err, extra={"session": session.id})
 
     async def wait_full(self, timeout: float = 120.0) -> None:
-        """Until the pool holds ``size`` ready sandboxes (for start-up and benchmarks)."""
+        """Until the pool holds its target of ready sandboxes (for start-up and benchmarks)."""
         deadline = time.monotonic() + timeout
-        while len(self._ready) < self.size and time.monotonic() < deadline:
+        while len(self._ready) < self.target() and time.monotonic() < deadline:
             self._kick()
             await asyncio.sleep(0.05)
 
     async def acquire(self) -> KernelSession | None:
         """A fresh, never-used sandbox, or None when the pool is empty (the caller starts one).
-        Its pool record is removed first: the caller records it as a session."""
+        Its pool record is removed first: the caller records it as a session. Every call counts
+        as demand, served or not."""
+        self._acquires.append(time.monotonic())
         while self._ready:
             session = self._ready.popleft()
             self._kick()
@@ -167,17 +234,33 @@ class WarmPool:
         self._kick()
         return None
 
+    def release_surplus(self, count: int) -> int:
+        """Give up to ``count`` idle sandboxes beyond the floor back to the gateway (a session
+        needs their room under ``max_sessions_total``); returns how many were let go. They are
+        removed in the background."""
+        freed = 0
+        while freed < count and self.held > self.size and self._ready:
+            self._discard(self._ready.pop())
+            freed += 1
+        return freed
+
+    async def removals_done(self) -> None:
+        """Wait for the surplus sandboxes being removed (a cold start that took their room waits,
+        so the gateway never holds more containers than ``max_sessions_total``)."""
+        while self._removing:
+            await asyncio.wait(set(self._removing))
+
     def adopt(self, session: KernelSession) -> bool:
         """Take back a pooled sandbox a previous process started (already running, already in the
-        catalog as kind ``pool``). False when it does not fit (other profile, pool full or
-        closed): the caller removes it and its record."""
+        catalog as kind ``pool``). False when it does not fit (other profile, pool at its floor
+        or closed): the caller removes it and its record."""
         if self._closed or not self.matches(session.profile) or len(self._ready) >= self.size:
             return False
         self._ready.append(session)
         return True
 
     async def close(self) -> None:
-        """Stop refilling and remove every pooled sandbox, the one being started included."""
+        """Stop refilling and remove every pooled sandbox, those being started included."""
         await self._stop_filling()
         while self._ready:
             await self._remove(self._ready.popleft())
@@ -190,11 +273,13 @@ class WarmPool:
             await self._ready.popleft().detach(grace)
 
     async def _stop_filling(self) -> None:
+        """Stop the tending loop, then wait for the starts under way (each removes its sandbox,
+        the pool being closed) and the surplus removals."""
         self._closed = True
-        filler, starting = self._filler, self._starting
-        if filler is not None:
-            filler.cancel()
+        tender = self._tender
+        if tender is not None:
+            tender.cancel()
             with contextlib.suppress(asyncio.CancelledError, SandkernelError):
-                await filler
-        if starting is not None and not starting.done():  # the filler was cancelled before it could reclaim
-            await self._reclaim(starting)
+                await tender
+        while self._starting or self._removing:
+            await asyncio.wait({*self._starting, *self._removing})  # wait, unlike gather, never cancels them
