@@ -209,16 +209,25 @@ class ServedGateway:
         self.ws_url = f"ws://127.0.0.1:{self.port}/api/kernels/{self.kernel_id}/channels"
         return self
 
+    def cpu_seconds(self) -> float:
+        """CPU time the gateway process has used so far (all its threads; Linux /proc). Unlike
+        latency, CPU per round trip hardly moves when other work loads the machine."""
+        assert self.proc is not None
+        fields = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     async def __aexit__(self, *exc: object) -> None:
         assert self.proc is not None
         self.proc.terminate()
         await asyncio.to_thread(self.proc.wait, 60)
 
 
-async def gateway_doors(n: int, block: int, before: str | None) -> dict[str, list[float]]:
-    """Samples of each door (and raw jupyter_client on the same kernel), in rotating blocks."""
+async def gateway_doors(n: int, block: int, before: str | None) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Samples of each door (and raw jupyter_client on the same kernel), in rotating blocks; and
+    the gateway's CPU milliseconds per round trip of each door."""
     async with contextlib.AsyncExitStack() as stack:
         now = await stack.enter_async_context(ServedGateway(sys.executable, None))
+        gateways = {"sandkernel session API": now, "sandkernel websocket": now}
         calls: dict[str, Callable[[int], Awaitable[list[float]]]] = {
             "sandkernel session API": lambda m: asyncio.to_thread(
                 session_api_round_trips, now.port, now.session_id, m, 3
@@ -232,14 +241,21 @@ async def gateway_doors(n: int, block: int, before: str | None) -> dict[str, lis
                 session_api_round_trips, then.port, then.session_id, m, 3
             )
             calls["before: sandkernel websocket"] = lambda m: websocket_round_trips(then.ws_url, TOKEN, m, 3)
+            gateways |= {"before: sandkernel session API": then, "before: sandkernel websocket": then}
         samples: dict[str, list[float]] = {name: [] for name in calls}
+        cpu: dict[str, float] = dict.fromkeys(gateways, 0.0)
         names = list(calls)
         round_number = 0
         while min(len(s) for s in samples.values()) < n:
             for name in names[round_number % len(names) :] + names[: round_number % len(names)]:
-                samples[name].extend(await calls[name](min(block, n - len(samples[name])) or 1))
+                used = gateways[name].cpu_seconds() if name in gateways else 0.0
+                count = min(block, n - len(samples[name])) or 1
+                samples[name].extend(await calls[name](count))
+                if name in gateways:
+                    cpu[name] += gateways[name].cpu_seconds() - used
             round_number += 1
-        return samples
+        trips = {name: len(samples[name]) + 3 * -(-len(samples[name]) // block) for name in cpu}  # with warm-ups
+        return samples, {name: 1000 * cpu[name] / trips[name] for name in cpu}
 
 
 async def kernel_gateway_round_trips(n: int) -> list[float]:
@@ -274,14 +290,17 @@ async def main() -> None:
     parser.add_argument("--block", type=int, default=25, help="round trips per turn (3 more not kept)")
     parser.add_argument("--before", help="another checkout whose gateway doors join the turns")
     args = parser.parse_args()
-    samples = await gateway_doors(args.n, args.block, args.before)
+    samples, cpu_ms = await gateway_doors(args.n, args.block, args.before)
     results = {name: stats(values) for name, values in samples.items()}
+    for name, ms in cpu_ms.items():
+        results[name]["gateway_cpu_ms"] = ms
     if shutil.which("jupyter-kernelgateway") or _has_module("kernel_gateway"):
         results["Kernel Gateway 3 websocket (local kernel)"] = stats(await kernel_gateway_round_trips(args.n))
     raw = results[RAW]["p50_ms"]
-    print(f"{'path':45} {'p50 ms':>8} {'p95 ms':>8} {'vs raw':>7}")
+    print(f"{'path':45} {'p50 ms':>8} {'p95 ms':>8} {'vs raw':>7} {'gateway CPU ms/trip':>20}")
     for name, row in results.items():
-        print(f"{name:45} {row['p50_ms']:8.2f} {row['p95_ms']:8.2f} {row['p50_ms'] / raw:6.2f}x")
+        cpu = f"{row['gateway_cpu_ms']:20.2f}" if "gateway_cpu_ms" in row else ""
+        print(f"{name:45} {row['p50_ms']:8.2f} {row['p95_ms']:8.2f} {row['p50_ms'] / raw:6.2f}x {cpu}")
     if "Kernel Gateway 3 websocket (local kernel)" in results:
         kg_ratio = (
             results["Kernel Gateway 3 websocket (local kernel)"]["p50_ms"] / results["sandkernel websocket"]["p50_ms"]
