@@ -37,8 +37,22 @@ def test_bench_suite_runs_and_summarises(tmp_path):
     assert len(controls) == 3 and all(row["n"] == 5 for row in controls.values()), controls
     for runtime, sizes in json.loads((tmp_path / "snapshots.json").read_text()).items():
         assert sizes["5 MB"]["restored_by"] == ["replay"] and sizes["5 MB"]["verdicts"] == ["same"], (runtime, sizes)
+    tti = json.loads((tmp_path / "time_to_interactive.json").read_text())["runc"]
+    cells = {"bare docker run": 2, "pool off": 2, "pool + preload": 2, "pool, no preload": 1}
+    for contender, count in cells.items():
+        assert set(tti["runs"][contender]) == set(tti["modes"]), contender
+        for mode, rows in tti["runs"][contender].items():
+            assert len(rows) == count and all(r["n"] == 2 and r["failed"] == 0 for r in rows.values()), (mode, rows)
+            if contender.startswith("pool,") or contender == "pool + preload":  # sized for the run, full first
+                assert all(r["from_pool"] == 2 for r in rows.values()), (contender, mode, rows)
+    # The pool's kernels come with the data stack imported (prewarm), before any user cell:
+    assert tti["runs"]["pool + preload"]["sequential"]["1+1"]["pandas_already_imported"] == 2
+    assert {"raw execute 1+1", "warm kernel pandas cell"} <= set(tti["references"])
+    assert len(tti["targets"]) == 5 and all(isinstance(t["met"], bool) for t in tti["targets"]), tti["targets"]
     summary = (tmp_path / "SUMMARY.md").read_text()
     assert "trivial execute with per-cell accounting (runc, empty workspace)" in summary
     assert "controls defaults (accounting + audit) (runc)" in summary
     assert "pause / resume (replay), 5 MB session (runc)" in summary
+    assert "time to interactive: create -> pandas read_csv, burst, n=2 (runc)" in summary
+    assert "target: warm pool -> first pandas read_csv result" in summary
     assert "acquire -> 1+1, warm pool (runc)" in summary and "| measure | sandkernel | baseline |" in summary
