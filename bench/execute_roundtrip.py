@@ -201,9 +201,17 @@ class ServedGateway:
                    "--pool-size", "0", "--on-exit", "delete", "--state-dir", self.state,
                    "--notebook-dir", self.notebooks]
         # fmt: on
-        self.proc = subprocess.Popen(command, cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         base = f"http://127.0.0.1:{self.port}"
-        await wait_http(base + "/api/health", self.proc)
+        for attempt in range(3):  # a start can fail while other processes remove containers
+            self.proc = subprocess.Popen(command, cwd=self.cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                await wait_http(base + "/api/health", self.proc)
+                break
+            except RuntimeError:
+                self.proc.kill()  # a no-op on one that exited
+                self.proc.wait()
+                if attempt == 2:
+                    raise
         session = await api(base, "POST", "/api/sessions", TOKEN, {})
         self.session_id, self.kernel_id = session["id"], session["kernel"]["id"]
         self.ws_url = f"ws://127.0.0.1:{self.port}/api/kernels/{self.kernel_id}/channels"
