@@ -211,9 +211,9 @@ class WarmPool:
             log.warning("warm pool: could not remove a catalog record: %s", err, extra={"session": session.id})
 
     async def wait_full(self, timeout: float = 120.0) -> None:
-        """Until the pool holds its target of ready sandboxes (for start-up and benchmarks)."""
+        """Until the pool holds ``size`` ready sandboxes, its floor (for start-up and benchmarks)."""
         deadline = time.monotonic() + timeout
-        while len(self._ready) < self.target() and time.monotonic() < deadline:
+        while len(self._ready) < self.size and time.monotonic() < deadline:
             self._kick()
             await asyncio.sleep(0.05)
 
