@@ -31,10 +31,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import docker.errors
 from inprocess_gateway import GatewayApi, inprocess_gateway
 from results_dir import save_for_runtime
 from throughput_density import bare_kernel_memory, memory_mib
 
+from sandkernel.kernels.execution import drain
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 # How many session containers' memory is read (docker stats takes ~0.1 s each; a sample suffices).
@@ -63,6 +65,23 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """This process's CPU seconds by thread group: the event loop (main thread), libzmq's I/O
+    and reaper threads (one pair per zmq context), and every other thread (executor, jupyter_client's
+    heartbeat channels, the catalog and audit writers)."""
+    groups = {"event_loop": 0.0, "zmq": 0.0, "other": 0.0}
+    me = os.getpid()
+    for tid in os.listdir(f"/proc/{me}/task"):
+        try:
+            fields = Path(f"/proc/{me}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            comm = Path(f"/proc/{me}/task/{tid}/comm").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        group = "event_loop" if int(tid) == me else "zmq" if comm.startswith("ZMQbg") else "other"
+        groups[group] += (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    return groups
+
+
 def process_status(pid: int) -> dict[str, float]:
     """Resident memory (MiB) and thread count of ``pid``."""
     status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
@@ -78,18 +97,31 @@ def dockerd_pid() -> int | None:
 
 
 async def idle_cpu(seconds: float) -> dict[str, float | None]:
-    """Percent of one core the gateway process (this one) and dockerd use while nothing is asked."""
+    """Percent of one core the gateway process (this one; in all and by thread group) and dockerd
+    use while nothing is asked. Threads that end meanwhile are left out of the groups."""
     docker = dockerd_pid()
     ours0, docker0 = process_cpu_seconds(os.getpid()), process_cpu_seconds(docker) if docker else None
+    threads0 = thread_cpu_seconds()
     t0 = time.monotonic()
     await asyncio.sleep(seconds)
     elapsed = time.monotonic() - t0
     ours1, docker1 = process_cpu_seconds(os.getpid()), process_cpu_seconds(docker) if docker else None
+    threads1 = thread_cpu_seconds()
     assert ours0 is not None and ours1 is not None
-    return {
+    result: dict[str, float | None] = {
         "gateway_cpu_percent": 100 * (ours1 - ours0) / elapsed,
         "dockerd_cpu_percent": 100 * (docker1 - docker0) / elapsed if docker0 is not None and docker1 else None,
     }
+    for group, spent in threads1.items():
+        result[f"{group}_cpu_percent"] = 100 * max(spent - threads0[group], 0.0) / elapsed
+    return result
+
+
+def cpu_line(idle: dict) -> str:
+    return (
+        f"{idle['gateway_cpu_percent']:.1f}% of a core (event loop {idle['event_loop_cpu_percent']:.1f}%, "
+        f"zmq threads {idle['zmq_cpu_percent']:.1f}%, other threads {idle['other_cpu_percent']:.1f}%)"
+    )
 
 
 async def execute_samples(api: GatewayApi, pick: Callable[[], str], samples: int) -> list[float]:
@@ -134,6 +166,15 @@ def session_containers(sids: set[str]) -> list[dict]:
     return [row for row in rows if (row.get("Labels") or {}).get("sandkernel.session") in sids]
 
 
+def bare_memory(runtime: str) -> float:
+    """bare_kernel_memory, once more if its container vanished (a busy shared machine, where
+    another run's cleanup may remove it: seen once, and the long run lost its numbers)."""
+    try:
+        return bare_kernel_memory(runtime)
+    except docker.errors.NotFound:
+        return bare_kernel_memory(runtime)
+
+
 def remove_leftovers(sids: list[str]) -> int:
     """Remove containers of our sessions the gateway's exit did not (an interrupted run); never others'."""
     left = session_containers(set(sids))
@@ -149,6 +190,10 @@ async def measure(api: GatewayApi, args: argparse.Namespace, results: dict, sids
     results["alone"] = percentiles(await execute_samples(api, lambda: first, args.samples))
     results["alone"].update(await idle_cpu(args.idle_seconds))
     results["alone"].update(process_status(os.getpid()))
+    alone = results["alone"]
+    print(
+        f"  alone: 1+1 p50 {alone['p50_ms']:.1f} ms, p99 {alone['p99_ms']:.1f} ms; idle {cpu_line(alone)}", flush=True
+    )
 
     others, seconds = await create_in_batches(api, args.sessions - 1, args.batch)
     sids.extend(others)
@@ -157,9 +202,20 @@ async def measure(api: GatewayApi, args: argparse.Namespace, results: dict, sids
     if args.hold:
         print(f"  holding {len(sids)} idle sessions for {args.hold:.0f} s: py-spy record -p {os.getpid()}", flush=True)
         await asyncio.sleep(args.hold)
+    if args.old_drain:
+        # The drain as it was before issue 17 (a poll with a 1 s timeout), for a before/after in
+        # one run: the in-flight waits end within DRAIN_POLL_SECONDS of the old value being set.
+        kept, drain.DRAIN_POLL_SECONDS = drain.DRAIN_POLL_SECONDS, 1.0
+        await asyncio.gather(*(api.execute(sid, "1+1") for sid in sids))  # every drain waits anew
+        await asyncio.sleep(2)
+        results["crowd_idle_old_drain"] = await idle_cpu(args.idle_seconds)
+        drain.DRAIN_POLL_SECONDS = kept
+        await asyncio.sleep(2)  # the 1 s waits end and the drains wait the current way again
+        print(f"  {len(sids)} idle, old drain (1 s polls): {cpu_line(results['crowd_idle_old_drain'])}", flush=True)
     crowd: dict = await idle_cpu(args.idle_seconds)
     crowd.update(process_status(os.getpid()))
     results["crowd_idle"] = crowd
+    print(f"  {len(sids)} idle: {cpu_line(crowd)}; {crowd['threads']} threads", flush=True)
     results["random_session"] = percentiles(await execute_samples(api, lambda: random.choice(sids), args.samples))
     results["first_session"] = percentiles(await execute_samples(api, lambda: first, args.samples))
     memory = await container_memory(sids)
@@ -177,9 +233,15 @@ async def main() -> None:
     parser.add_argument("--idle-seconds", type=float, default=20.0, help="length of each idle CPU measurement")
     parser.add_argument("--settle", type=float, default=10.0, help="seconds the sessions idle before measuring")
     parser.add_argument("--hold", type=float, default=0.0, help="extra idle seconds, for py-spy")
+    parser.add_argument(
+        "--old-drain", action="store_true", help="also measure the idle CPU with the drain polling every second"
+    )
     args = parser.parse_args()
     os.environ["SANDKERNEL_RUNTIME"] = args.runtime
     results: dict = {"runtime": args.runtime, "cpus": os.cpu_count(), "sessions": args.sessions}
+    # The baseline first: a long run must not lose its gateway numbers to a failed baseline.
+    results["bare_idle_kernel_mib"] = await asyncio.to_thread(bare_memory, args.runtime)
+    print(f"  bare ipykernel container, idle: {results['bare_idle_kernel_mib']:.1f} MiB", flush=True)
     sids: list[str] = []
     started = time.perf_counter()
     try:
@@ -194,7 +256,6 @@ async def main() -> None:
     finally:
         if left := await asyncio.to_thread(remove_leftovers, sids):
             print(f"  removed {left} containers the gateway left behind")
-    results["bare_idle_kernel_mib"] = await asyncio.to_thread(bare_kernel_memory, args.runtime)
     results["seconds"] = time.perf_counter() - started
     report(results)
     save_for_runtime("density.json", args.runtime, results)
@@ -216,6 +277,8 @@ def report(r: dict) -> None:
         f"{crowd['gateway_cpu_percent']:.1f}% with {n}"
         + (f"; dockerd {docker_alone:.1f}% / {docker_crowd:.1f}%" if docker_alone is not None and docker_crowd else "")
     )
+    if old := r.get("crowd_idle_old_drain"):
+        print(f"  with {n} idle and the drain polling every second (before issue 17): {cpu_line(old)}")
     per_session = (crowd["rss_mib"] - alone["rss_mib"]) / max(n - 1, 1)
     print(
         f"  gateway memory: {alone['rss_mib']:.0f} MiB -> {crowd['rss_mib']:.0f} MiB "
