@@ -223,45 +223,56 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.close(1011, "kernel output channel lost; reconnect")
 
     async def _relay(self, channel: str, sock: zmq.asyncio.Socket) -> None:
-        assert self.session is not None and self.managed is not None and self.inflight is not None
         while True:
             # Poll with a timeout rather than wait on recv alone: each poll ends in a real
             # zmq_poll, so a readiness edge lost between pyzmq and the event loop (seen as
             # websockets that never got their reply) costs at most RELAY_POLL_MS, never a hang.
             if not await sock.poll(RELAY_POLL_MS):
                 continue
-            parts = await sock.recv_multipart()
-            try:
-                _, msg_list = self.session.feed_identities(parts)
-                msg = self.session.deserialize(msg_list)
-            except (ValueError, KeyError, TypeError) as err:
-                log.warning("dropped a kernel message that failed verification: %s", err)
-                continue
-            parent_id = msg.get("parent_header", {}).get("msg_id")
-            if parent_id in self.nudge_ids:
-                if channel == "iopub":
-                    self.iopub_ready.set()
-                continue
-            msg["channel"] = channel
-            msg_type = msg["header"]["msg_type"]
-            if channel == "iopub" and msg_type == "status":
-                state = msg["content"].get("execution_state")
-                self.managed.touch(state)
-                if state == "idle":
-                    self.inflight.answered(parent_id)
-                elif state in ("starting", "restarting", "dead"):  # no request survives a restart
-                    self.inflight.forget_all()
-                    self.inputs_requested = 0
-            elif channel in ("shell", "control"):
+            # Then take every message already queued without another poll (a burst of output).
+            while True:
+                try:
+                    parts = await sock.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if not await self._forward(channel, parts):
+                    return
+
+    async def _forward(self, channel: str, parts: list[bytes]) -> bool:
+        """Verify one kernel message and send it to the client; False once the websocket closed."""
+        assert self.session is not None and self.managed is not None and self.inflight is not None
+        try:
+            _, msg_list = self.session.feed_identities(parts)
+            msg = self.session.deserialize(msg_list)
+        except (ValueError, KeyError, TypeError) as err:
+            log.warning("dropped a kernel message that failed verification: %s", err)
+            return True
+        parent_id = msg.get("parent_header", {}).get("msg_id")
+        if parent_id in self.nudge_ids:
+            if channel == "iopub":
+                self.iopub_ready.set()
+            return True
+        msg["channel"] = channel
+        msg_type = msg["header"]["msg_type"]
+        if channel == "iopub" and msg_type == "status":
+            state = msg["content"].get("execution_state")
+            self.managed.touch(state)
+            if state == "idle":
                 self.inflight.answered(parent_id)
-                if msg_type == "execute_reply" and parent_id in self.replies:
-                    self.replies[parent_id].deliver(msg["content"])
-            elif channel == "stdin" and msg_type == "input_request":
-                self.inputs_requested += 1
-            try:
-                await self.write_message(to_frame(msg), binary=bool(msg.get("buffers")))
-            except websocket.WebSocketClosedError:
-                return
+            elif state in ("starting", "restarting", "dead"):  # no request survives a restart
+                self.inflight.forget_all()
+                self.inputs_requested = 0
+        elif channel in ("shell", "control"):
+            self.inflight.answered(parent_id)
+            if msg_type == "execute_reply" and parent_id in self.replies:
+                self.replies[parent_id].deliver(msg["content"])
+        elif channel == "stdin" and msg_type == "input_request":
+            self.inputs_requested += 1
+        try:
+            await self.write_message(to_frame(msg), binary=bool(msg.get("buffers")))
+        except websocket.WebSocketClosedError:
+            return False
+        return True
 
     async def on_message(self, frame: str | bytes) -> None:
         assert self.session is not None and self.managed is not None
