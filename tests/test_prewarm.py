@@ -22,7 +22,7 @@ from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.prewarm import prewarm, validate_modules
 
-from .conftest import RUNTIMES, require_runtime
+from .conftest import RUNTIMES, container_ids_of, require_runtime
 from .gateway_fixtures import start_gateway, stop_gateway
 from .test_pool import docker_containers, pool_size, wait_for_pool
 
@@ -253,3 +253,7 @@ async def test_prewarm_is_silent_names_what_fails_and_gives_up_on_a_hang(runtime
         assert session.busy is False, "a pre-warm that gave up still holds the session"
     finally:
         await session.shutdown()
+    deadline = time.monotonic() + 30
+    while container_ids_of(session.id):
+        assert time.monotonic() < deadline, "the session's container outlived its shutdown"
+        await asyncio.sleep(0.2)
