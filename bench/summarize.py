@@ -53,6 +53,32 @@ def time_to_interactive_rows(data: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def density_rows(data: dict) -> list[tuple[str, str, str]]:
+    """bench/density.py (not in run_all.sh: minutes per runtime): idle sessions' cost to the others."""
+    rows = []
+    for runtime, r in data.items():
+        n, alone, crowd, rand = r["sessions"], r["alone"], r["crowd_idle"], r["random_session"]
+        rows += [
+            (
+                f"trivial execute p99, random session of {n} idle ({runtime})",
+                f"{ms(rand['p99_ms'])} (p50 {ms(rand['p50_ms'])})",
+                f"one session alone {ms(alone['p99_ms'])} ({rand['p99_ms'] / alone['p99_ms']:.2f}x; target <= 2x)",
+            ),
+            (
+                f"idle memory per session, {n} sessions ({runtime})",
+                f"{r['idle_session_mib']:.1f} MiB",
+                f"bare ipykernel container {r['bare_idle_kernel_mib']:.1f} MiB "
+                f"({r['idle_session_mib'] / r['bare_idle_kernel_mib']:.2f}x; target <= 1.10x)",
+            ),
+            (
+                f"idle gateway CPU, {n} sessions ({runtime})",
+                f"{crowd['gateway_cpu_percent']:.1f}% of a core",
+                f"one session {alone['gateway_cpu_percent']:.1f}%",
+            ),
+        ]
+    return rows
+
+
 def main() -> None:
     rows = []
     acquire = load("session_acquire.json")
@@ -67,6 +93,7 @@ def main() -> None:
             )
         )
     rows += time_to_interactive_rows(load("time_to_interactive.json"))
+    rows += density_rows(load("density.json"))
     roundtrip = load("execute_roundtrip.json").get("results", {})
     raw = roundtrip.get("raw jupyter_client (sandkernel kernel)", {}).get("p50_ms")
     for name in ("sandkernel session API", "sandkernel websocket", "Kernel Gateway 3 websocket (local kernel)"):

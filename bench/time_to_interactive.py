@@ -165,13 +165,13 @@ async def gateway_runs(runtime: str, contender: str, n: int, modes: list[str], i
             for mode in modes:
                 for cell in CONTENDERS[contender]:
                     created: list[str] = []
-                    checks = {"preloaded": 0}
+                    checks: dict[str, Any] = {"preloaded": 0, "second cell": []}
 
                     async def one(
                         mode: str = mode,
                         cell: str = cell,
                         created: list[str] = created,
-                        checks: dict[str, int] = checks,
+                        checks: dict[str, Any] = checks,
                     ) -> Sample:
                         code, expected = CELLS[cell]
                         t0 = time.perf_counter()
@@ -183,9 +183,12 @@ async def gateway_runs(runtime: str, contender: str, n: int, modes: list[str], i
                         if reply.get("status") != "ok" or result_text(reply["outputs"]) != expected:
                             raise RuntimeError(f"unexpected reply: {json.dumps(reply)[:300]}")
                         if mode == "sequential":
-                            # Untimed: was the data stack there before the user imported it?
+                            # Not in the sample: was the data stack there before the user imported
+                            # it, and what does a second trivial cell cost (the first one's extra)?
                             if cell == "1+1":
+                                t3 = time.perf_counter()
                                 probe = await api.execute(sid, "'pandas' in __import__('sys').modules")
+                                checks["second cell"].append(time.perf_counter() - t3)
                                 checks["preloaded"] += result_text(probe["outputs"]) == "True"
                             await api("DELETE", f"/api/sessions/{sid}")
                             created.remove(sid)
@@ -196,6 +199,8 @@ async def gateway_runs(runtime: str, contender: str, n: int, modes: list[str], i
                     samples, failed = await arrive(mode, n, interval, one, pool_full if mode == "sequential" else idle)
                     await asyncio.gather(*(api("DELETE", f"/api/sessions/{sid}") for sid in created))
                     extra: dict[str, Any] = {}
+                    if checks["second cell"]:
+                        extra["second_cell_p50_ms"] = statistics.median(checks["second cell"]) * 1000
                     if pool:
                         handouts = pool_handouts(Path(audit_dir))[seen:]
                         extra["from_pool"] = sum(handouts)
@@ -426,6 +431,8 @@ def report(runtime: str, n: int, runs: dict, refs: dict, verdicts: list[dict]) -
                     continue
                 ratio = f"{row['p50_ms'] / bare:7.2f}x" if bare and contender != BARE else " " * 8
                 notes = [f"from pool {row['from_pool']}/{row['n']}"] if "from_pool" in row else []
+                if "second_cell_p50_ms" in row:
+                    notes.append(f"cell {row['cell_p50_ms']:.1f}, a second one {row['second_cell_p50_ms']:.1f}")
                 if "pandas_already_imported" in row:
                     notes.append(f"pandas imported before the first cell {row['pandas_already_imported']}/{row['n']}")
                 if row["failed"]:
