@@ -39,7 +39,7 @@ def time_to_interactive_rows(data: dict) -> list[tuple[str, str, str]]:
         for mode in result["modes"]:
             for cell in ("1+1", "pandas read_csv"):
                 ours = [contender_p50(runs, c, mode, cell) for c in ("pool + preload", "pool off")]
-                theirs = [contender_p50(runs, c, mode, cell) for c in ("bare docker run", "pool, no preload")]
+                theirs = [contender_p50(runs, c, mode, cell) for c in ("bare docker run", "pool without preload")]
                 rows.append(
                     (
                         f"time to interactive: create -> {cell}, {mode}, n={n} ({runtime})",

@@ -11,7 +11,7 @@ the same run and with the same arrival pattern:
 - ``pool + preload``: a warm pool sized for the run (``pool_size`` = n, and ``pool_max`` = n
   where the gateway has that setting) with the default ``pool_preload`` (numpy, pandas,
   matplotlib.pyplot), full before each run;
-- ``pool, no preload``: the same pool with ``pool_preload`` empty (pandas cell only: it shows
+- ``pool without preload``: the same pool with ``pool_preload`` empty (pandas cell only: it shows
   what the preload buys);
 - ``pool off``: every session a cold start;
 - ``bare docker run``: the baseline, a bare ``docker run`` of the same image with ipykernel,
@@ -62,7 +62,7 @@ CSV = "city,year,sales\n" + "".join(f"c{i % 7},{2000 + i % 20},{i * 37 % 1000}\n
 PANDAS = f"import pandas as pd, io\ndf = pd.read_csv(io.StringIO({CSV!r}))\ndf.shape"
 CELLS = {"1+1": ("1+1", "2"), "pandas read_csv": (PANDAS, "(40, 3)")}
 MODES = ("sequential", "staggered", "burst")
-BARE, COLD, POOL, POOL_BARE = "bare docker run", "pool off", "pool + preload", "pool, no preload"
+BARE, COLD, POOL, POOL_BARE = "bare docker run", "pool off", "pool + preload", "pool without preload"
 CONTENDERS = {BARE: tuple(CELLS), COLD: tuple(CELLS), POOL: tuple(CELLS), POOL_BARE: ("pandas read_csv",)}
 SETTINGS_FIELDS = {field.name for field in dataclasses.fields(GatewaySettings)}
 
@@ -361,12 +361,12 @@ async def references(runtime: str, k: int) -> dict[str, Any]:
 
 def show(runtime: str, mode: str, cell: str, contender: str, row: dict) -> None:
     if "p50_ms" not in row:
-        print(f"  {runtime:5} {mode:10} {cell:15} {contender:17} all {row['failed']} failed: {row.get('errors')}")
+        print(f"  {runtime:5} {mode:10} {cell:15} {contender:20} all {row['failed']} failed: {row.get('errors')}")
         return
     pool = f"  from pool {row['from_pool']}/{row['n']}" if "from_pool" in row else ""
     failed = f"  FAILED {row['failed']}: {row['errors'][0]}" if row["failed"] else ""
     print(
-        f"  {runtime:5} {mode:10} {cell:15} {contender:17} p50 {row['p50_ms']:8.1f}  p95 {row['p95_ms']:8.1f}  "
+        f"  {runtime:5} {mode:10} {cell:15} {contender:20} p50 {row['p50_ms']:8.1f}  p95 {row['p95_ms']:8.1f}  "
         f"p99 {row['p99_ms']:8.1f} ms  (create {row['create_p50_ms']:.1f} + cell {row['cell_p50_ms']:.1f})"
         f"{pool}{failed}"
     )
@@ -418,7 +418,7 @@ def targets(runtime: str, n: int, runs: dict, refs: dict) -> list[dict[str, Any]
 
 def report(runtime: str, n: int, runs: dict, refs: dict, verdicts: list[dict]) -> None:
     print(f"\ntime to interactive, {runtime}, n={n}: p50 / p95 / p99 ms, and p50 against bare docker run")
-    print(f"  {'mode':10} {'cell':15} {'contender':17} {'p50':>8} {'p95':>8} {'p99':>8} {'vs bare':>8}  notes")
+    print(f"  {'mode':10} {'cell':15} {'contender':20} {'p50':>8} {'p95':>8} {'p99':>8} {'vs bare':>8}  notes")
     for mode in MODES:
         for cell in CELLS:
             bare = p50(runs, mode, cell, BARE)
@@ -427,7 +427,7 @@ def report(runtime: str, n: int, runs: dict, refs: dict, verdicts: list[dict]) -
                 if row is None:
                     continue
                 if "p50_ms" not in row:
-                    print(f"  {mode:10} {cell:15} {contender:17} all {row['failed']} failed")
+                    print(f"  {mode:10} {cell:15} {contender:20} all {row['failed']} failed")
                     continue
                 ratio = f"{row['p50_ms'] / bare:7.2f}x" if bare and contender != BARE else " " * 8
                 notes = [f"from pool {row['from_pool']}/{row['n']}"] if "from_pool" in row else []
@@ -438,7 +438,7 @@ def report(runtime: str, n: int, runs: dict, refs: dict, verdicts: list[dict]) -
                 if row["failed"]:
                     notes.append(f"{row['failed']} failed")
                 print(
-                    f"  {mode:10} {cell:15} {contender:17} {row['p50_ms']:8.1f} {row['p95_ms']:8.1f} "
+                    f"  {mode:10} {cell:15} {contender:20} {row['p50_ms']:8.1f} {row['p95_ms']:8.1f} "
                     f"{row['p99_ms']:8.1f} {ratio}  {', '.join(notes)}"
                 )
     print("  references (one sandkernel kernel, raw jupyter_client, same run):")
@@ -458,6 +458,7 @@ async def main() -> None:
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between staggered arrivals")
     parser.add_argument("--references", type=int, default=50, help="samples of each reference")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated subset (default: all)")
+    # (the contenders' names hold no comma)
     args = parser.parse_args()
     contenders = [c for c in args.contenders.split(",") if c]
     if not contenders or set(contenders) - set(CONTENDERS):
