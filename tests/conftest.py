@@ -196,8 +196,10 @@ def docker_ready(request):
     except SandkernelError as err:
         pytest.exit(f"cannot run the suite: {err}", returncode=2)
     yield engine
-    leftovers = engine.client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={owner_label()}"})
-    names = [c.name for c in leftovers]
+    leftovers = engine.client.containers.list(
+        all=True, sparse=True, filters={"label": f"{OWNER_LABEL}={owner_label()}"}
+    )  # sparse: no inspect per container (one removed meanwhile would raise NotFound)
+    names = [(c.attrs.get("Names") or [c.id])[0].lstrip("/") for c in leftovers]
     reap_sync(engine, owner=owner_label())
     if names:
         pytest.fail(f"the test suite left {len(names)} container(s) behind: {names}")

@@ -132,7 +132,7 @@ def reap_sync(
     removed: list[str] = []
     kept = 0
     recorded = RecordedElsewhere()
-    containers = engine.client.containers.list(all=True, filters={"label": SESSION_LABEL})
+    containers = listed_containers(engine)
     for container in containers:
         labels = container.labels
         label = labels.get(OWNER_LABEL, "")
@@ -146,7 +146,7 @@ def reap_sync(
         ):
             log.info("reaping container", extra={"container": container.name, "owner": label})
             try:
-                container.remove(force=True)
+                engine.client.api.remove_container(container.id, force=True)
             except docker.errors.APIError as err:  # already gone, or being removed by its owner
                 log.debug("reap: %s: %s", container.name, err)
             rundir = own_runtime_dir(labels.get(RUNTIME_DIR_LABEL, ""))
@@ -163,6 +163,23 @@ def reap_sync(
         except (SandkernelError, OSError) as err:
             log.warning("reap: workspace disks not swept: %s", err)
     return ReapReport(tuple(removed), kept)
+
+
+@dataclass(frozen=True)
+class ListedContainer:
+    id: str
+    name: str
+    labels: dict[str, str]
+
+
+def listed_containers(engine: DockerEngine) -> list[ListedContainer]:
+    """Every sandkernel container, from one sparse listing (blocking). Not docker-py's full
+    listing: it inspects each container after listing them, and one removed meanwhile (by its
+    owner, another gateway, a test) raised NotFound and failed a gateway's start."""
+    return [
+        ListedContainer(c.id, (c.attrs.get("Names") or [c.id])[0].lstrip("/"), c.attrs.get("Labels") or {})
+        for c in engine.client.containers.list(all=True, sparse=True, filters={"label": SESSION_LABEL})
+    ]
 
 
 def _remove_disk(session_id: str, name: str) -> None:
