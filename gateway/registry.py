@@ -324,6 +324,7 @@ class SessionRegistry:
         self._no_requests = asyncio.Event()
         self._no_requests.set()
         self.websockets: set[Any] = set()  # open kernel websockets (closed 1012 on a restart)
+        self._start_slots = asyncio.Semaphore(settings.cold_start_concurrency)
         if pool is not None:  # the pool grows beyond its floor only into room the sessions leave
             pool.room = self._pool_room
 
@@ -430,12 +431,18 @@ class SessionRegistry:
         return managed
 
     async def cold_start(self, profile: Profile, session_id: str) -> KernelSession:
-        """Start a sandbox (none was waiting in the pool), through the start breaker if any."""
-        if self.controls is None:
-            return await KernelSession.start(profile=profile, session_id=session_id)
-        return await self.controls.start_breaker.guard(
-            lambda: KernelSession.start(profile=profile, session_id=session_id)
-        )
+        """Start a sandbox (none was waiting in the pool), through the start breaker if any.
+
+        At most ``cold_start_concurrency`` run at once, the rest queued first come first served:
+        on a host whose cores a burst saturates, starts sharing the cores all end together, at
+        the end of the burst; taken in turn, the first ones end early and the last no later.
+        The time queued here is not a start's (the breaker times the start only)."""
+        async with self._start_slots:
+            if self.controls is None:
+                return await KernelSession.start(profile=profile, session_id=session_id)
+            return await self.controls.start_breaker.guard(
+                lambda: KernelSession.start(profile=profile, session_id=session_id)
+            )
 
     def attach_observers(self, managed: ManagedSession) -> None:
         """Attach the gateway's observers and the operator's controls to a session it takes on."""

@@ -4,6 +4,8 @@ another session touched, and pooled sandboxes count toward limits and leave noth
 from __future__ import annotations
 
 import asyncio
+import datetime
+import itertools
 import os
 import time
 
@@ -197,3 +199,31 @@ def test_a_pool_ceiling_below_its_size_is_refused_and_pool_max_never_shrinks_the
     assert GatewaySettings(pool_size=5, pool_max=2).pool_ceiling == 5
     assert GatewaySettings(pool_refills=0).pool_refill_concurrency == (os.cpu_count() or 1)
     assert GatewaySettings(pool_refills=3).pool_refill_concurrency == 3
+
+
+def engine_time(stamp: str) -> datetime.datetime:
+    """Docker's RFC 3339 timestamp (nanoseconds, trailing zeros cut) as a datetime."""
+    whole, _, fraction = stamp.rstrip("Z").partition(".")
+    return datetime.datetime.fromisoformat(f"{whole}.{(fraction or '0')[:6].ljust(6, '0')}")
+
+
+async def test_cold_starts_beyond_start_concurrency_wait_their_turn(tmp_path):
+    """With start_concurrency 1 a burst's cold starts run one after another, first come first
+    served: each sandbox's container is created only once the one before it has started (the
+    engine's own timestamps), and every create of the burst still succeeds."""
+    gateway = await start_gateway(tmp_path, pool_size=0, start_concurrency=1, max_sessions=4)
+    try:
+        assert gateway.server.registry.settings.cold_start_concurrency == 1
+        sessions = await create_all(gateway, 3)
+        client = default_engine().client
+        states = []
+        for session in sessions:
+            (container,) = docker_containers(session["id"])
+            attrs = (await asyncio.to_thread(client.containers.get, container.id)).attrs
+            states.append((engine_time(attrs["Created"]), engine_time(attrs["State"]["StartedAt"])))
+        states.sort()
+        for (_, started), (created_next, _) in itertools.pairwise(states):
+            assert created_next > started, f"two cold starts overlapped: {states}"
+    finally:
+        await stop_gateway(gateway)
+    assert not docker_containers()
