@@ -18,9 +18,10 @@ for runtime in "${runtimes[@]}"; do
     python session_acquire.py --n "$(n 10 1)" --runtime "$runtime"
 done
 for runtime in "${runtimes[@]}"; do
-    tti=50; [ "$runtime" = runsc ] && tti=20  # the issue's n=100: run it alone (bench/README.md)
+    # The issue's n=100: run it alone (bench/README.md). Quick: 2 samples under runc (the smoke test's), 1 under runsc.
+    tti=50; tti_quick=2; [ "$runtime" = runsc ] && tti=20 && tti_quick=1
     step "time to interactive ($runtime): create -> 1+1 / pandas, sequential, staggered, burst; pool, pool off, bare docker"
-    python time_to_interactive.py --runtime "$runtime" --n "$(n "$tti" 2)" --references "$(n 50 3)" \
+    python time_to_interactive.py --runtime "$runtime" --n "$(n "$tti" "$tti_quick")" --references "$(n 50 3)" \
         --modes "$(n sequential,staggered,burst sequential,burst)"
 done
 for runtime in "${runtimes[@]}"; do
