@@ -27,6 +27,7 @@ from results_dir import results_path
 
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.profiles import resolve_profile
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 
@@ -86,7 +87,7 @@ def start_bare_kernel(runtime: str, label: str) -> tuple[object, Path, dict]:
         detach=True,
         user="10001:10001",
         volumes={str(rundir): {"bind": "/r", "mode": "rw"}},
-        labels={"sandkernel.session": label},
+        labels={"sandkernel.session": label, OWNER_LABEL: owner_label()},  # owned: no gateway reaps it
         environment={"HOME": "/tmp"},
         # runsc's --oci-seccomp mis-evaluates clone() argument rules (Docker's default profile
         # and ours alike) and refuses thread creation, so the bare baseline runs unconfined

@@ -33,9 +33,10 @@ PROBE = (
     "import sys\n"
     "print(sorted(m for m in ('numpy', 'pandas', 'matplotlib.pyplot') if m in sys.modules),"
     " sorted(n for n in ('np', 'numpy', 'pd', 'pandas', 'plt', 'matplotlib', 'importlib') if n in globals()),"
-    " len(In), len(_ih), len(Out))"
+    " len(In), len(_ih), len(Out), __import__('gc').get_freeze_count() > 0)"
 )
-WARM = "['matplotlib.pyplot', 'numpy', 'pandas'] [] 2 2 0\n"  # In/_ih hold '' and this cell only
+# In/_ih hold '' and this cell only; the imports were frozen out of the collector's walks
+WARM = "['matplotlib.pyplot', 'numpy', 'pandas'] [] 2 2 0 True\n"
 
 
 # -- names: checked before any sandbox starts (pure) -----------------------------------------
@@ -121,7 +122,7 @@ async def test_a_pooled_session_has_the_stack_loaded_and_nothing_else_shows(tmp_
         assert code == 201
         code, probe = await gateway.request("POST", f"/api/sessions/{cold['id']}/execute", {"code": PROBE})
         assert code == 200 and probe["execution_count"] == 1
-        assert probe["outputs"][0]["text"] == "[] [] 2 2 0\n", "a cold session was pre-warmed"
+        assert probe["outputs"][0]["text"] == "[] [] 2 2 0 False\n", "a cold session was pre-warmed"
     finally:
         await stop_gateway(gateway)
     assert not docker_containers()
@@ -139,7 +140,7 @@ async def test_an_empty_preload_hands_out_a_kernel_that_imported_nothing(tmp_pat
         assert code == 201
         code, probe = await gateway.request("POST", f"/api/sessions/{session['id']}/execute", {"code": PROBE})
         assert code == 200 and probe["execution_count"] == 1
-        assert probe["outputs"][0]["text"] == "[] [] 2 2 0\n"
+        assert probe["outputs"][0]["text"] == "[] [] 2 2 0 False\n"
         assert nbformat.read(session["path"], as_version=4).metadata["sandkernel"]["warm_pool"] is True
     finally:
         await stop_gateway(gateway)

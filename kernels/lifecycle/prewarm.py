@@ -65,6 +65,14 @@ def validate_modules(modules: Sequence[str]) -> tuple[str, ...]:
     return tuple(names)
 
 
+# Evaluated after the imports: collect once, then freeze what survives (the imported modules,
+# ~100k objects) into the permanent generation. Without it the user's first cell paid for the
+# first full collection walking all of them (~70 ms on a loaded 2-core host, measured), and every
+# later full collection walked them again; frozen objects are the imports, which live as long as
+# the kernel anyway. The key is no module name (it has a space), so it never collides.
+GC_FREEZE = ("collect and freeze", "[__import__('gc').collect(), __import__('gc').freeze()][0]")
+
+
 def _import_expression(module: str) -> str:
     """What the kernel evaluates to import ``module``: its value is the name, and it binds none."""
     return f"__import__('importlib').import_module({module!r}).__name__"
@@ -93,7 +101,7 @@ async def prewarm(session: KernelSession, modules: Sequence[str], *, timeout: fl
                 "",
                 silent=True,
                 store_history=False,
-                user_expressions={name: _import_expression(name) for name in names},
+                user_expressions={**{name: _import_expression(name) for name in names}, GC_FREEZE[0]: GC_FREEZE[1]},
                 allow_stdin=False,
                 stop_on_error=False,
             )
