@@ -10,6 +10,7 @@ discards (and counts) output that arrives while idle, at once.
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import zmq.asyncio
@@ -61,3 +62,32 @@ async def test_an_idle_session_does_not_poll_and_still_drains_late_output(runtim
         assert any("output after the cell returned: 1 messages" in note for note in notes.notes), notes.notes
     finally:
         await session.shutdown()
+
+
+def gateway_threads() -> int:
+    """Threads of this process, native ones included (libzmq's I/O and reaper threads)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="waits on kernels/execution/transport.py (H3's): one zmq context for all kernel managers and "
+    "clients without the heartbeat thread; remove this marker with that change",
+)
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_an_idle_session_adds_no_thread_to_the_gateway(runtime):
+    """Each session used to bring three threads (its zmq context's I/O and reaper threads, and
+    jupyter_client's heartbeat thread, which woke every second and nothing read): 609 threads
+    and ~5% of a core for 200 idle sessions. A session's threads must not scale with N."""
+    require_runtime(runtime)
+    sessions = [await KernelSession.start(overrides={"runtime": runtime})]
+    try:
+        before = gateway_threads()
+        for _ in range(2):
+            sessions.append(await KernelSession.start(overrides={"runtime": runtime}))
+        for session in sessions:
+            assert (await session.execute("1+1", timeout=60)).outputs[-1]["data"]["text/plain"] == "2"
+        assert gateway_threads() <= before, f"{gateway_threads() - before} threads more for 2 more idle sessions"
+    finally:
+        for session in sessions:
+            await session.shutdown()
