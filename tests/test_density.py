@@ -69,11 +69,6 @@ def gateway_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="waits on kernels/execution/transport.py (H3's): one zmq context for all kernel managers and "
-    "clients without the heartbeat thread; remove this marker with that change",
-)
 @pytest.mark.parametrize("runtime", RUNTIMES)
 async def test_an_idle_session_adds_no_thread_to_the_gateway(runtime):
     """Each session used to bring three threads (its zmq context's I/O and reaper threads, and

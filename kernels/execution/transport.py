@@ -103,16 +103,32 @@ class DatelessSession(Session):
         return adapt(message)
 
 
+_CONTEXT: zmq.asyncio.Context | None = None
+
+
+def shared_context() -> zmq.asyncio.Context:
+    """The one ZMQ context of every kernel manager in this process. A context costs two native
+    threads (libzmq's I/O thread and its reaper): one per session made 400 threads for 200 idle
+    sessions (bench/density.py). Its sockets refuse oversized messages from the kernel (kernel
+    output is untrusted, and one 1 GB message would otherwise sit in host memory), and a flooding
+    kernel queues in its own (memory-limited) send buffer, not in ours: when the queue is full PUB
+    drops messages, which the shell-reply fallback of the execute covers. A kernel manager given
+    a context never destroys it (jupyter_client destroys only the contexts it created)."""
+    global _CONTEXT
+    if _CONTEXT is None or _CONTEXT.closed:
+        _CONTEXT = zmq.asyncio.Context()
+        _CONTEXT.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        _CONTEXT.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
+    return _CONTEXT
+
+
 def new_kernel_manager(kernel_name: str) -> AsyncKernelManager:
-    """A kernel manager whose ZMQ sockets refuse oversized messages from the kernel: kernel
-    output is untrusted, and one 1 GB message would otherwise sit in host memory. Its session
-    (and so every client and relay made from it) is a :class:`DatelessSession`."""
-    km = AsyncKernelManager(kernel_name=kernel_name, kernel_spec_manager=SandkernelSpecManager())
+    """A kernel manager on the :func:`shared_context`, whose session (and so every client and
+    relay made from it) is a :class:`DatelessSession`."""
+    km = AsyncKernelManager(
+        kernel_name=kernel_name, kernel_spec_manager=SandkernelSpecManager(), context=shared_context()
+    )
     km.session = DatelessSession(parent=km)
-    km.context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    # A flooding kernel queues in its own (memory-limited) send buffer, not in ours; when the
-    # queue is full PUB drops messages, which the shell-reply fallback of the execute covers.
-    km.context.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
     return km
 
 
@@ -129,7 +145,9 @@ def new_client(km: AsyncKernelManager) -> AsyncKernelClient:
     client = km.client(context=km.context)
     with iopub_receive_queue(km.context):
         client.iopub_channel.start()
-    client.start_channels()
+    # No heartbeat channel: its thread pinged every second per session and nothing reads it (a
+    # client made by the manager asks the manager in is_alive(), never the heartbeat).
+    client.start_channels(hb=False)
     return client
 
 
