@@ -30,6 +30,12 @@ for runtime in "${runtimes[@]}"; do
     python throughput_density.py --runtime "$runtime" --sessions "$(n "$sessions" 3)" --seconds "$(n 5 1)" --repeats "$(n 5 1)"
 done
 for runtime in "${runtimes[@]}"; do
+    sessions=200; [ "$runtime" = runsc ] && sessions=50  # runsc: 50 measured on this 2-core machine
+    step "density: $(n "$sessions" 4) idle sessions ($runtime): execute p99, idle gateway CPU, memory vs bare"
+    python density.py --runtime "$runtime" --sessions "$(n "$sessions" 4)" --samples "$(n 300 20)" \
+        --idle-seconds "$(n 20 2)" --settle "$(n 10 1)" --old-drain
+done
+for runtime in "${runtimes[@]}"; do
     step "what each door adds to a call ($runtime): MCP over HTTP, shell, deepagents vs the session API"
     python door_roundtrip.py --n "$(n 100 3)" --runtime "$runtime"
 done

@@ -54,15 +54,17 @@ def time_to_interactive_rows(data: dict) -> list[tuple[str, str, str]]:
 
 
 def density_rows(data: dict) -> list[tuple[str, str, str]]:
-    """bench/density.py (not in run_all.sh: minutes per runtime): idle sessions' cost to the others."""
+    """bench/density.py: what N idle sessions cost the one that works, and the gateway."""
     rows = []
     for runtime, r in data.items():
-        n, alone, crowd, rand = r["sessions"], r["alone"], r["crowd_idle"], r["random_session"]
+        n, alone, after, crowd, rand = r["sessions"], r["alone"], r["alone_after"], r["crowd_idle"], r["random_session"]
+        old = r.get("crowd_idle_old_drain")
         rows += [
             (
-                f"trivial execute p99, random session of {n} idle ({runtime})",
-                f"{ms(rand['p99_ms'])} (p50 {ms(rand['p50_ms'])})",
-                f"one session alone {ms(alone['p99_ms'])} ({rand['p99_ms'] / alone['p99_ms']:.2f}x; target <= 2x)",
+                f"trivial execute p50 / p99, random session of {n} idle ({runtime})",
+                f"{ms(rand['p50_ms'])} / {ms(rand['p99_ms'])}",
+                f"one session alone {ms(alone['p50_ms'])} / {ms(alone['p99_ms'])} before, "
+                f"{ms(after['p50_ms'])} / {ms(after['p99_ms'])} after (p99 {r['ratio_p99']:.2f}x; target <= 2x)",
             ),
             (
                 f"idle memory per session, {n} sessions ({runtime})",
@@ -71,9 +73,10 @@ def density_rows(data: dict) -> list[tuple[str, str, str]]:
                 f"({r['idle_session_mib'] / r['bare_idle_kernel_mib']:.2f}x; target <= 1.10x)",
             ),
             (
-                f"idle gateway CPU, {n} sessions ({runtime})",
-                f"{crowd['gateway_cpu_percent']:.1f}% of a core",
-                f"one session {alone['gateway_cpu_percent']:.1f}%",
+                f"idle gateway CPU, {n} idle sessions ({runtime})",
+                f"{crowd['gateway_cpu_percent']:.1f}% of a core, {crowd['threads']} threads",
+                f"one session {alone['gateway_cpu_percent']:.1f}%"
+                + (f"; drain polling every second (before issue 17) {old['gateway_cpu_percent']:.1f}%" if old else ""),
             ),
         ]
     return rows

@@ -121,7 +121,9 @@ async def main() -> None:
     args = parser.parse_args()
     os.environ["SANDKERNEL_RUNTIME"] = args.runtime
     results: dict = {"runtime": args.runtime, "cpus": os.cpu_count(), "sessions": args.sessions}
-    async with inprocess_gateway(max_sessions=args.sessions + 5, max_sessions_total=args.sessions + 5) as port:
+    async with inprocess_gateway(
+        max_sessions=args.sessions + 5, max_sessions_total=args.sessions + 5, default_runtime=args.runtime
+    ) as port:
         await measure_gateway(GatewayApi(port), args, results)
     results["bare_idle_kernel_mib"] = await asyncio.to_thread(bare_kernel_memory, args.runtime)
     results["raw_output_10mb_ms"] = await raw_output_seconds(TEN_MB, args.repeats) * 1000

@@ -49,7 +49,10 @@ def test_bench_suite_runs_and_summarises(tmp_path):
     assert tti["runs"]["pool + preload"]["sequential"]["1+1"]["pandas_already_imported"] == 2
     assert {"raw execute 1+1", "warm kernel pandas cell"} <= set(tti["references"])
     assert len(tti["targets"]) == 5 and all(isinstance(t["met"], bool) for t in tti["targets"]), tti["targets"]
+    density = json.loads((tmp_path / "density.json").read_text())["runc"]
+    assert density["sessions"] == 4 and density["random_session"]["n"] > 0, density
     summary = (tmp_path / "SUMMARY.md").read_text()
+    assert "idle memory per session, 4 sessions (runc)" in summary
     assert "trivial execute with per-cell accounting (runc, empty workspace)" in summary
     assert "controls defaults (accounting + audit) (runc)" in summary
     assert "pause / resume (replay), 5 MB session (runc)" in summary
