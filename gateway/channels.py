@@ -52,6 +52,7 @@ CLIENT_CHANNELS = ("shell", "control", "stdin")
 NUDGE_TIMEOUT = 30.0
 # How long a relay waits on its socket before polling it again (milliseconds); see _relay.
 RELAY_POLL_MS = 500
+RELAY_BATCH = 64  # messages relayed per poll, at most (each followed by a yield to the loop)
 IOPUB_RECOVERY_SECONDS = 10.0
 # WebSocket close code for a client over its in-flight budget (RFC 6455: policy violation).
 CLOSE_POLICY_VIOLATION = 1008
@@ -229,14 +230,18 @@ class ChannelsHandler(websocket.WebSocketHandler):
             # websockets that never got their reply) costs at most RELAY_POLL_MS, never a hang.
             if not await sock.poll(RELAY_POLL_MS):
                 continue
-            # Then take every message already queued without another poll (a burst of output).
-            while True:
-                try:
-                    parts = await sock.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
+            # Then take what is already queued (a burst of output) without another poll, at most
+            # RELAY_BATCH, yielding to the loop after each: a DONTWAIT receive is complete at once
+            # and a message dropped on verification awaits nothing, so a kernel flooding junk
+            # would otherwise hold the gateway's loop. EVENTS is checked first so no zmq.Again is
+            # raised (see drain.py: a raised exception's cycle holds the frames until a collection).
+            for _ in range(RELAY_BATCH):
+                if not sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     break
+                parts = sock.recv_multipart(flags=zmq.DONTWAIT).result()
                 if not await self._forward(channel, parts):
                     return
+                await asyncio.sleep(0)
 
     async def _forward(self, channel: str, parts: list[bytes]) -> bool:
         """Verify one kernel message and send it to the client; False once the websocket closed."""

@@ -137,3 +137,21 @@ def test_runtime_dir_paths_fit_unix_socket_limits(tmp_path):
     deep = tmp_path / ("d" * 90)
     with pytest.raises(Exception, match="too deep for unix socket paths"):
         RuntimeDir.create(deep)
+
+
+def test_the_shared_context_holds_as_many_sockets_as_the_file_limit_allows():
+    """One context serves every session: libzmq's default of 1023 sockets would make ~200
+    sessions the whole gateway's limit, and one tenant's websockets could use up the others'."""
+    import resource
+
+    import zmq
+
+    from sandkernel.kernels.execution.transport import context_socket_limit, shared_context
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    expected = max(1023, min(65535, soft // 2))
+    assert shared_context().get(zmq.MAX_SOCKETS) == context_socket_limit(shared_context().get(zmq.SOCKET_LIMIT))
+    assert context_socket_limit(65535) == expected
+    assert context_socket_limit(500) == 1023  # never below libzmq's own default
+    if soft >= 4096:
+        assert shared_context().get(zmq.MAX_SOCKETS) > 1023

@@ -454,8 +454,9 @@ class KernelSession:
 
         ``on_result`` is called with the result before the observers hear of it, so a door can
         answer its client first: the observers' bookkeeping (transcript, catalog, audit,
-        metrics) then runs before this returns, in the same turn of the event loop (observers
-        only queue their slow work), so no request can see the reply's effects unrecorded.
+        metrics) then runs before this returns, still holding the execute lock: most observers
+        only queue their slow work, and one that awaits (the breaker's restart) makes later
+        executes wait for it, so no execute can see the reply's effects unrecorded.
         Should it raise, the observers are still told and its exception is raised after them.
         """
         if not isinstance(code, str):

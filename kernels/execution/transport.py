@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import queue
+import resource
 import time
 from collections.abc import Iterator
 from hmac import compare_digest
@@ -103,6 +104,7 @@ class DatelessSession(Session):
         return adapt(message)
 
 
+DEFAULT_CONTEXT_SOCKETS = 1023  # libzmq's ZMQ_MAX_SOCKETS default
 _CONTEXT: zmq.asyncio.Context | None = None
 
 
@@ -117,9 +119,21 @@ def shared_context() -> zmq.asyncio.Context:
     global _CONTEXT
     if _CONTEXT is None or _CONTEXT.closed:
         _CONTEXT = zmq.asyncio.Context()
+        _CONTEXT.set(zmq.MAX_SOCKETS, context_socket_limit(_CONTEXT.get(zmq.SOCKET_LIMIT)))
         _CONTEXT.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         _CONTEXT.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE_MESSAGES)
     return _CONTEXT
+
+
+def context_socket_limit(libzmq_limit: int) -> int:
+    """The sockets the shared context may hold: what the process's open-file limit allows (two
+    descriptors per socket: its own and its connection's), never below libzmq's default of 1023.
+    That default was a budget per session while each had its own context; shared, 1023 made the
+    whole gateway's limit (~200 sessions at 5 sockets each, fewer with websockets open), and one
+    tenant's websockets could have used up every other tenant's room."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    by_files = libzmq_limit if soft == resource.RLIM_INFINITY else soft // 2
+    return max(DEFAULT_CONTEXT_SOCKETS, min(libzmq_limit, by_files))
 
 
 def new_kernel_manager(kernel_name: str) -> AsyncKernelManager:

@@ -48,7 +48,7 @@ def validate_modules(modules: Sequence[str]) -> tuple[str, ...]:
     dropped); ConfigError for anything else.
 
     The names end up inside an expression the kernel evaluates: only a name that is a dotted
-    identifier (and no keyword) can never be anything but a module name there."""
+    identifier, passed as a quoted string, can never be anything but a module name there."""
     if isinstance(modules, str):  # a lone string would be taken letter by letter
         raise ConfigError(f"pool_preload must be a list of module names, not the string {modules!r}")
     names: list[str] = []

@@ -167,6 +167,8 @@ def reap_sync(
 
 @dataclass(frozen=True)
 class ListedContainer:
+    """What one sparse listing says of a container: all the reaper decides on."""
+
     id: str
     name: str
     labels: dict[str, str]
