@@ -331,7 +331,7 @@ class SessionRegistry:
     def _pool_room(self) -> int:
         """How many more sandboxes the pool may start under ``max_sessions_total``."""
         assert self.pool is not None
-        return self.settings.max_sessions_total - self._sandboxes() - self.pool.held
+        return self.settings.max_sessions_total - self._sandboxes() - self.pool.occupying
 
     @property
     def stopping(self) -> bool:
@@ -370,15 +370,16 @@ class SessionRegistry:
         """TooManySessionsError unless ``count`` more sessions (of ``profile``, if known) fit
         ``max_sessions_total``. Pooled sandboxes count toward it: the pool's floor always (it
         refills to it), what it grew beyond the floor while it holds it, less the ready ones these
-        sessions will take; idle ones beyond the floor give way to a session that needs their room."""
+        sessions will take, and surplus ones still being removed; those beyond the floor (ready or
+        starting) give way to a session that needs their room, but only when that makes it fit:
+        a refused session costs the pool nothing."""
         pool = self.pool
-        reserved = 0
+        over = self._sandboxes() + count - self.settings.max_sessions_total
         if pool is not None:
             taken = min(count, len(pool)) if profile is not None and pool.matches(profile) else 0
-            reserved = max(pool.size, pool.held - taken)
-        over = self._sandboxes() + reserved + count - self.settings.max_sessions_total
-        if over > 0 and pool is not None:
-            over -= pool.release_surplus(over)
+            over += max(pool.size, pool.held - taken) + pool.removing
+            if 0 < over <= pool.held - taken - pool.size:  # what releasing can take off the reserve
+                over -= pool.release_surplus(over)
         if over > 0:
             raise TooManySessionsError(
                 f"the gateway is at its limit of {self.settings.max_sessions_total} sessions; try again later"
@@ -407,8 +408,6 @@ class SessionRegistry:
                 {"tenant": tenant, "client_metadata": dict(metadata or {}), "warm_pool": pooled},
             )
             if session is None:
-                if self.pool is not None:  # surplus pooled sandboxes that gave up their room are gone first
-                    await self.pool.removals_done()
                 session = await self.cold_start(chosen, session_id)
             await attach_transcript(session, recorder)
             kernel_name = kernel_name_for(session.profile.runtime)
@@ -436,7 +435,11 @@ class SessionRegistry:
         At most ``cold_start_concurrency`` run at once, the rest queued first come first served:
         on a host whose cores a burst saturates, starts sharing the cores all end together, at
         the end of the burst; taken in turn, the first ones end early and the last no later.
-        The time queued here is not a start's (the breaker times the start only)."""
+        The time queued here is not a start's (the breaker times the start only). Surplus pooled
+        sandboxes that gave their room to sessions are gone first (for every caller: create,
+        resume, fork), so the gateway never holds more containers than ``max_sessions_total``."""
+        if self.pool is not None:
+            await self.pool.removals_done()
         async with self._start_slots:
             if self.controls is None:
                 return await KernelSession.start(profile=profile, session_id=session_id)

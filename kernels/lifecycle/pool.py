@@ -82,7 +82,11 @@ class WarmPool:
         self.room: Callable[[], int] = lambda: max_size
         self._ready: collections.deque[KernelSession] = collections.deque()
         self._starting: set[asyncio.Task] = set()  # each start in its own task (never cancelled)
-        self._removing: set[asyncio.Task] = set()  # surplus sandboxes being removed
+        self._removing: set[asyncio.Task] = set()  # surplus sandboxes being removed (still occupying)
+        # Sandboxes whose room went to a session (release_surplus): ready ones being removed, and
+        # starts that remove their sandbox when they end. The session's own count holds their room.
+        self._yielding: set[asyncio.Task] = set()
+        self._doomed: set[asyncio.Task] = set()  # a subset of _starting
         self._acquires: collections.deque[float] = collections.deque()  # monotonic times, within the window
         self._tender: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -95,8 +99,20 @@ class WarmPool:
 
     @property
     def held(self) -> int:
-        """Sandboxes the pool has: ready and starting (what counts toward the gateway's total)."""
-        return len(self._ready) + len(self._starting)
+        """Sandboxes the pool keeps: ready and starting, less the starts whose room went to a
+        session (they remove their sandbox when they end)."""
+        return len(self._ready) + len(self._starting) - len(self._doomed)
+
+    @property
+    def removing(self) -> int:
+        """Surplus sandboxes being removed that no session took the room of: their containers
+        still exist, so they count toward the gateway's total until gone."""
+        return len(self._removing)
+
+    @property
+    def occupying(self) -> int:
+        """What the pool occupies of ``max_sessions_total``: what it keeps and what it is removing."""
+        return self.held + self.removing
 
     def matches(self, profile: Profile) -> bool:
         """Whether a session of this (fully resolved) profile can take a pooled sandbox."""
@@ -146,26 +162,36 @@ class WarmPool:
 
     def _started(self, task: asyncio.Task) -> None:
         self._starting.discard(task)
+        self._doomed.discard(task)
         self._wake.set()
 
-    def _discard(self, session: KernelSession) -> None:
-        """Remove a surplus pooled sandbox in the background (close waits for it)."""
+    def _discard(self, session: KernelSession, into: set[asyncio.Task] | None = None) -> None:
+        """Remove a surplus pooled sandbox in the background, tracked in ``into`` (``_removing``
+        by default; close waits for both sets)."""
+        tasks = self._removing if into is None else into
         task = asyncio.create_task(self._remove(session))
-        self._removing.add(task)
-        task.add_done_callback(self._removing.discard)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
         log.info("warm pool: removing a surplus sandbox (target %d)", self.target(), extra={"session": session.id})
 
     async def _start_and_keep(self) -> None:
         """One refill: start a sandbox and add it to the pool, or remove it if the pool closed
-        meanwhile; a failure pauses refills for RETRY_SECONDS."""
+        meanwhile or its room went to a session (release_surplus); any failure pauses refills for
+        RETRY_SECONDS (an unexpected one too: without the pause the pool would start containers
+        in a tight loop)."""
         started = time.monotonic()
         try:
             session = await self._start_one()
-        except SandkernelError as err:
-            log.warning("warm pool: a sandbox failed to start (%s); retrying in %gs", err, RETRY_SECONDS)
+        except Exception as err:
+            log.warning(
+                "warm pool: a sandbox failed to start (%s); retrying in %gs",
+                err,
+                RETRY_SECONDS,
+                exc_info=not isinstance(err, SandkernelError),
+            )
             self._retry_at = time.monotonic() + RETRY_SECONDS
             return
-        if self._closed:
+        if self._closed or asyncio.current_task() in self._doomed:
             await self._remove(session)
             return
         self._ready.append(session)
@@ -235,20 +261,25 @@ class WarmPool:
         return None
 
     def release_surplus(self, count: int) -> int:
-        """Give up to ``count`` idle sandboxes beyond the floor back to the gateway (a session
-        needs their room under ``max_sessions_total``); returns how many were let go. They are
-        removed in the background."""
+        """Give up to ``count`` sandboxes beyond the floor back to the gateway (a session needs
+        their room under ``max_sessions_total``); returns how many were let go. Ready ones go
+        first, removed in the background; then starts under way, which remove their sandbox when
+        they end (a pool growing at the limit gives way to sessions too)."""
         freed = 0
-        while freed < count and self.held > self.size and self._ready:
-            self._discard(self._ready.pop())
+        while freed < count and self.held > self.size:
+            if self._ready:
+                self._discard(self._ready.pop(), self._yielding)
+            else:  # held > size >= 0 with none ready: a start not yet doomed exists
+                self._doomed.add(next(t for t in self._starting if t not in self._doomed))
             freed += 1
         return freed
 
     async def removals_done(self) -> None:
-        """Wait for the surplus sandboxes being removed (a cold start that took their room waits,
-        so the gateway never holds more containers than ``max_sessions_total``)."""
-        while self._removing:
-            await asyncio.wait(set(self._removing))
+        """Wait for the sandboxes whose room went to sessions to be gone (a cold start that took
+        their room waits, so the gateway never holds more containers than
+        ``max_sessions_total``); other removals count as occupied meanwhile and need no wait."""
+        while self._yielding or self._doomed:
+            await asyncio.wait({*self._yielding, *self._doomed})
 
     def adopt(self, session: KernelSession) -> bool:
         """Take back a pooled sandbox a previous process started (already running, already in the
@@ -281,5 +312,6 @@ class WarmPool:
             tender.cancel()
             with contextlib.suppress(asyncio.CancelledError, SandkernelError):
                 await tender
-        while self._starting or self._removing:
-            await asyncio.wait({*self._starting, *self._removing})  # wait, unlike gather, never cancels them
+        while self._starting or self._removing or self._yielding:
+            # wait, unlike gather, never cancels them
+            await asyncio.wait({*self._starting, *self._removing, *self._yielding})
