@@ -6,15 +6,19 @@ from __future__ import annotations
 import asyncio
 import datetime
 import itertools
+import logging
 import os
 import time
 
 import nbformat
 import pytest
 
+from sandkernel.kernels.lifecycle.pool import RETRY_SECONDS, WarmPool
+from sandkernel.kernels.lifecycle.profiles import resolve_profile
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
+from .conftest import RUNTIMES, require_runtime
 from .gateway_fixtures import start_gateway, stop_gateway
 
 
@@ -192,7 +196,6 @@ async def test_a_burst_of_cold_creates_all_succeed_and_leave_nothing(tmp_path):
 def test_a_pool_ceiling_below_its_size_is_refused_and_pool_max_never_shrinks_the_pool():
     from sandkernel.errors import ConfigError
     from sandkernel.gateway.settings import GatewaySettings
-    from sandkernel.kernels.lifecycle.pool import WarmPool
 
     with pytest.raises(ConfigError, match="ceiling"):
         WarmPool(3, max_size=2)
@@ -227,3 +230,57 @@ async def test_cold_starts_beyond_start_concurrency_wait_their_turn(tmp_path):
     finally:
         await stop_gateway(gateway)
     assert not docker_containers()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+async def test_a_growing_pool_gives_its_starts_way_to_sessions_too(runtime):
+    """At the gateway's limit while the pool grows (1 ready + 2 starting, floor 1), two sessions
+    that need room get it: the ready sandbox goes, and so does a start beyond the floor, which
+    removes its sandbox when it ends; once the removals are done only the floor is left (before,
+    only ready ones could go: the second session got a 429)."""
+    require_runtime(runtime)
+    pool = WarmPool(1, resolve_profile(None, {"runtime": runtime}), max_size=3, concurrency=2)
+    limit = 3  # what the gateway leaves the pool; sessions taking room lower it
+    pool.room = lambda: limit - pool.held
+    try:
+        pool.start()
+        await pool.wait_full()
+        pool._acquires.extend([time.monotonic()] * 2)  # demand (acquires would hand the ready one out)
+        pool._kick()
+        deadline = time.monotonic() + 5
+        while pool.held < 3:
+            assert time.monotonic() < deadline, "the pool did not grow"
+            await asyncio.sleep(0.01)
+        assert len(pool) == 1, "the starts beyond the floor ended before the test could release them"
+        limit = 1  # two sessions took the room
+        assert pool.release_surplus(2) == 2
+        assert pool.held == 1 and pool.occupying == 1
+        await pool.removals_done()
+        assert len(await asyncio.to_thread(docker_containers)) <= 1, "a sandbox that gave its room is still there"
+        await pool.wait_full()
+        await asyncio.sleep(0.5)  # a start the pool had no room for would begin meanwhile
+        assert pool.held == 1 and len(await asyncio.to_thread(docker_containers)) == 1
+    finally:
+        await pool.close()
+    assert not docker_containers()
+
+
+async def test_a_start_failing_with_any_error_pauses_refills(caplog):
+    """Not only a SandkernelError: an OSError or ZMQError from a start pauses refills too (it
+    used to escape, and the pool started containers in a tight loop), logged with its traceback."""
+    pool = WarmPool(1, preload=())
+    calls = 0
+
+    async def failing_start():  # the engine's socket going away mid-start
+        nonlocal calls
+        calls += 1
+        raise OSError("engine socket gone")
+
+    pool._start_one = failing_start  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="sandkernel.kernels.lifecycle.pool"):
+        pool.start()
+        await asyncio.sleep(min(1.0, RETRY_SECONDS / 2))
+        await pool.close()
+    assert calls == 1, f"{calls} starts in a second after a failure"
+    (record,) = [r for r in caplog.records if "failed to start" in r.getMessage()]
+    assert "engine socket gone" in record.getMessage() and record.exc_info is not None
