@@ -237,7 +237,11 @@ async def test_a_growing_pool_gives_its_starts_way_to_sessions_too(runtime):
     """At the gateway's limit while the pool grows (1 ready + 2 starting, floor 1), two sessions
     that need room get it: the ready sandbox goes, and so does a start beyond the floor, which
     removes its sandbox when it ends; once the removals are done only the floor is left (before,
-    only ready ones could go: the second session got a 429)."""
+    only ready ones could go: the second session got a 429). Sessions that releasing cannot make
+    fit are refused without taking anything from the pool."""
+    from sandkernel.gateway.registry import SessionRegistry, TooManySessionsError
+    from sandkernel.gateway.settings import GatewaySettings
+
     require_runtime(runtime)
     pool = WarmPool(1, resolve_profile(None, {"runtime": runtime}), max_size=3, concurrency=2)
     limit = 3  # what the gateway leaves the pool; sessions taking room lower it
@@ -252,8 +256,14 @@ async def test_a_growing_pool_gives_its_starts_way_to_sessions_too(runtime):
             assert time.monotonic() < deadline, "the pool did not grow"
             await asyncio.sleep(0.01)
         assert len(pool) == 1, "the starts beyond the floor ended before the test could release them"
-        limit = 1  # two sessions took the room
-        assert pool.release_surplus(2) == 2
+        registry = SessionRegistry(GatewaySettings(max_sessions_total=3), pool=pool)
+        pool.room = lambda: limit - pool.held  # the registry's counts no session that took room here
+        small = registry.catalog.for_tenant("small", None)
+        with pytest.raises(TooManySessionsError):  # 2 surplus cannot make room for 3 sessions...
+            registry.check_gateway_room(3, small)
+        assert pool.held == 3, "a refused session took sandboxes from the pool"  # ...so none go
+        limit = 1  # two sessions take the room: the ready sandbox and a start beyond the floor go
+        registry.check_gateway_room(2, small)
         assert pool.held == 1 and pool.occupying == 1
         await pool.removals_done()
         assert len(await asyncio.to_thread(docker_containers)) <= 1, "a sandbox that gave its room is still there"
