@@ -11,7 +11,9 @@ ceiling. Every acquire (served or not: a miss is demand too) is remembered for
 burst that drains the pool makes it grow, so the next burst is served warm, and once the window
 passes without acquires the surplus idle sandboxes are removed (never a handed-out one: the
 pool forgets those). Growth beyond the floor also needs room in the gateway (``room``: how many
-more sandboxes ``max_sessions_total`` allows); the floor itself is reserved there. Refills run
+more sandboxes ``max_sessions_total`` allows); the floor itself is reserved there, and a
+session that needs room takes it from the surplus, ready or still starting (release_surplus).
+Refills run
 ``concurrency`` starts at a time (matched to the host's cores by the gateway's settings), so a
 refill never takes the host from live sessions for more than that; a failed start pauses every
 refill for ``RETRY_SECONDS``.
