@@ -13,10 +13,9 @@ passes without acquires the surplus idle sandboxes are removed (never a handed-o
 pool forgets those). Growth beyond the floor also needs room in the gateway (``room``: how many
 more sandboxes ``max_sessions_total`` allows); the floor itself is reserved there, and a
 session that needs room takes it from the surplus, ready or still starting (release_surplus).
-Refills run
-``concurrency`` starts at a time (matched to the host's cores by the gateway's settings), so a
-refill never takes the host from live sessions for more than that; a failed start pauses every
-refill for ``RETRY_SECONDS``.
+Refills run ``concurrency`` starts at a time (matched to the host's cores by the gateway's
+settings), so a refill never takes the host from live sessions for more than that; a failed
+start pauses every refill for ``RETRY_SECONDS``.
 
 Nothing unaccounted (issue 13): with a session catalog (``store``), each pooled sandbox is
 recorded as kind ``pool`` as soon as it has started, and forgotten when it is handed out (the
