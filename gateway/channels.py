@@ -45,6 +45,7 @@ from sandkernel.gateway.ws_audit import debug_request_note, execute_request_note
 from sandkernel.kernels.execution.outputs import REFUSED_ENAME, ExecutionResult, ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.replies import RelayedReply
 from sandkernel.kernels.execution.transport import connect_iopub
+from sandkernel.logs import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.counted = False  # this handler holds one of the kernel's connection slots
         self.inflight: InFlight | None = None
         self.inputs_requested = 0  # input_requests relayed to this client and not yet answered
+        self.dropped = Throttle()  # the warnings for messages that failed verification
         self.refused = False  # closed over a budget: frames still arriving are ignored
         self.shell_queue: asyncio.Queue[tuple[dict[str, Any], list[Any]]] = asyncio.Queue()
         self.replies: dict[str, RelayedReply] = {}  # execute replies the session layer waits for
@@ -250,7 +252,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
             _, msg_list = self.session.feed_identities(parts)
             msg = self.session.deserialize(msg_list)
         except (ValueError, KeyError, TypeError) as err:
-            log.warning("dropped a kernel message that failed verification: %s", err)
+            if (skipped := self.dropped.allow()) is not None:
+                log.warning("dropped a kernel message that failed verification: %s (%d more not logged)", err, skipped)
             return True
         parent_id = msg.get("parent_header", {}).get("msg_id")
         if parent_id in self.nudge_ids:

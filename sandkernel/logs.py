@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName"}
 
@@ -38,3 +39,25 @@ def configure(level: str = "WARNING", fmt: str = "text") -> None:
     else:
         handler.setFormatter(KeyValueFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+class Throttle:
+    """Lets a repeated log line through at most once every ``seconds``, counting the rest.
+
+    Why: a sandbox can make the host repeat a warning as fast as it can send (mis-signed kernel
+    messages, a thousand a second), and one line each would fill the operator's log disk."""
+
+    def __init__(self, seconds: float = 10.0) -> None:
+        self.seconds = seconds
+        self._next = 0.0
+        self._suppressed = 0
+
+    def allow(self) -> int | None:
+        """None to stay quiet; else how many were kept quiet since the last line let through."""
+        now = time.monotonic()
+        if now < self._next:
+            self._suppressed += 1
+            return None
+        self._next = now + self.seconds
+        skipped, self._suppressed = self._suppressed, 0
+        return skipped

@@ -28,6 +28,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.session import Session
 
 from sandkernel.kernels.sandbox.kernelspec import SandkernelSpecManager
+from sandkernel.logs import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class DatelessSession(Session):
         return adapt(message)
 
 
+# One throttle for the process (not one per session, which a flood of sessions would multiply).
+DROPPED = Throttle()
 DEFAULT_CONTEXT_SOCKETS = 1023  # libzmq's ZMQ_MAX_SOCKETS default
 _CONTEXT: zmq.asyncio.Context | None = None
 
@@ -182,12 +185,14 @@ async def next_message(client: AsyncKernelClient, channel: str, timeout: float, 
         except asyncio.TimeoutError:
             raise queue.Empty from None
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as err:
-            log.warning(
-                "dropped a %s message that failed verification: %s",
-                channel,
-                str(err)[:200],
-                extra={"session": session_id},
-            )
+            if (skipped := DROPPED.allow()) is not None:
+                log.warning(
+                    "dropped a %s message that failed verification: %s (%d more not logged)",
+                    channel,
+                    str(err)[:200],
+                    skipped,
+                    extra={"session": session_id},
+                )
             if time.monotonic() >= deadline:
                 raise queue.Empty from None
 
