@@ -532,7 +532,7 @@ async def test_warm_pool_sandboxes_are_adopted_back_into_the_pool_or_removed(tmp
         assert await serve.term() == 0
         assert container_ids_of(pooled)  # left running, recorded
 
-        await serve.start("--pool-size", "1")
+        await serve.start("--pool-size", "1", "--pool-max", "1")  # no growth with demand: one pooled sandbox
         assert "1 pooled sandbox(es) back in the pool" in serve.output, serve.output
         session = await serve.create()  # served from the adopted sandbox: no container started for it
         assert session["id"] == pooled
