@@ -25,6 +25,7 @@ from inprocess_gateway import GatewayApi, inprocess_gateway
 from results_dir import results_path
 
 from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.reaper import SESSION_LABEL, listed_containers
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 TEN_MB = "print('x' * 10_000_000)"
@@ -102,10 +103,8 @@ async def measure_gateway(api: GatewayApi, args: argparse.Namespace, results: di
     sids = [first] + [s["id"] for s in created]
     await asyncio.gather(*(api.execute(sid, "1+1") for sid in sids))
     await asyncio.sleep(10)  # let every new kernel finish settling before measuring
-    session_memory = [  # a sparse listing: no inspect per container (one removed meanwhile raised NotFound)
-        memory_mib(c.id)
-        for c in default_engine().client.containers.list(sparse=True, filters={"label": "sandkernel.session"})
-        if (c.attrs.get("Labels") or {}).get("sandkernel.session") in set(sids)
+    session_memory = [
+        memory_mib(c.id) for c in listed_containers(default_engine()) if c.labels.get(SESSION_LABEL) in set(sids)
     ]
     results["idle_session_mib"] = statistics.median(session_memory)
     results["executes_per_s_10_sessions"] = await executes_per_second(api, sids[:10], args.seconds)

@@ -30,7 +30,7 @@ import pytest
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label, reap_sync
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, listed_containers, owner_label, reap_sync
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 REQUIRE_RUNSC_ENV = "SANDKERNEL_REQUIRE_RUNSC"
@@ -196,10 +196,7 @@ def docker_ready(request):
     except SandkernelError as err:
         pytest.exit(f"cannot run the suite: {err}", returncode=2)
     yield engine
-    leftovers = engine.client.containers.list(
-        all=True, sparse=True, filters={"label": f"{OWNER_LABEL}={owner_label()}"}
-    )  # sparse: no inspect per container (one removed meanwhile would raise NotFound)
-    names = [(c.attrs.get("Names") or [c.id])[0].lstrip("/") for c in leftovers]
+    names = [c.name for c in listed_containers(engine) if c.labels.get(OWNER_LABEL) == owner_label()]
     reap_sync(engine, owner=owner_label())
     if names:
         pytest.fail(f"the test suite left {len(names)} container(s) behind: {names}")

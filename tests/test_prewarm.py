@@ -37,6 +37,7 @@ PROBE = (
 )
 # In/_ih hold '' and this cell only; the imports were frozen out of the collector's walks
 WARM = "['matplotlib.pyplot', 'numpy', 'pandas'] [] 2 2 0 True\n"
+COLD = "[] [] 2 2 0 False\n"  # what a kernel that was not pre-warmed shows
 
 
 # -- names: checked before any sandbox starts (pure) -----------------------------------------
@@ -122,7 +123,7 @@ async def test_a_pooled_session_has_the_stack_loaded_and_nothing_else_shows(tmp_
         assert code == 201
         code, probe = await gateway.request("POST", f"/api/sessions/{cold['id']}/execute", {"code": PROBE})
         assert code == 200 and probe["execution_count"] == 1
-        assert probe["outputs"][0]["text"] == "[] [] 2 2 0 False\n", "a cold session was pre-warmed"
+        assert probe["outputs"][0]["text"] == COLD, "a cold session was pre-warmed"
     finally:
         await stop_gateway(gateway)
     assert not docker_containers()
@@ -140,7 +141,7 @@ async def test_an_empty_preload_hands_out_a_kernel_that_imported_nothing(tmp_pat
         assert code == 201
         code, probe = await gateway.request("POST", f"/api/sessions/{session['id']}/execute", {"code": PROBE})
         assert code == 200 and probe["execution_count"] == 1
-        assert probe["outputs"][0]["text"] == "[] [] 2 2 0 False\n"
+        assert probe["outputs"][0]["text"] == COLD
         assert nbformat.read(session["path"], as_version=4).metadata["sandkernel"]["warm_pool"] is True
     finally:
         await stop_gateway(gateway)
