@@ -7,7 +7,9 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$here"
 quick=0; [ "${1:-}" = "--quick" ] && quick=1
 n() { if [ "$quick" = 1 ]; then echo "$2"; else echo "$1"; fi; }
-runtimes=(runc); docker info --format '{{json .Runtimes}}' | grep -q runsc && runtimes+=(runsc)
+# Quick (CI's smoke run, which must stay well inside CI's time): runc only; the full run does both.
+runtimes=(runc)
+[ "$quick" = 0 ] && docker info --format '{{json .Runtimes}}' | grep -q runsc && runtimes+=(runsc)
 step() { echo; echo "== $* =="; }
 step "cold start and execute round trip vs bare docker run"
 python cold_start.py --starts "$(n 10 1)" --executes "$(n 200 5)"
@@ -17,9 +19,7 @@ for runtime in "${runtimes[@]}"; do
     step "session acquire -> first result ($runtime): warm pool, cold start, bare docker"
     python session_acquire.py --n "$(n 10 1)" --runtime "$runtime"
 done
-# Quick (CI's smoke run, which must stay well inside CI's time): the two new benches under runc only.
-quick_runtimes=("${runtimes[@]}"); [ "$quick" = 1 ] && quick_runtimes=(runc)
-for runtime in "${quick_runtimes[@]}"; do
+for runtime in "${runtimes[@]}"; do
     # The issue's n=100: run it alone (bench/README.md). Quick: 2 samples under runc (the smoke test's).
     tti=50; tti_quick=2; [ "$runtime" = runsc ] && tti=20 && tti_quick=1
     step "time to interactive ($runtime): create -> 1+1 / pandas, sequential, staggered, burst; pool, pool off, bare docker"
@@ -31,7 +31,7 @@ for runtime in "${runtimes[@]}"; do
     step "throughput, density and output ($runtime)"
     python throughput_density.py --runtime "$runtime" --sessions "$(n "$sessions" 3)" --seconds "$(n 5 1)" --repeats "$(n 5 1)"
 done
-for runtime in "${quick_runtimes[@]}"; do
+for runtime in "${runtimes[@]}"; do
     sessions=200; [ "$runtime" = runsc ] && sessions=50  # runsc: 50 measured on this 2-core machine
     step "density: $(n "$sessions" 4) idle sessions ($runtime): execute p99, idle gateway CPU, memory vs bare"
     python density.py --runtime "$runtime" --sessions "$(n "$sessions" 4)" --samples "$(n 300 20)" \

@@ -7,4 +7,4 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$here/scripts/prepare.sh"
 cd "$here"
 ruff check .
-python -m pytest "$@"
+python -m pytest --durations=40 "$@"  # the slowest tests, to keep CI well inside its time

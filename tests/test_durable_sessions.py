@@ -273,13 +273,20 @@ async def test_kill9_during_a_running_cell_its_end_is_recorded_by_the_next_gatew
         session = await serve.create()
         sid = session["id"]
         ids.append(sid)
-        code = "import time\nprint('before', flush=True)\ntime.sleep(6)\ny = 7\nprint('after')"
+        # The cell ends only when the test says so, after the next gateway is up: how long a
+        # gateway takes to start on a loaded host must not decide whether its end is watched.
+        code = (
+            "import os, time\nprint('before', flush=True)\n"
+            "while not os.path.exists('/tmp/go'):\n    time.sleep(0.1)\ny = 7\nprint('after')"
+        )
         in_flight = asyncio.create_task(serve.execute(sid, code))
         await asyncio.sleep(2.0)  # the cell runs, and the catalog says so
         serve.kill9()
         with pytest.raises(Exception):  # noqa: B017 - its connection dies with the gateway
             await in_flight
         await serve.start()
+        (container,) = container_ids_of(sid)
+        subprocess.run(["docker", "exec", container, "touch", "/tmp/go"], check=True, timeout=60)
         # The next execute queues behind the cell left running, which the new gateway settles.
         result = await serve.execute(sid, "print(y)")
         assert result["status"] == "ok" and result["text"] == "7\n", result
