@@ -225,6 +225,44 @@ class GatewaySettings:
         None, "where transcripts go", metavar="DIR", shown_default="~/.local/share/sandkernel/notebooks"
     )
 
+    # -- many hosts: a cluster of gateways sharing one catalog (docs/scale-out.md) ------------
+    catalog_url: str | None = _setting(
+        None,
+        "postgresql://USER:PASSWORD@HOST/DB of the catalog the gateways of a cluster share (sessions, hosts, "
+        "tenants' counts); unset: the single-host SQLite catalog in the state dir",
+        metavar="URL",
+        shown_default="single host",
+        repr=False,
+    )
+    host_id: str | None = _setting(
+        None,
+        "this host's name in the cluster (one gateway per Docker engine; its sessions are recorded under it)",
+        metavar="NAME",
+        shown_default="the machine's host name",
+    )
+    advertise_url: str | None = _setting(
+        None,
+        "the URL the other gateways of the cluster reach this one at",
+        metavar="URL",
+        shown_default="http://<host name>:<port>",
+    )
+    cluster_secret_file: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None,
+        "file holding the secret the gateways of one cluster share to sign forwarded requests (chmod 600, "
+        "at least 32 bytes); required with --catalog-url",
+        metavar="FILE",
+    )
+    heartbeat_seconds: float = _setting(
+        5.0, "how often this gateway tells the cluster catalog it is up", metavar="S", positive=True, maximum=300.0
+    )
+    host_down_after: float = _setting(
+        20.0,
+        "seconds without a heartbeat after which a host is marked down and its live sessions lost",
+        metavar="S",
+        positive=True,
+        maximum=3600.0,
+    )
+
     # -- production controls: accounting, policy, breakers, audit ---------------------------
     accounting: bool = _setting(
         True, "measure every cell on the host: CPU, peak memory, files written (SHA-256), egress, packages"
