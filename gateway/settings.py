@@ -34,6 +34,8 @@ import dataclasses
 import functools
 import json
 import os
+import re
+import socket
 import sys
 import typing
 from collections.abc import Mapping
@@ -326,6 +328,22 @@ class GatewaySettings:
             value = _coerce(field.name, getattr(self, field.name))
             _check(field.name, value)
             object.__setattr__(self, field.name, value)
+        _check_cluster(self)
+
+    @property
+    def cluster(self) -> bool:
+        """Whether this gateway is one host of a cluster (a shared PostgreSQL catalog)."""
+        return self.catalog_url is not None
+
+    @property
+    def cluster_host_id(self) -> str:
+        """This host's name in the cluster: ``host_id``, or the machine's host name."""
+        return self.host_id or socket.gethostname()
+
+    @property
+    def cluster_url(self) -> str:
+        """Where the other gateways reach this one: ``advertise_url``, or this host's name and port."""
+        return (self.advertise_url or f"http://{socket.gethostname()}:{self.port}").rstrip("/")
 
     @property
     def pool_ceiling(self) -> int:
@@ -461,6 +479,29 @@ def _check(name: str, value: Any) -> None:
     choices = _field(name).metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"setting {name} must be one of {', '.join(choices)}, not {value!r}")
+
+
+HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def _check_cluster(settings: GatewaySettings) -> None:
+    """The cluster settings belong together; the catalog URL (which may hold a password) is never
+    echoed in a message."""
+    if settings.host_id is not None and not HOST_ID.fullmatch(settings.host_id):
+        raise ConfigError(
+            "setting host_id must be 1-63 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    if settings.advertise_url is not None and not settings.advertise_url.startswith(("http://", "https://")):
+        raise ConfigError("setting advertise_url must start with http:// or https://")
+    if settings.catalog_url is None:
+        return
+    if not settings.catalog_url.startswith(("postgresql://", "postgres://")):
+        raise ConfigError("setting catalog_url must be a postgresql:// URL (the cluster's shared PostgreSQL catalog)")
+    if settings.cluster_secret_file is None:
+        raise ConfigError(
+            "a cluster catalog (--catalog-url) needs --cluster-secret-file: the secret the gateways share to "
+            "sign forwarded requests (the same file on every host, chmod 600, at least 32 bytes)"
+        )
 
 
 def _kind_words(kind: type) -> str:
