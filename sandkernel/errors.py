@@ -85,6 +85,16 @@ class EngineUnavailableError(DockerUnavailableError):
         self.retry_after = retry_after
 
 
+class ClusterUnavailableError(SandkernelError):
+    """The cluster's shared catalog (PostgreSQL) or the host that holds a session cannot be
+    reached right now. What needs it (placing a new session, forwarding to another host) is
+    refused at once; the sessions this host holds keep working. Retry after ``retry_after``."""
+
+    status = 503
+    code = "cluster_unavailable"
+    retry_after = 5.0
+
+
 class ImageNotFoundError(SandkernelError, LookupError):
     """The kernel image does not exist locally (sandkernel never pulls at session start)."""
 
