@@ -1,0 +1,128 @@
+"""This gateway's place in a cluster: registered in the shared catalog, heartbeating, and doing
+its share of the housekeeping.
+
+PostgreSQL is the cluster's only coordinator: there is no leader. Every gateway, at each
+heartbeat, also marks down the hosts whose heartbeat stopped more than ``host_down_after``
+seconds ago (their live sessions become ``lost`` with the reason, in the same transaction, so
+two gateways doing it at once change nothing twice). A catalog that cannot be reached never
+stops this gateway: its own sessions keep working; what needs the catalog (placing a new
+session) is refused at once while :attr:`ClusterMembership.reachable` is false.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from sandkernel.logs import Throttle
+
+log = logging.getLogger(__name__)
+
+# How long one catalog call of the heartbeat may take before it counts as a failed beat: the
+# loop must go on beating on time, and a hung connection must not look like a live catalog.
+BEAT_TIMEOUT_SECONDS = 5.0
+
+
+class MembershipCatalog(Protocol):
+    """What membership needs of gateway/cluster/catalog.py's ClusterCatalog."""
+
+    async def register(self, url: str, runtimes: Sequence[str], capacity: int) -> None: ...
+
+    async def heartbeat(self, sessions: int, free: int) -> None: ...
+
+    async def mark_down_stale(self, after_seconds: float) -> list[str]: ...
+
+    async def leave(self) -> None: ...
+
+
+class ClusterMembership:
+    """Registers this host (its URL, runtimes and capacity) and keeps it up in the catalog.
+
+    ``load`` returns (sessions held, free capacity) at each beat, from the registry."""
+
+    def __init__(
+        self,
+        catalog: MembershipCatalog,
+        *,
+        host_id: str,
+        url: str,
+        runtimes: Sequence[str],
+        capacity: int,
+        load: Callable[[], tuple[int, int]],
+        interval: float,
+        down_after: float,
+    ) -> None:
+        self.catalog = catalog
+        self.host_id = host_id
+        self.url = url
+        self.runtimes = tuple(runtimes)
+        self.capacity = capacity
+        self.load = load
+        self.interval = interval
+        self.down_after = down_after
+        self.last_beat = 0.0  # time.monotonic() of the last beat the catalog took
+        self._task: asyncio.Task[None] | None = None
+        self._failures = Throttle(30.0)
+
+    @property
+    def reachable(self) -> bool:
+        """The catalog took a beat recently (within two intervals): placing sessions may use it."""
+        return time.monotonic() - self.last_beat < 2 * self.interval + BEAT_TIMEOUT_SECONDS
+
+    async def start(self) -> None:
+        """Register (a catalog that cannot be reached now fails the start: the operator asked for
+        a cluster), then beat in the background."""
+        await asyncio.wait_for(self.catalog.register(self.url, self.runtimes, self.capacity), BEAT_TIMEOUT_SECONDS)
+        self.last_beat = time.monotonic()
+        log.info(
+            "joined the cluster",
+            extra={"host": self.host_id, "url": self.url, "runtimes": list(self.runtimes), "capacity": self.capacity},
+        )
+        self._task = asyncio.create_task(self._beat_forever(), name="sandkernel-heartbeat")
+
+    async def beat(self) -> list[str]:
+        """One heartbeat and one look for hosts gone quiet; returns the hosts marked down now."""
+        sessions, free = self.load()
+        await asyncio.wait_for(self.catalog.heartbeat(sessions, free), BEAT_TIMEOUT_SECONDS)
+        self.last_beat = time.monotonic()
+        down = await asyncio.wait_for(self.catalog.mark_down_stale(self.down_after), BEAT_TIMEOUT_SECONDS)
+        for host in down:
+            log.warning(
+                "host marked down: no heartbeat for %gs; its live sessions are lost",
+                self.down_after,
+                extra={"host": host},
+            )
+        return down
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.beat()
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # the catalog is away: this host's sessions keep working
+                quiet = self._failures.allow()
+                if quiet is not None:
+                    log.warning(
+                        "cluster heartbeat failed (%d more since the last warning): %s: %s",
+                        quiet,
+                        type(err).__name__,
+                        err,
+                        extra={"host": self.host_id},
+                    )
+
+    async def stop(self) -> None:
+        """Stop beating and say so (status ``stopping``: no new session is placed here while the
+        host restarts; its sessions stay, recorded under this host, for the next gateway)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.catalog.leave(), BEAT_TIMEOUT_SECONDS)
