@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make this Debian machine ready for sandkernel: Docker engine (from the distribution),
-# gVisor's runsc registered as a runtime, debootstrap for the offline base image, and
+# gVisor's runsc registered as a runtime, debootstrap for the offline base image, PostgreSQL, and
 # the Python package itself. Idempotent: each step checks before it acts.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,6 +19,11 @@ if ! command -v dockerd >/dev/null 2>&1; then
 fi
 if ! command -v debootstrap >/dev/null 2>&1; then
   as_root "debootstrap is missing"; log "installing debootstrap"; apt_install debootstrap
+fi
+# PostgreSQL, from the distribution: the cluster tests start throwaway servers from its binaries
+# (tests/postgres_fixtures.py), and a cluster's catalog may run on it (--catalog-url).
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+  as_root "PostgreSQL is missing"; log "installing postgresql"; apt_install postgresql
 fi
 # gVisor is optional for a user (without it runsc sessions are refused with a clear error) but not
 # for CI: with SANDKERNEL_REQUIRE_RUNSC=1 (.ci/run sets it where gVisor can be had) any runsc
