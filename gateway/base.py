@@ -12,19 +12,25 @@ client waits for an engine that restarts, an open start breaker or a gateway tha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+from collections.abc import Awaitable
 from http import HTTPStatus
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tornado import web
 
-from sandkernel.errors import SandkernelError, SessionClosedError
+from sandkernel.errors import KernelNotFoundError, SandkernelError, SessionClosedError
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
+
+if TYPE_CHECKING:
+    from sandkernel.gateway.cluster.catalog import HostInfo
+    from sandkernel.gateway.cluster.forward import ClusterLink
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +136,9 @@ class BaseHandler(web.RequestHandler):
     tenant: str
     served_while_stopping = False  # health, metrics and the API document answer to the end
     _counted = False
+    forwarded_from: str | None = None  # the origin host of a request another gateway forwarded (verified)
+    forward_to: HostInfo | None = None  # the host this request is passed to (cluster mode)
+    forwarding: Any = None  # the exchange with that host, once started (gateway/cluster/forward.py)
 
     def initialize(
         self, registry: SessionRegistry, auth: TokenAuth | None, settings: GatewaySettings, metrics: GatewayMetrics
@@ -140,7 +149,7 @@ class BaseHandler(web.RequestHandler):
         self.gateway_settings = settings  # (``self.settings`` is tornado's application settings)
         self.metrics = metrics
 
-    def prepare(self) -> None:
+    def prepare(self) -> Awaitable[None] | None:
         stream = self.request.connection.stream if self.request.connection else None
         if stream is not None:
             stream.set_nodelay(True)
@@ -155,6 +164,47 @@ class BaseHandler(web.RequestHandler):
         declared = self.request.headers.get("Content-Length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()
+        cluster = self.cluster
+        if cluster is None:
+            return None  # a single host: nothing below runs
+        self.forwarded_from = cluster.forwarded_from(self.request)  # 401 on a bad signature
+        session_id = self.path_kwargs.get("session_id")
+        kernel_id = self.path_kwargs.get("kernel_id")
+        if self.forwarded_from is not None or (session_id is None and kernel_id is None):
+            return None  # forwarded once already (the loop guard), or no session in the path
+        return self._route(cluster, session_id, kernel_id)
+
+    @property
+    def cluster(self) -> ClusterLink | None:
+        """This gateway's cluster link; None on a single host."""
+        return getattr(self.registry, "cluster", None)
+
+    async def _route(self, cluster: ClusterLink, session_id: str | None, kernel_id: str | None) -> None:
+        """Cluster mode: when another host holds the caller's session or kernel (and this one does
+        not), the request is passed there once its body is in (:meth:`_forward` answers for the
+        verb). A session this host holds, or nobody does, or another tenant does, is served here."""
+        if session_id is not None:
+            with contextlib.suppress(KernelNotFoundError):
+                self.registry.find(self.tenant, session_id)
+                return
+        elif kernel_id is not None:
+            with contextlib.suppress(KernelNotFoundError):
+                self.registry.by_kernel(self.tenant, kernel_id)
+                return
+        host = await cluster.owner_elsewhere(self.tenant, session_id=session_id, kernel_id=kernel_id)
+        if host is not None:
+            self.forward_to = host
+            # tornado calls the verb by its name once the body is in: this request's is _forward
+            # (an instance attribute, so the handler class and its other requests are untouched).
+            setattr(self, (self.request.method or "get").lower(), self._forward)
+
+    async def _forward(self, *args: Any, **kwargs: Any) -> None:
+        """The verb of a request passed to the host that holds its session (see :meth:`_route`)."""
+        from sandkernel.gateway.cluster.forward import forward_http
+
+        if self._finished or self.forward_to is None:  # answered already (a body over the limit)
+            return
+        await forward_http(self, self.forward_to)
 
     def _too_large(self) -> ApiError:
         return ApiError(413, f"request body is over the limit of {self.max_body_bytes} bytes", "too_large")
@@ -164,6 +214,8 @@ class BaseHandler(web.RequestHandler):
 
     def on_connection_close(self) -> None:
         self._uncount()
+        if self.forwarding is not None:
+            self.forwarding.cut()  # the owner sees its client gone, as a local handler would
         super().on_connection_close()
 
     def _uncount(self) -> None:

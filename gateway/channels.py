@@ -36,7 +36,8 @@ from tornado import websocket
 
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import ApiError, authenticate_request, error_reply, restarting_error
+from sandkernel.gateway.base import ApiError, authenticate_request, error_reply, restarting_error, retry_after_of
+from sandkernel.gateway.cluster.forward import ForwardedChannels, cluster_of
 from sandkernel.gateway.inflight import InFlight, ledger_of
 from sandkernel.gateway.registry import ManagedSession, SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
@@ -96,6 +97,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.refused = False  # closed over a budget: frames still arriving are ignored
         self.shell_queue: asyncio.Queue[tuple[dict[str, Any], list[Any]]] = asyncio.Queue()
         self.replies: dict[str, RelayedReply] = {}  # execute replies the session layer waits for
+        self.upstream: ForwardedChannels | None = None  # cluster mode: the owner host's websocket
+        self.forwarded_from: str | None = None  # the origin host of a websocket another gateway forwarded
 
     def check_origin(self, origin: str) -> bool:
         """Browsers send Origin; a page of another site may open a websocket to us. Allowed:
@@ -121,9 +124,17 @@ class ChannelsHandler(websocket.WebSocketHandler):
         if self.registry.stopping:  # the next gateway process will serve this kernel
             self._refuse(*error_reply(restarting_error()))
             return
+        cluster = cluster_of(self.registry)
+        try:  # a request another gateway of the cluster forwarded: never forwarded again
+            self.forwarded_from = cluster.forwarded_from(self.request) if cluster is not None else None
+        except ApiError as err:  # a bad or stale signature
+            self._refuse(*error_reply(err))
+            return
         try:
             self.managed = self.registry.by_kernel(tenant, kernel_id)
         except LookupError:
+            if await self._forwarded(tenant, kernel_id, *args, **kwargs):
+                return
             self._refuse(404, "not_found", f"no kernel {kernel_id!r}")
             return
         per_kernel = self.gateway_settings.max_connections_per_kernel
@@ -134,13 +145,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
                 f"kernel {kernel_id} already has {per_kernel} websocket connections; close one first",
             )
             return
-        origin = self.request.headers.get("Origin")
-        if origin and not self.check_origin(origin):
-            self._refuse(
-                403,
-                "forbidden_origin",
-                f"websocket from origin {origin!r} refused; the operator can allow it with --allow-origin",
-            )
+        if self._origin_refused():
             return
         self.managed.connections += 1  # counted from the handshake, so a burst cannot overshoot
         self.counted = True
@@ -151,12 +156,62 @@ class ChannelsHandler(websocket.WebSocketHandler):
                 self.counted = False
                 self.managed.connections = max(0, self.managed.connections - 1)
 
+    def _origin_refused(self) -> bool:
+        """Refuse (403) a browser's websocket from an origin not allowed (see check_origin)."""
+        origin = self.request.headers.get("Origin")
+        if origin and not self.check_origin(origin):
+            self._refuse(
+                403,
+                "forbidden_origin",
+                f"websocket from origin {origin!r} refused; the operator can allow it with --allow-origin",
+            )
+            return True
+        return False
+
+    async def _forwarded(self, tenant: str, kernel_id: str, *args: Any, **kwargs: Any) -> bool:
+        """Cluster mode: relay the websocket to the host holding the tenant's kernel, when that
+        is another host (True: this request is answered). A request another gateway forwarded
+        is never forwarded again (a bad signature on it is a 401)."""
+        cluster = cluster_of(self.registry)
+        if cluster is None or self.forwarded_from is not None:
+            return False
+        try:
+            host = await cluster.owner_elsewhere(tenant, kernel_id=kernel_id)
+            if host is None:
+                return False
+            if self._origin_refused():  # checked here: the owner would compare it with its own Host
+                return True
+            upstream = await ForwardedChannels.connect(self, cluster, host)
+        except (ApiError, SandkernelError) as err:
+            retry = retry_after_of(err)
+            if retry is not None:
+                self.set_header("Retry-After", str(retry))
+            self._refuse(*error_reply(err))
+            return True
+        if isinstance(upstream, tuple):  # the owner refused: its answer, as it gave it
+            status, body = upstream
+            self.set_status(status)
+            self.set_header("Content-Type", "application/json")
+            self.finish(body)
+            return True
+        self.upstream = upstream
+        try:
+            await super().get(kernel_id, *args, **kwargs)
+        finally:
+            if self.ws_connection is None:  # the client's upgrade failed: let the owner's side go
+                upstream.close(None, None)
+        return True
+
     def get_compression_options(self) -> None:
         return None
 
     def open(self, kernel_id: str) -> None:
-        assert self.managed is not None and self.tenant is not None
         self.set_nodelay(True)
+        if self.upstream is not None:
+            self.upstream.start()
+            self.registry.websockets.add(self)  # closed with 1012 when this gateway restarts
+            return
+        assert self.managed is not None and self.tenant is not None
         km = self.managed.session.kernel_manager
         # Our own copy: a Session rejects a signature it has seen, and every subscriber of the kernel
         # sees every broadcast message, so a shared one would drop them on all but the first.
@@ -283,6 +338,9 @@ class ChannelsHandler(websocket.WebSocketHandler):
         return True
 
     async def on_message(self, frame: str | bytes) -> None:
+        if self.upstream is not None:
+            await self.upstream.to_owner(frame)
+            return
         assert self.session is not None and self.managed is not None
         await self.iopub_ready.wait()
         if self.refused:
@@ -442,6 +500,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
             await self.write_message(json.dumps({"channel": "gateway", "error": "bad_message", "message": message}))
 
     def on_close(self) -> None:
+        if self.upstream is not None:
+            self.upstream.close(self.close_code, self.close_reason)
         self.registry.websockets.discard(self)
         if self.inflight is not None:
             self.inflight.forget_all()

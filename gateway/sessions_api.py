@@ -24,9 +24,10 @@ from typing import Any
 from tornado.iostream import StreamClosedError
 
 from sandkernel import doors
-from sandkernel.errors import SandkernelError
+from sandkernel.errors import ClusterUnavailableError, SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler, error_reply
 from sandkernel.gateway.budget import OutputBudget, apply_budget
+from sandkernel.gateway.cluster.forward import forward_http, record_model
 from sandkernel.gateway.registry import LostSession, ManagedSession, PausedSession, TooManySessionsError
 from sandkernel.gateway.replies import client_door, execution_reply, run_shell
 from sandkernel.kernels.execution.outputs import ExecutionResult
@@ -36,8 +37,17 @@ MAX_CODE_BYTES = 1024 * 1024
 
 
 class SessionsHandler(BaseHandler):
-    def get(self) -> None:
-        self.write_json(self.registry.models(self.tenant))
+    """GET the tenant's sessions (in a cluster: on every host, from the catalog); POST a new one
+    (in a cluster: on the host with most room that runs its runtime, see :meth:`_placed_elsewhere`)."""
+
+    async def get(self) -> None:
+        models = self.registry.models(self.tenant)
+        cluster = self.cluster
+        if cluster is not None and self.forwarded_from is None:
+            here = {model["id"] for model in models}
+            records = await cluster.tenant_sessions(self.tenant)
+            models += [record_model(r) for r in records if r.session_id not in here]
+        self.write_json(models)
 
     async def post(self) -> None:
         body = self.json_body()
@@ -48,6 +58,8 @@ class SessionsHandler(BaseHandler):
             raise ApiError(400, "profile must be a profile name such as 'default', 'small' or 'large'")
         if not isinstance(limits, dict) or not isinstance(metadata, dict):
             raise ApiError(400, "limits and metadata must be JSON objects")
+        if await self._placed_elsewhere(profile, limits):
+            return
         try:
             managed = await self.registry.create(self.tenant, profile, limits, metadata)
         except TooManySessionsError:
@@ -55,6 +67,26 @@ class SessionsHandler(BaseHandler):
             raise
         self.set_header("Location", f"/api/sessions/{managed.id}")
         self.write_json(managed.session_model(), status=201)
+
+
+    async def _placed_elsewhere(self, profile: str | None, limits: dict[str, Any]) -> bool:
+        """Cluster mode: pass the create to the host the catalog places it on, when that is another
+        one (True: answered). The profile is checked here first (every gateway of a cluster has
+        the same profiles), so a bad one is refused without a hop. A create forwarded to this
+        host is created here (the loop guard: it carries a verified X-Sandkernel-Forwarded)."""
+        cluster = self.cluster
+        if cluster is None or self.forwarded_from is not None:
+            return False
+        runtime = self.registry.catalog.for_tenant(profile, limits).runtime.value
+        host = await cluster.place(runtime)
+        if host is None:
+            raise ClusterUnavailableError(
+                f"no host of the cluster has room for a {runtime} session now (or none runs {runtime}); retry later"
+            )
+        if host.host_id == cluster.host_id:
+            return False
+        await forward_http(self, host, place_here=True)
+        return True
 
 
 class ProfilesHandler(BaseHandler):

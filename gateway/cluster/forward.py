@@ -1,0 +1,375 @@
+"""Forwarding: any gateway of a cluster answers for any session, by passing the request to the
+host that holds it.
+
+A request for a session or kernel this gateway does not hold is looked up in the cluster
+catalog (:meth:`ClusterLink.owner_elsewhere`); when another host holds the caller's session, the
+request goes there unchanged (:func:`forward_http`, :class:`ForwardedChannels` for the kernel
+websocket) with the tenant's own ``Authorization`` (the owner authenticates the tenant itself:
+every gateway of a cluster has the same tenants' tokens) and a signed ``X-Sandkernel-Forwarded``
+header (signing.py). The owner serves a forwarded request itself and never forwards it again.
+Nothing is buffered beyond one chunk or one websocket message in each direction: the response
+streams through as the owner writes it (an NDJSON execute's lines and keepalives as they come),
+each write awaited before the next read, so a slow client slows the owner's socket rather than
+filling this gateway's memory. Request bodies are the ones the handler already read, under the
+same limits as a local request. An owner that cannot be reached is a 503 (ClusterUnavailableError,
+Retry-After) naming the host, never a 500.
+
+Unknown sessions stay 404 wherever they are asked: a session of another tenant is not
+forwarded (the catalog says whose it is), so no host answers differently for it than for none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
+
+from tornado import httputil, websocket
+from tornado.httpclient import HTTPClientError, HTTPRequest
+from tornado.iostream import IOStream, StreamClosedError
+from tornado.simple_httpclient import SimpleAsyncHTTPClient
+from tornado.tcpclient import TCPClient
+
+from sandkernel.errors import ClusterUnavailableError, SandkernelError
+from sandkernel.gateway.base import MAX_BODY_BYTES
+from sandkernel.gateway.cluster.signing import FORWARDED_HEADER, PLACE_HERE_HEADER, sign, verify
+from sandkernel.gateway.registry import LostSession, PausedSession, _recorded_model
+from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
+
+if TYPE_CHECKING:
+    from tornado.web import RequestHandler
+
+    from sandkernel.gateway.base import BaseHandler
+    from sandkernel.gateway.cluster.catalog import HostInfo
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_SECONDS = 5.0
+# The longest a forwarded request may take: the longest execute a profile may ask (a day) and a
+# margin. The owner's timeout ladder ends every execution before that; this only bounds a hop
+# whose owner hangs without closing.
+REQUEST_TIMEOUT_SECONDS = 86400.0 + 300.0
+# How long a catalog look-up may take before the request is refused (503) rather than held.
+CATALOG_TIMEOUT_SECONDS = 5.0
+# A forwarded response body: a file download (32 MiB), an NDJSON stream (its outputs are budgeted).
+MAX_RESPONSE_BYTES = 4 * MAX_BODY_BYTES
+WEBSOCKET_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # as the gateway's own (server.py)
+WEBSOCKET_PING_SECONDS = 30.0
+# Headers of one hop only (RFC 9110 7.6.1), and ours, which each hop signs afresh.
+HOP_HEADERS = frozenset(
+    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding",
+     "upgrade", "host", "content-length", "server", "date"}
+)
+# Close codes a websocket may not send (RFC 6455 7.4.1): they only describe a close.
+UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
+
+
+class OwnerCatalog(Protocol):
+    """What forwarding needs of gateway/cluster/catalog.py's ClusterCatalog."""
+
+    async def owner(self, session_id: str) -> tuple[HostInfo, str] | None: ...
+
+    async def owner_of_kernel(self, kernel_id: str) -> tuple[HostInfo, str, str] | None: ...
+
+    async def place(self, runtime: str) -> HostInfo | None: ...
+
+    async def tenant_sessions(self, tenant: str) -> list[SandboxRecord]: ...
+
+
+@dataclasses.dataclass
+class ClusterLink:
+    """What a gateway in cluster mode needs to reach the others: the catalog, the shared secret,
+    its own host id and URL. server.py builds it at start (``registry.cluster``); None on a
+    single host, where nothing here runs."""
+
+    catalog: OwnerCatalog
+    secret: bytes
+    host_id: str
+    url: str
+
+    def forwarded_from(self, request: httputil.HTTPServerRequest) -> str | None:
+        """The origin host of a request another gateway forwarded (verified: ApiError 401 on a
+        bad or stale signature), or None for a request straight from a client."""
+        if FORWARDED_HEADER not in request.headers:
+            if PLACE_HERE_HEADER in request.headers:
+                verify(self.secret, request.headers, request.method or "", request.uri or "")  # refuses: no signature
+            return None
+        return verify(self.secret, request.headers, request.method or "", request.uri or "")
+
+    async def _ask(self, call: Awaitable[Any], what: str) -> Any:
+        """A catalog call, bounded: a catalog that cannot answer is a 503, never a hung request."""
+        try:
+            return await asyncio.wait_for(call, CATALOG_TIMEOUT_SECONDS)
+        except ClusterUnavailableError:
+            raise
+        except (SandkernelError, OSError, asyncio.TimeoutError) as err:
+            raise ClusterUnavailableError(
+                f"the cluster catalog cannot be reached to {what} ({type(err).__name__}); retry in a few seconds"
+            ) from err
+
+    async def owner_elsewhere(
+        self, tenant: str, *, session_id: str | None = None, kernel_id: str | None = None
+    ) -> HostInfo | None:
+        """The other host holding the tenant's session (or kernel), or None: serve it here (this
+        host holds it, or nobody, or another tenant does: the local 404 is the answer)."""
+        if session_id is not None:
+            found = await self._ask(self.catalog.owner(session_id), "find the session's host")
+        else:
+            found = await self._ask(self.catalog.owner_of_kernel(str(kernel_id)), "find the kernel's host")
+        if found is None:
+            return None
+        host, owner_tenant = found[0], found[1]
+        if owner_tenant != tenant or host.host_id == self.host_id:
+            return None
+        return host
+
+    async def place(self, runtime: str) -> HostInfo | None:
+        """The host a new session of ``runtime`` goes to (most free room), or None: none has room."""
+        return await self._ask(self.catalog.place(runtime), "place the session")
+
+    async def tenant_sessions(self, tenant: str) -> list[SandboxRecord]:
+        return await self._ask(self.catalog.tenant_sessions(tenant), "list the tenant's sessions")
+
+
+def cluster_of(registry: object) -> ClusterLink | None:
+    """The registry's cluster link (None on a single host, or before server.py sets one)."""
+    return getattr(registry, "cluster", None)
+
+
+def unreachable(host: HostInfo, err: BaseException | str) -> ClusterUnavailableError:
+    """The 503 for a request whose session's host cannot be reached."""
+    reason = err if isinstance(err, str) else (str(err) or type(err).__name__)
+    return ClusterUnavailableError(
+        f"host {host.host_id} ({host.url}), which holds this session, cannot be reached: {reason}. Retry in a few "
+        f"seconds; if the host stays down (status now {host.status!r}) its running sessions are lost"
+    )
+
+
+def _request_headers(request: httputil.HTTPServerRequest) -> httputil.HTTPHeaders:
+    """The client's headers as the owner gets them: the end-to-end ones (Authorization above all)."""
+    headers = httputil.HTTPHeaders()
+    for name, value in request.headers.get_all():
+        lower = name.lower()
+        if lower not in HOP_HEADERS and not lower.startswith("x-sandkernel-") and not lower.startswith("sec-websocket"):
+            headers.add(name, value)
+    return headers
+
+
+class _OneStream(TCPClient):
+    """A TCPClient that keeps the stream it opened, so a client that goes away can cut the hop
+    at once (the owner then sees its client gone, as it would locally: a streamed execute is
+    interrupted)."""
+
+    stream: IOStream | None = None
+
+    async def connect(self, *args: Any, **kwargs: Any) -> IOStream:  # type: ignore[override]
+        self.stream = await super().connect(*args, **kwargs)
+        return self.stream
+
+
+class _Relay:
+    """One forwarded HTTP exchange: the owner's status and headers, then its body, chunk by chunk."""
+
+    def __init__(self, handler: RequestHandler, host: HostInfo) -> None:
+        self.handler = handler
+        self.host = host
+        self.code = 0
+        self.reason = ""
+        self.headers = httputil.HTTPHeaders()
+        self.started = False  # the owner's status and headers were passed on
+        self.client_gone = False
+        self.tcp = _OneStream()
+
+    def header_line(self, line: str) -> None:
+        """tornado's header_callback: the start line, each header, then an empty line."""
+        if not self.code and line.startswith("HTTP/"):
+            start = httputil.parse_response_start_line(line.strip())
+            self.code, self.reason = start.code, start.reason
+        elif line.strip():
+            self.headers.parse_line(line)
+        else:
+            self.start()
+
+    def start(self) -> None:
+        """Pass the owner's status and end-to-end headers on (once, before the first chunk)."""
+        handler = self.handler
+        handler.set_status(self.code, self.reason or None)
+        handler.clear_header("Content-Type")
+        for name, value in self.headers.get_all():
+            if name.lower() not in HOP_HEADERS or name.lower() == "content-length":
+                handler.add_header(name, value)
+        self.started = True
+
+    async def chunk(self, data: bytes) -> None:
+        """tornado's streaming_callback, awaited before the next read: each chunk reaches the
+        client before the next is read from the owner."""
+        if not self.started:
+            self.start()
+        self.handler.write(data)
+        try:
+            await self.handler.flush()
+        except StreamClosedError:
+            self.client_gone = True
+            raise  # ends the fetch, which closes the hop
+
+    def cut(self) -> None:
+        """The client went away: close the hop (the owner sees its client gone)."""
+        self.client_gone = True
+        if self.tcp.stream is not None:
+            self.tcp.stream.close()
+
+
+async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool = False) -> None:
+    """Send the handler's request (its body already read, under its limits) to ``host`` and pass
+    the answer back as it comes. 503 (ClusterUnavailableError) when the host cannot be reached
+    before anything was answered; after that, an NDJSON stream ends with an ``error`` line and
+    any other body is cut (the client sees a short response, never a wrong one)."""
+    link = cluster_of(handler.registry)
+    assert link is not None, "forward_http runs only in cluster mode"
+    request = handler.request
+    method = request.method or "GET"
+    headers = _request_headers(request)
+    headers.update(sign(link.secret, method, request.uri or "/", link.host_id))
+    if place_here:
+        headers[PLACE_HERE_HEADER] = "1"
+    relay = _Relay(handler, host)
+    handler.forwarding = relay
+    client = SimpleAsyncHTTPClient(force_instance=True, max_body_size=MAX_RESPONSE_BYTES)
+    client.tcp_client = relay.tcp  # the hop's stream, to cut it (tornado sets TCP_NODELAY on it)
+    body = handler.body
+    try:
+        response = await client.fetch(
+            HTTPRequest(
+                host.url + (request.uri or "/"),
+                method=method,
+                headers=headers,
+                body=body if body or method in ("POST", "PUT", "PATCH") else None,
+                connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                request_timeout=REQUEST_TIMEOUT_SECONDS,
+                follow_redirects=False,
+                decompress_response=False,
+                allow_nonstandard_methods=True,
+                header_callback=relay.header_line,
+                streaming_callback=relay.chunk,
+            ),
+            raise_error=False,
+        )
+        error: BaseException | None = response.error if response.code == 599 else None
+    except (OSError, StreamClosedError, HTTPClientError) as err:
+        error = err
+    finally:
+        client.close()
+    if relay.client_gone:
+        return
+    if error is None:
+        if not relay.started:
+            relay.start()
+        handler.finish()
+        return
+    if not relay.started:
+        raise unreachable(host, error)
+    log.warning("forwarded response from host %s cut: %s", host.host_id, error)
+    if "ndjson" in (relay.headers.get("Content-Type") or ""):
+        line = {"type": "error", "status": 503, "error": ClusterUnavailableError.code,
+                "message": str(unreachable(host, error))}
+        with contextlib.suppress(StreamClosedError):
+            handler.write(json.dumps(line) + "\n")
+            await handler.flush()
+        with contextlib.suppress(StreamClosedError):
+            handler.finish()
+        return
+    if request.connection is not None:
+        request.connection.close()  # a body cut short: the client must not take it for whole
+
+
+def record_model(record: SandboxRecord) -> dict[str, Any]:
+    """The session model of a session another host holds, from its catalog record (what GET
+    /api/sessions lists for it): live ones say ``running`` with the kernel's state unknown here."""
+    if record.state == SandboxState.LOST:
+        return LostSession(record, record.lost_reason or "its host stopped answering").session_model()
+    if record.state == SandboxState.PAUSED:
+        return PausedSession(record).session_model()
+    return {
+        **_recorded_model(record, record.kernel.get("kernel_id"), "unknown"),
+        "state": SandboxState.RUNNING.value,
+    }
+
+
+class ForwardedChannels:
+    """A client's kernel websocket relayed to the owner's ``/api/kernels/{id}/channels``.
+
+    Frames pass through unchanged both ways (the owner does all the Jupyter work: signing,
+    budgets, the execution path). Each direction awaits its write before reading the next
+    message, so the gateway holds at most one message per direction. A close on either side
+    closes the other with the same code and reason."""
+
+    def __init__(self, handler: websocket.WebSocketHandler, upstream: websocket.WebSocketClientConnection) -> None:
+        self.handler = handler
+        self.upstream = upstream
+        self.task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def connect(
+        cls, handler: websocket.WebSocketHandler, link: ClusterLink, host: HostInfo
+    ) -> ForwardedChannels | tuple[int, bytes]:
+        """Open the websocket to the owner. The owner's refusal (its status and JSON: 404, 429,
+        403) is returned to be passed on; ClusterUnavailableError (503) when it cannot be reached."""
+        request = handler.request
+        parts = urlsplit(host.url)
+        scheme = "wss" if parts.scheme == "https" else "ws"
+        headers = _request_headers(request)
+        headers.pop("Origin", None)  # checked by the handler: the owner would compare it with its own Host
+        headers.update(sign(link.secret, request.method or "GET", request.uri or "/", link.host_id))
+        try:
+            upstream = await websocket.websocket_connect(
+                HTTPRequest(
+                    f"{scheme}://{parts.netloc}{parts.path}{request.uri}",
+                    headers=headers,
+                    connect_timeout=CONNECT_TIMEOUT_SECONDS,
+                    request_timeout=CONNECT_TIMEOUT_SECONDS * 2,
+                ),
+                ping_interval=WEBSOCKET_PING_SECONDS,
+                max_message_size=WEBSOCKET_MAX_MESSAGE_BYTES,
+            )
+        except HTTPClientError as err:
+            if err.code != 599 and err.response is not None:
+                return err.code, err.response.body or b""
+            raise unreachable(host, err) from None
+        except (OSError, StreamClosedError, asyncio.TimeoutError) as err:
+            raise unreachable(host, err) from None
+        return cls(handler, upstream)
+
+    def start(self) -> None:
+        """Called from the handler's ``open``: relay the owner's messages to the client."""
+        self.task = asyncio.create_task(self._from_owner())
+
+    async def _from_owner(self) -> None:
+        while True:
+            message = await self.upstream.read_message()
+            if message is None:  # the owner closed: so does the client, with its code
+                code = self.upstream.close_code
+                self.handler.close(code if code not in UNSENDABLE_CLOSE_CODES else 1011, self.upstream.close_reason)
+                return
+            try:
+                await self.handler.write_message(message, binary=isinstance(message, bytes))
+            except websocket.WebSocketClosedError:
+                self.upstream.close()
+                return
+
+    async def to_owner(self, message: str | bytes) -> None:
+        """A client message, sent on (awaited: the next is read only once this one is written)."""
+        try:
+            await self.upstream.write_message(message, binary=isinstance(message, bytes))
+        except websocket.WebSocketClosedError:
+            self.handler.close(1011, "the kernel's host closed the connection")
+
+    def close(self, code: int | None, reason: str | None) -> None:
+        """The client closed: close the owner's side with the same code."""
+        if self.task is not None:
+            self.task.cancel()
+        self.upstream.close(code if code is not None and code not in UNSENDABLE_CLOSE_CODES else None, reason)
