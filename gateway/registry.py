@@ -49,6 +49,7 @@ from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 if TYPE_CHECKING:
     from sandkernel.gateway.audit.log import AuditLog
     from sandkernel.gateway.breakers import SessionBreaker
+    from sandkernel.gateway.cluster.forward import ClusterLink
     from sandkernel.gateway.controls import SessionControls
     from sandkernel.gateway.snapshots import SnapshotManager
 
@@ -325,6 +326,7 @@ class SessionRegistry:
         self._no_requests.set()
         self.websockets: set[Any] = set()  # open kernel websockets (closed 1012 on a restart)
         self._start_slots = asyncio.Semaphore(settings.cold_start_concurrency)
+        self.cluster: ClusterLink | None = None  # the other hosts and the shared catalog, when one of several
         if pool is not None:  # the pool grows beyond its floor only into room the sessions leave
             pool.room = self._pool_room
 
@@ -366,6 +368,14 @@ class SessionRegistry:
         """Sessions counted toward ``max_sessions_total`` apart from the pool: live, lost and starting."""
         return len(self._sessions) + len(self._lost) + sum(self._pending.values())
 
+    def load(self) -> tuple[int, int]:
+        """(sessions held, room for more) as this host tells the cluster at each heartbeat: room
+        under ``max_sessions_total`` less the sandboxes held and the pool's floor (ready pooled
+        sandboxes are room: a session takes one)."""
+        held = self._sandboxes()
+        starting_floor = max(0, self.pool.size - len(self.pool)) if self.pool is not None else 0
+        return held, max(0, self.settings.max_sessions_total - held - starting_floor)
+
     def check_gateway_room(self, count: int = 1, profile: Profile | None = None) -> None:
         """TooManySessionsError unless ``count`` more sessions (of ``profile``, if known) fit
         ``max_sessions_total``. Pooled sandboxes count toward it: the pool's floor always (it
@@ -398,6 +408,11 @@ class SessionRegistry:
         It is recorded in the session catalog before it is returned (a StoreError removes it)."""
         chosen = self.catalog.for_tenant(profile, limits)
         self.check_room(tenant, profile=chosen)
+        # In a cluster the tenant's limit counts its sessions on every host: a reservation holds
+        # its place (atomically, in PostgreSQL) until this session's record is written.
+        reservation = uuid.uuid4().hex if self.cluster is not None else None
+        if self.cluster is not None and reservation is not None:
+            await self.cluster.catalog.reserve(tenant, self.settings.max_sessions, reservation)
         self._pending[tenant] = self._pending.get(tenant, 0) + 1
         try:
             session = await self.pool.acquire() if self.pool is not None and self.pool.matches(chosen) else None
@@ -417,6 +432,8 @@ class SessionRegistry:
             await self.record(managed)
         finally:
             self._pending[tenant] -= 1
+            if self.cluster is not None and reservation is not None:
+                await asyncio.shield(self._release(reservation))
         self.attach_observers(managed)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})
@@ -428,6 +445,15 @@ class SessionRegistry:
             warm_pool=pooled,
         )
         return managed
+
+    async def _release(self, reservation: str) -> None:
+        """Give back a create's reservation (its record now counts, or the create failed); one
+        that cannot be given back now expires by itself."""
+        assert self.cluster is not None
+        try:
+            await self.cluster.catalog.release(reservation)
+        except Exception as err:
+            log.warning("could not release a session reservation (it expires by itself): %s", err)
 
     async def cold_start(self, profile: Profile, session_id: str) -> KernelSession:
         """Start a sandbox (none was waiting in the pool), through the start breaker if any.

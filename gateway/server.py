@@ -31,6 +31,10 @@ from sandkernel.gateway.adoption import AdoptionReport, adopt_all
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.channels import ChannelsHandler
+from sandkernel.gateway.cluster.catalog import ClusterCatalog
+from sandkernel.gateway.cluster.forward import ClusterLink
+from sandkernel.gateway.cluster.membership import ClusterMembership
+from sandkernel.gateway.cluster.signing import load_cluster_secret
 from sandkernel.gateway.controls import SessionControls
 from sandkernel.gateway.files_api import EgressHandler, FilesHandler, VariablesHandler
 from sandkernel.gateway.kernels_api import (
@@ -57,12 +61,15 @@ from sandkernel.gateway.sessions_api import (
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.gateway.snapshots import SnapshotManager
 from sandkernel.gateway.snapshots_api import SnapshotActionHandler
+from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.records import SandboxState
 from sandkernel.kernels.durable.store import SessionStore, open_store
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_runtime
 from sandkernel.kernels.lifecycle.pool import WarmPool
+from sandkernel.kernels.lifecycle.profiles import Runtime
 from sandkernel.kernels.lifecycle.reaper import reap
+from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
 from sandkernel.notebooks.recorder import default_notebook_dir
 
@@ -237,6 +244,7 @@ class Gateway:
         self._culler = asyncio.create_task(_cull_forever(registry, settings.cull_interval))
         self._stopped = False
         self.mcp: McpHttp | None = None  # /mcp, when the mcp extra is installed
+        self.membership: ClusterMembership | None = None  # this host's place in a cluster, if any
 
     @property
     def url(self) -> str:
@@ -261,7 +269,9 @@ class Gateway:
         auth.allow_query_token = settings.allow_token_in_url
         runtime = await choose_default_runtime(settings.default_runtime)
         catalog = ProfileCatalog.load(settings.profiles_file, runtime, load_egress_policy(settings.egress_policy_file))
-        store = await asyncio.to_thread(open_store)
+        store = await _open_store(settings)
+        cluster = ClusterCatalog(store, settings.cluster_host_id) if isinstance(store, PostgresStore) else None
+        membership: ClusterMembership | None = None
         mcp: McpHttp | None = None
         controls: SessionControls | None = None
         try:
@@ -282,6 +292,10 @@ class Gateway:
             metrics = GatewayMetrics()
             controls = await asyncio.to_thread(SessionControls.from_settings, settings, metrics)
             registry = SessionRegistry(settings, catalog, pool, metrics, store, controls)
+            if cluster is not None:
+                assert settings.cluster_secret_file is not None  # the settings require it with a catalog URL
+                secret = await asyncio.to_thread(load_cluster_secret, settings.cluster_secret_file)
+                registry.cluster = ClusterLink(cluster, secret, settings.cluster_host_id, settings.cluster_url)
             snapshots = await asyncio.to_thread(SnapshotManager, registry, settings)
             records = await store.load()
             report = await adopt_all(registry, records)
@@ -303,7 +317,11 @@ class Gateway:
                 body_timeout=settings.body_timeout,
             )
             server.listen(settings.port, address=settings.ip)
+            if cluster is not None:  # listening first: the others may forward to it once it is up
+                membership = await _join(cluster, settings, registry)
         except BaseException:
+            if membership is not None:
+                await membership.stop()
             if mcp is not None:
                 await mcp.stop()
             if controls is not None:
@@ -315,6 +333,7 @@ class Gateway:
         gateway = cls(settings, registry, server, shown_token, runtime.value, store, report)
         gateway._previous_state_dir = previous_state_dir  # put back on stop (in-process gateways)
         gateway.mcp = mcp
+        gateway.membership = membership
         return gateway
 
     async def stop(self) -> None:
@@ -337,6 +356,8 @@ class Gateway:
             if self.registry.writer is not None:
                 await self.registry.writer.flush()
         finally:
+            if self.membership is not None:  # 'stopping': no new sessions are placed here
+                await self.membership.stop()
             if self.mcp is not None:  # after the sessions' fate: an MCP session's end deletes nothing now
                 await self.mcp.stop()
             if self.registry.controls is not None:
@@ -375,6 +396,33 @@ class Gateway:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+
+async def _open_store(settings: GatewaySettings) -> SessionStore:
+    """The session catalog: the cluster's PostgreSQL (this host's rows) with ``catalog_url``,
+    else the SQLite file in the state dir."""
+    if settings.catalog_url is not None:
+        return await PostgresStore.open(settings.catalog_url, settings.cluster_host_id)
+    return await asyncio.to_thread(open_store)
+
+
+async def _join(cluster: ClusterCatalog, settings: GatewaySettings, registry: SessionRegistry) -> ClusterMembership:
+    """Register this host (its URL, the runtimes its engine has, its capacity) and start beating."""
+    engine = default_engine()
+    registered = await engine.run(engine.runtimes_sync)
+    runtimes = [runtime.value for runtime in Runtime if runtime.value in registered or runtime is Runtime.RUNC]
+    membership = ClusterMembership(
+        cluster,
+        host_id=settings.cluster_host_id,
+        url=settings.cluster_url,
+        runtimes=runtimes,
+        capacity=settings.max_sessions_total,
+        load=registry.load,
+        interval=settings.heartbeat_seconds,
+        down_after=settings.host_down_after,
+    )
+    await membership.start()
+    return membership
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event | None = None) -> None:

@@ -33,6 +33,10 @@ from sandkernel.kernels.lifecycle.profiles import resolve_profile
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, listed_containers, owner_label, reap_sync
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
+# The throwaway PostgreSQL server's fixtures (postgres_server, postgres_url, fresh_postgres_url),
+# for every module: made only when a test asks for one.
+from .postgres_fixtures import fresh_postgres_url, postgres_server, postgres_url  # noqa: F401
+
 REQUIRE_RUNSC_ENV = "SANDKERNEL_REQUIRE_RUNSC"
 ROOT = Path(__file__).resolve().parents[1]
 SECURITY_DIR = ROOT / "tests" / "security"
@@ -124,6 +128,7 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
     "tests/test_pool.py": "*",
     # Many hosts (issue 18): a real PostgreSQL (installed by the host set-up), gateways, engines.
     "tests/test_cluster_catalog.py": "*",
+    "tests/test_cluster_membership.py": "*",
     "tests/test_forwarding.py": "*",
     "tests/test_cluster_lab.py": "*",
     "tests/test_cli.py": frozenset(
