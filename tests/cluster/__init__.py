@@ -1,6 +1,20 @@
-"""The swarm lab: several Docker engines on this machine, each in its own network namespace (issue 18)."""
+"""The swarm lab: several Docker engines on this machine, each in its own network namespace (issue 18).
 
-from .lab import BASE_IMAGE, KERNEL_IMAGE, LAB_NET, RUNSC_LABEL, SWITCH_NET, Lab, LabError, LabHost, running_lab
+:mod:`.lab` builds and tears it down; :mod:`.fixtures` holds the ``swarm_lab`` pytest fixture.
+"""
+
+from .lab import (
+    BASE_IMAGE,
+    KERNEL_IMAGE,
+    LAB_NET,
+    RUNSC_LABEL,
+    SWITCH_NET,
+    Lab,
+    LabError,
+    LabHost,
+    main_runtimes,
+    running_lab,
+)
 
 __all__ = ["BASE_IMAGE", "KERNEL_IMAGE", "LAB_NET", "RUNSC_LABEL", "SWITCH_NET", "Lab", "LabError", "LabHost",
-           "running_lab"]
+           "main_runtimes", "running_lab"]

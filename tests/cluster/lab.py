@@ -420,6 +420,20 @@ class Lab:
         out = self.docker(1, "node", "inspect", self.host(host).name, "--format", "{{json .Spec.Labels}}").stdout
         return json.loads(out) or {}
 
+    def service_tasks(self, service: str) -> list[tuple[str, str]]:
+        """(node hostname, state) of the service's tasks meant to run, e.g. ("sklab-h2", "Running")."""
+        out = self.docker(1, "service", "ps", service, "--filter", "desired-state=running",
+                          "--format", "{{.Node}}\t{{.CurrentState}}").stdout
+        return sorted((line.split("\t")[0], line.split("\t")[1].split()[0]) for line in out.splitlines() if line)
+
+    def wait_running(self, service: str, tasks: int, timeout: float = 60.0) -> list[str]:
+        """Wait until ``tasks`` tasks of the service are Running; the sorted node hostnames they run on."""
+        def running() -> list[str] | None:
+            nodes = [node for node, state in self.service_tasks(service) if state == "Running"]
+            return sorted(nodes) if len(nodes) >= tasks else None
+
+        return _wait(f"{tasks} running tasks of service {service}", running, timeout)
+
     # ----- images --------------------------------------------------------------------------
     def load_image(self, tag: str) -> float:
         """``docker save`` ``tag`` from the main engine once, ``docker load`` it into every lab
