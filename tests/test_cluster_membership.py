@@ -9,13 +9,17 @@ PostgreSQL server (tests/postgres_fixtures.py). Heartbeats are fast here (0.5 s,
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import secrets
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
+from .postgres_fixtures import create_database, running_postgres
 from .test_durable_sessions import Serve, clean_up
 
 HEARTBEAT = "0.5"
@@ -112,3 +116,47 @@ async def test_a_gateway_that_stops_says_so_and_keeps_its_sessions(tmp_path, fre
     finally:
         if a.proc is not None:
             await clean_up(a, ids)
+
+
+async def test_losing_the_catalog_refuses_creates_fast_and_local_sessions_keep_working(tmp_path):
+    with running_postgres() as server:  # a server of this test's own: it is stopped halfway
+        url = create_database(server.url())
+        a = Serve(tmp_path / "a", "runc")
+        ids: list[str] = []
+        try:
+            await a.start(*cluster_flags(tmp_path, url, "host-a", a))
+            session = await a.create()
+            ids.append(session["id"])
+            assert (await a.execute(session["id"], "x = 6 * 7"))["status"] == "ok"
+
+            stop_postmaster(server.data_dir)
+            started = time.monotonic()
+            status, body = await a.call("POST", "/api/sessions", {})
+            took = time.monotonic() - started
+            assert status == 503 and body["error"] == "cluster_unavailable", (status, body)
+            assert "s3cr3t" not in json.dumps(body) and server.password not in json.dumps(body)
+            assert took < 15, f"a create without the catalog took {took:.1f}s to be refused"
+            # This host's own sessions do not need the catalog: they run, and say so.
+            result = await a.execute(session["id"], "print(x)")
+            assert result["status"] == "ok" and result["text"] == "42\n", result
+            status, model = await a.call("GET", f"/api/sessions/{session['id']}")
+            assert status == 200 and model["id"] == session["id"], (status, model)
+            assert a.proc is not None and a.proc.poll() is None  # the gateway is still up
+        finally:
+            if a.proc is not None:
+                await clean_up(a, ids)
+
+
+def stop_postmaster(data_dir: Path) -> None:
+    """Stop the test's PostgreSQL the way a crash of its host would look to a client: every
+    connection ends (SIGINT: PostgreSQL's fast shutdown), then wait until it is gone."""
+    pid = int((data_dir / "postmaster.pid").read_text().splitlines()[0])
+    os.kill(pid, signal.SIGINT)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"PostgreSQL (pid {pid}) did not stop")
