@@ -1,0 +1,285 @@
+"""The cluster's shared catalog: which hosts are up, which host holds each session, and each
+tenant's sessions counted across all hosts. PostgreSQL is the only coordinator.
+
+:class:`ClusterCatalog` works on the tables that ``kernels/durable/postgres.py`` creates, through
+the same connection pool as this host's :class:`~sandkernel.kernels.durable.postgres.PostgresStore`
+(one pool per gateway). Every decision that two gateways could race on is one transaction:
+
+- **Hosts** (``hosts``): a gateway registers with its advertised URL, runtimes and capacity, then
+  heartbeats its session count and free room. Times are the database server's (``now()``), so
+  hosts' clocks never have to agree. ``leave`` marks a graceful stop ('stopping': placed on no more).
+- **Host down** (:meth:`mark_down_stale`): any gateway may notice a host whose heartbeat is older
+  than ``host_down_after``; one statement marks it 'down' and turns its running sessions into
+  ``lost`` with the reason "host <id> stopped answering at <its last heartbeat>". Paused sessions
+  stay paused (their snapshot is not on that host's engine); nothing is re-created empty. Two
+  gateways doing it at once change nothing twice (the second finds the host already down). A host
+  that comes back is 'up' again at its next register or heartbeat; its lost rows stay lost.
+- **Placement** (:meth:`place`): the 'up' host with the most free room that has the runtime. The
+  chosen host's ``free`` is taken down by one at once (its next heartbeat replaces it with its own
+  count), so a burst of creates spreads over the hosts instead of all landing on the one that was
+  most free at the last heartbeat.
+- **Tenants' limits** (:meth:`reserve`): the tenant's sessions (every state: a lost or paused
+  session counts until deleted, as on one host) plus its reservations are counted inside a
+  transaction holding ``pg_advisory_xact_lock(hashtext('sk-tenant:' || tenant))``, so concurrent
+  creates on any hosts cannot pass the limit together. The reservation holds the place until the
+  session's record is put (``PostgresStore.put`` removes it in the same transaction), it is
+  released (:meth:`release`, a failed create), or it expires.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sandkernel.gateway.registry import TooManySessionsError
+from sandkernel.kernels.durable.postgres import RECORD_COLUMNS, PostgresStore
+from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.durable.store import StoreError
+
+if TYPE_CHECKING:
+    from psycopg import AsyncConnection
+
+log = logging.getLogger(__name__)
+
+RESERVATION_SECONDS = (
+    600.0  # longer than any create takes (image start, adoption); a crashed creator's place comes back
+)
+HOST_STATUSES = frozenset({"up", "down", "stopping"})
+_HOST_COLUMNS = "host_id, url, runtimes, capacity, sessions, free, status, heartbeat_at"
+_H_HOST_COLUMNS = ", ".join(f"h.{name.strip()}" for name in _HOST_COLUMNS.split(","))
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    """One gateway of the cluster as the catalog last heard of it. ``heartbeat_at`` is the
+    database server's clock; ``free`` is the host's own count at its last heartbeat, less the
+    sessions placed on it since."""
+
+    host_id: str
+    url: str
+    runtimes: tuple[str, ...]
+    capacity: int
+    sessions: int
+    free: int
+    status: str  # "up" | "down" | "stopping"
+    heartbeat_at: dt.datetime
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> HostInfo:
+        host_id, url, runtimes, capacity, sessions, free, status, heartbeat_at = row[:8]
+        return cls(host_id, url, tuple(runtimes), capacity, sessions, free, status, heartbeat_at)
+
+
+class ClusterCatalog:
+    """The cluster's tables for host ``host_id``; see the module docstring. Every call is one
+    transaction; errors are the store's (:class:`StoreError`, ``CatalogUnavailableError`` 503 when
+    PostgreSQL cannot be reached) and :class:`TooManySessionsError` (429) from :meth:`reserve`."""
+
+    def __init__(
+        self, pool_or_store: PostgresStore, host_id: str, *, reservation_seconds: float = RESERVATION_SECONDS
+    ) -> None:
+        if not isinstance(pool_or_store, PostgresStore):
+            raise TypeError("ClusterCatalog shares an open PostgresStore's pool: pass the store")
+        self.store = pool_or_store
+        self.host_id = host_id
+        self.reservation_seconds = reservation_seconds
+
+    # -- this host -----------------------------------------------------------------------------
+
+    async def register(self, url: str, runtimes: Sequence[str], capacity: int) -> None:
+        """Record this host as 'up' at ``url`` (its advertised URL) with the runtimes its engine
+        has and its capacity (max sessions in all); a host already there (a restart) is updated."""
+        runtimes = list(runtimes)
+        if not runtimes or not all(isinstance(r, str) and r for r in runtimes):
+            raise ValueError(f"a host needs at least one runtime, not {runtimes!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"a host's capacity is a number of sessions, not {capacity!r}")
+        from sandkernel import __version__
+
+        sql = (
+            "INSERT INTO hosts (host_id, url, runtimes, capacity, sessions, free, status, started_at, heartbeat_at, "
+            "version) VALUES (%s, %s, %s, %s, 0, %s, 'up', now(), now(), %s) ON CONFLICT (host_id) DO UPDATE SET "
+            "url = EXCLUDED.url, runtimes = EXCLUDED.runtimes, capacity = EXCLUDED.capacity, free = EXCLUDED.free, "
+            "sessions = 0, status = 'up', started_at = now(), heartbeat_at = now(), version = EXCLUDED.version "
+            "RETURNING (SELECT status FROM hosts WHERE host_id = %s)"
+        )
+        params = (self.host_id, url, runtimes, capacity, capacity, __version__, self.host_id)
+        previous = await self._row(sql, params, what="registering this host in")
+        self._note_return(previous)
+
+    async def heartbeat(self, sessions: int, free: int) -> None:
+        """This host is alive with ``sessions`` sessions and room for ``free`` more (the server's
+        clock times it). A host marked down meanwhile is 'up' again (its lost sessions stay lost).
+        StoreError if the host is not registered (its row was deleted: register again)."""
+        sql = (
+            "UPDATE hosts h SET sessions = %s, free = %s, heartbeat_at = now(), status = 'up' "
+            "FROM (SELECT status FROM hosts WHERE host_id = %s FOR UPDATE) AS before "
+            "WHERE h.host_id = %s RETURNING before.status"
+        )
+        row = await self._row(sql, (sessions, free, self.host_id, self.host_id), what="heartbeating to")
+        if row is None:
+            raise StoreError(f"host {self.host_id!r} is not registered in the cluster catalog: register it again")
+        self._note_return(row)
+
+    async def leave(self) -> None:
+        """A graceful stop: 'stopping' (no new sessions are placed here; marked down if it does
+        not come back within ``host_down_after``)."""
+        await self._execute(
+            "UPDATE hosts SET status = 'stopping' WHERE host_id = %s", (self.host_id,), "leaving the cluster in"
+        )
+
+    def _note_return(self, previous: Sequence[Any] | None) -> None:
+        if previous is not None and previous[0] == "down":
+            log.warning(
+                "this host had been marked down by the cluster: its sessions that were running are recorded lost",
+                extra={"host": self.host_id},
+            )
+
+    # -- the cluster's hosts -------------------------------------------------------------------
+
+    async def hosts(self, *, up_only: bool = True) -> list[HostInfo]:
+        """Every host (by id), or only the 'up' ones."""
+        where = "WHERE status = 'up' " if up_only else ""
+        rows = await self._all(f"SELECT {_HOST_COLUMNS} FROM hosts {where}ORDER BY host_id", (), what="reading")
+        return [HostInfo.from_row(row) for row in rows]
+
+    async def place(self, runtime: str) -> HostInfo | None:
+        """The 'up' host with most free room that has ``runtime`` (ties: fewer sessions, then
+        host id), with one session counted on it at once; None when no host has room."""
+        sql = (
+            "UPDATE hosts SET free = free - 1, sessions = sessions + 1 WHERE host_id = ("
+            "SELECT host_id FROM hosts WHERE status = 'up' AND %s = ANY(runtimes) AND free > 0 "
+            'ORDER BY free DESC, sessions, host_id COLLATE "C" LIMIT 1 FOR UPDATE SKIP LOCKED) '
+            f"RETURNING {_HOST_COLUMNS}"
+        )
+        row = await self._row(sql, (runtime,), what="placing a session with")
+        return HostInfo.from_row(row) if row is not None else None
+
+    async def mark_down_stale(self, after_seconds: float) -> list[str]:
+        """Mark 'down' every other host whose heartbeat is more than ``after_seconds`` old, and in
+        the same statement record its running sessions lost (reason: the host and its last
+        heartbeat, UTC) and drop its reservations. Returns the hosts marked down now."""
+        sql = (
+            "WITH down AS ("
+            "  UPDATE hosts SET status = 'down' WHERE status <> 'down' AND host_id <> %(me)s"
+            "  AND heartbeat_at < now() - make_interval(secs => %(after)s)"
+            "  RETURNING host_id, heartbeat_at"
+            "), lost AS ("
+            "  UPDATE sandboxes s SET state = %(lost)s, updated_at = extract(epoch FROM clock_timestamp()),"
+            "  lost_reason = 'host ' || d.host_id || ' stopped answering at '"
+            "    || to_char(d.heartbeat_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"')"
+            "  FROM down d WHERE s.host_id = d.host_id AND s.kind = %(session)s AND s.state = %(running)s"
+            "  RETURNING s.session_id"
+            "), dropped AS ("
+            "  DELETE FROM reservations r USING down d WHERE r.host_id = d.host_id RETURNING r.session_id"
+            ") SELECT host_id, (SELECT count(*) FROM lost) FROM down ORDER BY host_id"
+        )
+        params = {
+            "me": self.host_id,
+            "after": float(after_seconds),
+            "lost": SandboxState.LOST.value,
+            "session": SandboxKind.SESSION.value,
+            "running": SandboxState.RUNNING.value,
+        }
+        rows = await self._all(sql, params, what="marking hosts down in")
+        if rows:
+            log.warning(
+                "hosts stopped answering: marked down, their running sessions lost",
+                extra={"hosts": [row[0] for row in rows], "lost": rows[0][1], "host": self.host_id},
+            )
+        return [row[0] for row in rows]
+
+    # -- sessions across the cluster -----------------------------------------------------------
+
+    async def owner(self, session_id: str) -> tuple[HostInfo, str] | None:
+        """(the host that holds session ``session_id``, its tenant), whatever the host's status;
+        None for an unknown session (or a pooled sandbox)."""
+        sql = (
+            f"SELECT {_H_HOST_COLUMNS}, s.tenant FROM sandboxes s JOIN hosts h ON h.host_id = s.host_id "
+            "WHERE s.session_id = %s AND s.kind = %s AND s.tenant IS NOT NULL"
+        )
+        row = await self._row(sql, (session_id, SandboxKind.SESSION.value), what="reading")
+        return (HostInfo.from_row(row), row[8]) if row is not None else None
+
+    async def owner_of_kernel(self, kernel_id: str) -> tuple[HostInfo, str, str] | None:
+        """(the host, the tenant, the session id) of the session whose kernel is ``kernel_id``."""
+        sql = (
+            f"SELECT {_H_HOST_COLUMNS}, s.tenant, s.session_id FROM sandboxes s JOIN hosts h ON h.host_id = s.host_id "
+            "WHERE s.kernel_id = %s AND s.kind = %s AND s.tenant IS NOT NULL ORDER BY s.updated_at DESC LIMIT 1"
+        )
+        row = await self._row(sql, (kernel_id, SandboxKind.SESSION.value), what="reading")
+        return (HostInfo.from_row(row), row[8], row[9]) if row is not None else None
+
+    async def tenant_sessions(self, tenant: str) -> list[SandboxRecord]:
+        """The tenant's sessions on every host (every state), oldest first."""
+        sql = (
+            f"SELECT {RECORD_COLUMNS} FROM sandboxes WHERE tenant = %s AND kind = %s "
+            'ORDER BY created_at, session_id COLLATE "C"'
+        )
+        rows = await self._all(sql, (tenant, SandboxKind.SESSION.value), what="reading")
+        return self.store.records(rows)
+
+    async def reserve(self, tenant: str, limit: int | None, session_id: str) -> None:
+        """Count session ``session_id`` against ``tenant``'s limit across the cluster, or raise
+        :class:`TooManySessionsError` (429) if the tenant already has ``limit`` sessions (every
+        state) and reservations. Atomic across hosts (the tenant's advisory lock); reserving the
+        same session id again is a no-op. ``limit`` None: no limit, nothing recorded."""
+        if limit is None:
+            return
+        session = SandboxKind.SESSION.value
+
+        async def work(conn: AsyncConnection) -> None:
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext('sk-tenant:' || %s))", (tenant,))
+            await conn.execute("DELETE FROM reservations WHERE tenant = %s AND expires_at < now()", (tenant,))
+            held = await (
+                await conn.execute(
+                    "SELECT (SELECT count(*) FROM sandboxes WHERE tenant = %(t)s AND kind = %(k)s)"
+                    " + (SELECT count(*) FROM reservations r WHERE r.tenant = %(t)s AND NOT EXISTS"
+                    "    (SELECT 1 FROM sandboxes s WHERE s.session_id = r.session_id)),"
+                    " EXISTS (SELECT 1 FROM reservations WHERE session_id = %(id)s)"
+                    " OR EXISTS (SELECT 1 FROM sandboxes WHERE session_id = %(id)s)",
+                    {"t": tenant, "k": session, "id": session_id},
+                )
+            ).fetchone()
+            count, already = held
+            if already:
+                return
+            if count >= limit:
+                raise TooManySessionsError(
+                    f"session limit reached ({limit} per token, across the cluster); delete a session first"
+                )
+            await conn.execute(
+                "INSERT INTO reservations (session_id, tenant, host_id, expires_at) "
+                "VALUES (%s, %s, %s, now() + make_interval(secs => %s))",
+                (session_id, tenant, self.host_id, float(self.reservation_seconds)),
+            )
+
+        await self.store.run(work, what="reserving a session in")
+
+    async def release(self, session_id: str) -> None:
+        """Give back a reservation whose session was never created (its create failed)."""
+        await self._execute(
+            "DELETE FROM reservations WHERE session_id = %s AND host_id = %s",
+            (session_id, self.host_id),
+            "releasing a reservation in",
+        )
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    async def _execute(self, sql: str, params: Any, what: str) -> None:
+        await self.store.run(lambda conn: conn.execute(sql, params), what=what)
+
+    async def _row(self, sql: str, params: Any, *, what: str) -> tuple[Any, ...] | None:
+        async def work(conn: AsyncConnection) -> tuple[Any, ...] | None:
+            return await (await conn.execute(sql, params)).fetchone()
+
+        return await self.store.run(work, what=what)
+
+    async def _all(self, sql: str, params: Any, *, what: str) -> list[tuple[Any, ...]]:
+        async def work(conn: AsyncConnection) -> list[tuple[Any, ...]]:
+            return await (await conn.execute(sql, params)).fetchall()
+
+        return await self.store.run(work, what=what)

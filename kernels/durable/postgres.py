@@ -1,0 +1,483 @@
+"""The session catalog on PostgreSQL: the one shared truth of a cluster of gateways.
+
+:class:`PostgresStore` implements the same :class:`~.store.SessionStore` as the SQLite catalog,
+with the same meaning for each call (put inserts or replaces; update changes only
+:data:`~.records.UPDATABLE_FIELDS` and never re-creates a removed record; remove is quiet about
+a missing record; load is oldest first; close is idempotent and later calls raise StoreError).
+Several gateways share one database; each is one ``host_id`` and reads and writes only its own
+rows of ``sandboxes``, so a gateway restarting on a host adopts exactly what that host ran. The
+cluster's own tables (``hosts``, ``reservations``) are read and written by
+``gateway/cluster/catalog.py`` through the same connection pool (:meth:`PostgresStore.run`).
+
+Why each choice:
+
+- **Nothing blocks the event loop.** psycopg 3's async connections in a psycopg_pool
+  ``AsyncConnectionPool``: every call is a coroutine; the pool keeps a few connections open so a
+  write is one round trip, not a login.
+- **Records are stored as the SQLite catalog stores them.** The same columns (one per
+  :class:`~.records.SandboxRecord` field) and the same encoding (``kernel``, ``gateway``,
+  ``running`` as JSON text: byte-exact round trips, where ``jsonb`` would reorder keys and refuse
+  ``\\u0000``), plus ``host_id`` (the owner) and ``kernel_id`` (``kernel["kernel_id"]``, indexed:
+  any gateway can find the host of a kernel to forward a kernel-API request to it).
+- **The password never leaves the URL.** Every error names the catalog as
+  ``postgresql://user@host:port/db`` and has the password scrubbed out of whatever libpq said;
+  errors are raised ``from None`` so a logged traceback carries no raw driver message either.
+- **Fail fast when PostgreSQL is gone.** A connection attempt gives up after
+  :data:`CONNECT_TIMEOUT` seconds (libpq ``connect_timeout``, TCP keepalives and
+  ``tcp_user_timeout`` for a peer that vanished); the error is :class:`CatalogUnavailableError`
+  (503: try again later), so creates fail at once while existing local sessions keep working.
+  A pooled connection that broke since its last use (a PostgreSQL restart) is retried once on a
+  fresh one (every statement here is safe to repeat); once PostgreSQL looks away, each call waits
+  at most :data:`UNREACHABLE_WAIT` for a connection, until one call gets through again.
+- **Upgrades migrate in one transaction, under a lock.** ``sandkernel_meta`` holds the schema
+  version and the sandkernel versions that created and last migrated it; the missing steps of
+  :data:`MIGRATIONS` run in one transaction holding an advisory lock, so gateways starting
+  together migrate once, and a failing step changes nothing. A database a newer sandkernel
+  migrated is refused (nothing changed): an older gateway must not write rows it cannot read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from sandkernel import __version__
+from sandkernel.kernels.durable.records import UPDATABLE_FIELDS, SandboxRecord
+from sandkernel.kernels.durable.store import _COLUMNS, StoreError, _column_value, _record, _row
+
+try:  # the `cluster` extra: a single-host install imports this module without it
+    import psycopg
+    import psycopg.conninfo
+    import psycopg_pool
+except ImportError:  # pragma: no cover - exercised only without the extra
+    psycopg = None  # type: ignore[assignment]
+    psycopg_pool = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from psycopg import AsyncConnection
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+CONNECT_TIMEOUT = 5.0  # seconds: a login, or a wait for a pooled connection
+# Seconds to wait for a connection once the catalog looked unreachable (the last call failed, or
+# the pooled connection was broken): while PostgreSQL is away each call fails this fast.
+UNREACHABLE_WAIT = 1.0
+STATEMENT_TIMEOUT_MS = 15_000  # no statement (an advisory lock wait included) holds a caller longer
+POOL_MAX = 8  # connections per gateway: its writes, the heartbeat, the catalog's look-ups
+SCHEMA_LOCK = "sk-schema"  # pg_advisory_xact_lock(hashtext(...)) while migrating
+
+# Each version's SQL statements, run in order inside the open's transaction. Version 1 creates the
+# tables; ``sandboxes`` has one column per SandboxRecord field (as the SQLite catalog) + host_id,
+# kernel_id. Times of records are epoch seconds (the records' own); hosts' times are the server's.
+MIGRATIONS: dict[int, Sequence[str]] = {
+    1: (
+        "CREATE TABLE sandkernel_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+        """CREATE TABLE sandboxes (
+            session_id  TEXT PRIMARY KEY,
+            host_id     TEXT NOT NULL,
+            kernel_id   TEXT,
+            kind        TEXT NOT NULL,
+            state       TEXT NOT NULL,
+            tenant      TEXT,
+            kernel      TEXT NOT NULL,
+            gateway     TEXT NOT NULL,
+            running     TEXT,
+            lost_reason TEXT,
+            created_at  DOUBLE PRECISION NOT NULL,
+            updated_at  DOUBLE PRECISION NOT NULL
+        )""",
+        "CREATE INDEX sandboxes_host ON sandboxes (host_id, created_at)",
+        "CREATE INDEX sandboxes_tenant ON sandboxes (tenant, created_at)",
+        "CREATE INDEX sandboxes_kernel ON sandboxes (kernel_id)",
+        """CREATE TABLE hosts (
+            host_id      TEXT PRIMARY KEY,
+            url          TEXT NOT NULL,
+            runtimes     TEXT[] NOT NULL,
+            capacity     INTEGER NOT NULL,
+            sessions     INTEGER NOT NULL DEFAULT 0,
+            free         INTEGER NOT NULL DEFAULT 0,
+            status       TEXT NOT NULL CHECK (status IN ('up', 'down', 'stopping')),
+            started_at   TIMESTAMPTZ NOT NULL,
+            heartbeat_at TIMESTAMPTZ NOT NULL,
+            version      TEXT NOT NULL
+        )""",
+        # A session counted against its tenant's limit between reserve and the record's put.
+        """CREATE TABLE reservations (
+            session_id TEXT PRIMARY KEY,
+            tenant     TEXT NOT NULL,
+            host_id    TEXT NOT NULL,
+            expires_at TIMESTAMPTZ NOT NULL
+        )""",
+        "CREATE INDEX reservations_tenant ON reservations (tenant)",
+    ),
+}
+
+_TABLE_COLUMNS = (*_COLUMNS, "host_id", "kernel_id")
+_SELECT = ", ".join(_COLUMNS)
+
+
+class CatalogUnavailableError(StoreError):
+    """PostgreSQL cannot be reached (down, unreachable, refusing this gateway's login): the
+    request that needed the catalog fails now; try again later."""
+
+    status = 503
+
+
+def kernel_id_of(kernel: Mapping[str, Any]) -> str | None:
+    """The kernel id a record's ``kernel`` JSON names (``KernelSession.durable_state()`` writes
+    ``kernel_id``; a paused session has none: no kernel runs)."""
+    value = kernel.get("kernel_id")
+    return value if isinstance(value, str) and value else None
+
+
+class CatalogAddress:
+    """A ``postgresql://`` URL, and how to name it in an error without its password."""
+
+    def __init__(self, url: str) -> None:
+        if not isinstance(url, str) or urllib.parse.urlsplit(url).scheme not in ("postgresql", "postgres"):
+            raise StoreError("the catalog URL must be a postgresql://user:password@host:port/database URL")
+        self.url = url
+        self._secrets = _password_forms(url)
+        parts = urllib.parse.urlsplit(url)
+        try:
+            host, port = parts.hostname or "localhost", parts.port or 5432
+        except ValueError:
+            raise StoreError(f"the catalog URL {self.scrub(url)!r} has an invalid port") from None
+        user = f"{urllib.parse.unquote(parts.username)}@" if parts.username else ""
+        self.display = f"postgresql://{user}{host}:{port}{parts.path or '/'}"
+
+    def scrub(self, text: str) -> str:
+        """``text`` with every form of the password replaced by ``***``."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def __repr__(self) -> str:
+        return f"CatalogAddress({self.display!r})"
+
+
+def _password_forms(url: str) -> list[str]:
+    """The password of ``url`` (in the user part or as ``?password=``) as written, decoded and
+    encoded: every form an error message could quote."""
+    parts = urllib.parse.urlsplit(url)
+    found: list[str] = []
+    with_user = parts.netloc.rpartition("@")[0]
+    if ":" in with_user:
+        found.append(with_user.partition(":")[2])
+    for pair in parts.query.split("&"):
+        key, _, value = pair.partition("=")
+        if urllib.parse.unquote_plus(key) == "password":
+            found.append(value)
+    forms = {
+        form
+        for raw in found
+        for form in (raw, urllib.parse.unquote(raw), urllib.parse.unquote_plus(raw), urllib.parse.quote(raw, safe=""))
+        if form
+    }
+    return sorted(forms, key=len, reverse=True)  # longest first: a form inside another is replaced after it
+
+
+class PostgresStore:
+    """:class:`~.store.SessionStore` on PostgreSQL for one host; see the module docstring.
+
+    Open it with :meth:`open` (never the constructor); :meth:`run` lends its pool to the cluster
+    catalog (``gateway/cluster/catalog.py``)."""
+
+    def __init__(self, address: CatalogAddress, host_id: str, pool: psycopg_pool.AsyncConnectionPool) -> None:
+        self.address = address
+        self.host_id = host_id
+        self._pool: psycopg_pool.AsyncConnectionPool | None = pool
+        self._unreachable = False  # the last call could not reach PostgreSQL: wait only UNREACHABLE_WAIT
+
+    @classmethod
+    async def open(
+        cls,
+        url: str,
+        host_id: str,
+        *,
+        migrations: Mapping[int, Sequence[str]] | None = None,
+        schema_version: int = SCHEMA_VERSION,
+    ) -> PostgresStore:
+        """Connect to the catalog at ``url`` as host ``host_id``, creating or migrating its schema.
+
+        Raises :class:`CatalogUnavailableError` when PostgreSQL cannot be reached or refuses the
+        login, :class:`StoreError` for a bad URL or host id, a database from a newer sandkernel,
+        or a failed migration (nothing changed). ``migrations``/``schema_version`` replace the
+        built-in ones (tests of the migration runner)."""
+        if psycopg is None or psycopg_pool is None:
+            raise StoreError("a PostgreSQL catalog needs psycopg 3 and psycopg-pool: pip install 'sandkernel[cluster]'")
+        _check_host_id(host_id)
+        address = CatalogAddress(url)
+        kwargs = _connection_kwargs(host_id)
+        try:
+            psycopg.conninfo.conninfo_to_dict(url)
+        except psycopg.Error:
+            raise StoreError(
+                f"the catalog URL {address.display} is not a valid PostgreSQL URL (libpq cannot parse it)"
+            ) from None
+        try:
+            conn = await psycopg.AsyncConnection.connect(url, **kwargs)
+        except psycopg.Error as err:
+            raise _unreachable(address, err) from None
+        try:
+            await _migrate(conn, address, MIGRATIONS if migrations is None else migrations, schema_version)
+        finally:
+            await conn.close()
+        pool = psycopg_pool.AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=POOL_MAX,
+            kwargs=kwargs,
+            open=False,
+            timeout=CONNECT_TIMEOUT,
+            name=f"sandkernel-catalog-{host_id}",
+        )
+        try:
+            await pool.open(wait=True, timeout=CONNECT_TIMEOUT)
+        except psycopg_pool.PoolTimeout:
+            await pool.close()
+            raise CatalogUnavailableError(
+                f"the session catalog {address.display} did not accept the connection pool within "
+                f"{CONNECT_TIMEOUT:g} s; check that PostgreSQL is up and its max_connections has room"
+            ) from None
+        log.info("session catalog opened", extra={"catalog": address.display, "host": host_id})
+        return cls(address, host_id, pool)
+
+    # -- the five calls ----------------------------------------------------------------------
+
+    async def put(self, record: SandboxRecord) -> None:
+        row = (*_row(record, updated_at=time.time()), self.host_id, kernel_id_of(record.kernel))
+        columns = ", ".join(_TABLE_COLUMNS)
+        changes = ", ".join(f"{name} = EXCLUDED.{name}" for name in _TABLE_COLUMNS if name != "session_id")
+        sql = (
+            f"INSERT INTO sandboxes ({columns}) VALUES ({', '.join(['%s'] * len(_TABLE_COLUMNS))}) "
+            f"ON CONFLICT (session_id) DO UPDATE SET {changes} WHERE sandboxes.host_id = EXCLUDED.host_id "
+            "RETURNING session_id"
+        )
+
+        async def work(conn: AsyncConnection) -> None:
+            cursor = await conn.execute(sql, row)
+            if await cursor.fetchone() is None:
+                owner = await (
+                    await conn.execute("SELECT host_id FROM sandboxes WHERE session_id = %s", (record.session_id,))
+                ).fetchone()
+                raise StoreError(
+                    f"session {record.session_id!r} is recorded for host {owner[0] if owner else '?'!r}, not "
+                    f"{self.host_id!r}: one host owns a session (nothing was changed)"
+                )
+            # The record is in: its reservation (gateway/cluster/catalog.py) has done its job.
+            await conn.execute("DELETE FROM reservations WHERE session_id = %s", (record.session_id,))
+
+        await self.run(work, what="writing")
+
+    async def update(self, session_id: str, **fields: Any) -> None:
+        unknown = set(fields) - UPDATABLE_FIELDS
+        if unknown:
+            raise TypeError(f"a catalog update cannot change {sorted(unknown)}; allowed: {sorted(UPDATABLE_FIELDS)}")
+        if not fields:
+            return
+        values = {name: _column_value(name, value) for name, value in fields.items()}
+        if "kernel" in fields:
+            values["kernel_id"] = kernel_id_of(fields["kernel"])
+        values["updated_at"] = time.time()
+        assignments = ", ".join(f"{name} = %s" for name in values)
+        sql = f"UPDATE sandboxes SET {assignments} WHERE session_id = %s AND host_id = %s"
+        params = (*values.values(), session_id, self.host_id)
+        await self.run(lambda conn: conn.execute(sql, params), what="writing")
+
+    async def remove(self, session_id: str) -> None:
+        async def work(conn: AsyncConnection) -> None:
+            await conn.execute(
+                "DELETE FROM sandboxes WHERE session_id = %s AND host_id = %s", (session_id, self.host_id)
+            )
+            await conn.execute(
+                "DELETE FROM reservations WHERE session_id = %s AND host_id = %s", (session_id, self.host_id)
+            )
+
+        await self.run(work, what="writing")
+
+    async def load(self) -> list[SandboxRecord]:
+        sql = f'SELECT {_SELECT} FROM sandboxes WHERE host_id = %s ORDER BY created_at, session_id COLLATE "C"'
+
+        async def work(conn: AsyncConnection) -> list[tuple[Any, ...]]:
+            return await (await conn.execute(sql, (self.host_id,))).fetchall()
+
+        return self.records(await self.run(work, what="reading"))
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    # -- shared with the cluster catalog -----------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._pool is None
+
+    def records(self, rows: Sequence[Sequence[Any]]) -> list[SandboxRecord]:
+        """Rows of ``SELECT <the record's columns>`` as records; StoreError naming a bad row."""
+        records = []
+        for row in rows:
+            try:
+                records.append(_record(row))
+            except (ValueError, TypeError) as err:  # hand-edited: bad JSON, unknown kind or state
+                raise StoreError(
+                    f"the session catalog {self.address.display} has an unreadable record for session {row[0]!r} "
+                    f"({err}); nothing was changed or deleted: fix or delete that row"
+                ) from None
+        return records
+
+    async def run(self, work: Callable[[AsyncConnection], Awaitable[T]], *, what: str = "using") -> T:
+        """Run ``work`` on a pooled connection in one transaction (committed when it returns,
+        rolled back when it raises); driver errors become StoreError without the password.
+
+        ``work`` may run twice: when the pooled connection turns out to be broken (PostgreSQL
+        restarted since its last use) it is run again on a fresh one, so it must be safe to
+        repeat. Errors of our own raised by ``work`` (StoreError, a limit) pass through."""
+        for attempt in (1, 2):
+            pool = self._pool
+            if pool is None:
+                raise StoreError(f"the session catalog {self.address.display} is closed")
+            wait = UNREACHABLE_WAIT if self._unreachable or attempt == 2 else CONNECT_TIMEOUT
+            used: AsyncConnection | None = None
+            try:
+                async with pool.connection(timeout=wait) as conn:
+                    used = conn
+                    result = await work(conn)
+                self._unreachable = False
+                return result
+            except psycopg_pool.PoolTimeout:
+                self._unreachable = True
+                raise CatalogUnavailableError(
+                    f"{what} the session catalog {self.address.display} failed: no connection to PostgreSQL "
+                    f"within {wait:g} s; check that it is up and reachable from host {self.host_id!r}"
+                ) from None
+            except psycopg_pool.PoolClosed:
+                raise StoreError(f"the session catalog {self.address.display} is closed") from None
+            except psycopg.OperationalError as err:
+                if used is not None and used.closed:
+                    if attempt == 1:
+                        log.info("catalog connection was broken; retrying once", extra={"host": self.host_id})
+                        continue
+                    self._unreachable = True
+                raise CatalogUnavailableError(
+                    f"{what} the session catalog {self.address.display} failed: {self.address.scrub(str(err))}"
+                ) from None
+            except psycopg.Error as err:
+                raise StoreError(
+                    f"{what} the session catalog {self.address.display} failed: {self.address.scrub(str(err))}"
+                ) from None
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({self.address.display!r}, host_id={self.host_id!r})"
+
+
+def _check_host_id(host_id: str) -> None:
+    if not isinstance(host_id, str) or not host_id or len(host_id) > 200 or not host_id.isprintable():
+        raise StoreError(f"a host id is 1 to 200 printable characters, not {host_id!r}")
+
+
+def _connection_kwargs(host_id: str) -> dict[str, Any]:
+    """libpq settings of every catalog connection: give up on a dead peer in seconds, and name
+    the gateway in pg_stat_activity."""
+    return {
+        "connect_timeout": max(1, round(CONNECT_TIMEOUT)),
+        "keepalives": 1,
+        "keepalives_idle": 5,
+        "keepalives_interval": 2,
+        "keepalives_count": 3,
+        "tcp_user_timeout": int(CONNECT_TIMEOUT * 2000),
+        "application_name": f"sandkernel {host_id}"[:63],
+        "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+    }
+
+
+def _unreachable(address: CatalogAddress, err: Exception) -> CatalogUnavailableError:
+    why = address.scrub(str(err)).strip() or type(err).__name__
+    return CatalogUnavailableError(
+        f"cannot open the session catalog {address.display}: {why}. Check --catalog-url (host, port, database, "
+        "user and password), that PostgreSQL is running and reachable from this host, and that its pg_hba.conf "
+        "lets this user in"
+    )
+
+
+async def _migrate(
+    conn: AsyncConnection, address: CatalogAddress, migrations: Mapping[int, Sequence[str]], target: int
+) -> None:
+    """Bring the schema to ``target`` in one transaction holding the schema lock; refuse a
+    database that is newer, or that has our tables without our version table."""
+    try:
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (SCHEMA_LOCK,))
+            version, writer = await _schema_version(conn, address)
+            if version > target:
+                raise StoreError(
+                    f"the session catalog {address.display} has schema version {version}, written by sandkernel "
+                    f"{writer}; this is sandkernel {__version__}, which knows versions up to {target}. Nothing was "
+                    "changed: run the newer sandkernel on this host (or a catalog of its own)"
+                )
+            if version == target:
+                return
+            for step in range(version + 1, target + 1):
+                if step not in migrations:
+                    raise StoreError(f"no migration to version {step} of the session catalog {address.display}")
+                for statement in migrations[step]:
+                    await conn.execute(statement)
+            meta = {"schema_version": str(target), "migrated_by": __version__}
+            if version == 0:
+                meta["created_by"] = __version__
+            for key, value in meta.items():
+                await conn.execute(
+                    "INSERT INTO sandkernel_meta (key, value) VALUES (%s, %s) "
+                    "ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
+                    (key, value),
+                )
+        log.info("session catalog schema migrated", extra={"catalog": address.display, "from": version, "to": target})
+    except StoreError:
+        raise
+    except psycopg.OperationalError as err:
+        raise _unreachable(address, err) from None
+    except psycopg.Error as err:
+        raise StoreError(
+            f"migrating the session catalog {address.display} failed and was rolled back, nothing was changed: "
+            f"{address.scrub(str(err))}"
+        ) from None
+
+
+async def _schema_version(conn: AsyncConnection, address: CatalogAddress) -> tuple[int, str]:
+    """(schema version, the sandkernel that last migrated it); (0, "") for a database without our tables."""
+    names = {
+        row[0]
+        for row in await (
+            await conn.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() "
+                "AND table_name = ANY(%s)",
+                (["sandkernel_meta", "sandboxes", "hosts", "reservations"],),
+            )
+        ).fetchall()
+    }
+    if "sandkernel_meta" not in names:
+        if names:
+            raise StoreError(
+                f"the database of {address.display} has tables {sorted(names)} but no sandkernel_meta table: it "
+                "is not a sandkernel catalog, and nothing was changed. Give the cluster a database of its own"
+            )
+        return 0, ""
+    meta = dict(await (await conn.execute("SELECT key, value FROM sandkernel_meta")).fetchall())
+    try:
+        return int(meta["schema_version"]), meta.get("migrated_by", "(unknown version)")
+    except (KeyError, ValueError):
+        raise StoreError(
+            f"the session catalog {address.display} has no valid schema_version in sandkernel_meta; nothing was changed"
+        ) from None
+
+
+# The record's own columns, in SandboxRecord's field order: what :meth:`PostgresStore.records` reads.
+RECORD_COLUMNS = _SELECT

@@ -1,0 +1,483 @@
+"""The cluster's catalog on a real PostgreSQL 15 (tests/postgres_fixtures.py: a throwaway server on
+127.0.0.1, a fresh database per test), no mocks: PostgresStore keeps the SQLite catalog's meaning
+for each call and scopes every host to its own rows; ClusterCatalog places sessions, holds tenants'
+limits across hosts under concurrency, and turns a silent host's running sessions into lost ones."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import socket
+import time
+import traceback
+
+import psycopg
+import pytest
+
+from sandkernel.gateway.cluster.catalog import ClusterCatalog, HostInfo
+from sandkernel.gateway.registry import TooManySessionsError
+from sandkernel.kernels.durable.postgres import MIGRATIONS, SCHEMA_VERSION, CatalogUnavailableError, PostgresStore
+from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.durable.store import StoreError
+
+from . import postgres_fixtures
+from .postgres_fixtures import PostgresServer, running_postgres
+
+# The fixtures, bound here so pytest finds them (an import would read as unused to the linter).
+postgres_server = postgres_fixtures.postgres_server
+fresh_postgres_url = postgres_fixtures.fresh_postgres_url
+
+
+def record(session_id: str, **fields) -> SandboxRecord:
+    kernel = fields.pop(
+        "kernel",
+        {"kernel_id": f"k-{session_id}", "container_id": "c" * 64, "connection": {"key": f"hmac-{session_id}"}},
+    )
+    return SandboxRecord(session_id=session_id, kind=fields.pop("kind", "session"), kernel=kernel, **fields)
+
+
+def admin(url: str, sql: str, params=()) -> list[tuple]:
+    """Run SQL as the server's superuser outside the code under test (a test's view of the tables)."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        cursor = conn.execute(sql, params)
+        return cursor.fetchall() if cursor.description else []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the SessionStore (as tests/test_session_store.py asks of the SQLite one) ------------------
+
+
+async def test_records_round_trip_update_and_remove(fresh_postgres_url):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    try:
+        first = record("a", tenant="alice", gateway={"created": 1.5, "metadata": {"x": [1, 2]}})
+        pooled = record("b", kind="pool")
+        await store.put(first)
+        await store.put(pooled)
+        loaded = {r.session_id: r for r in await store.load()}
+        assert loaded["a"].kernel == first.kernel and loaded["a"].gateway == first.gateway
+        assert (loaded["a"].tenant, loaded["a"].state, loaded["a"].running) == ("alice", SandboxState.RUNNING, None)
+        assert loaded["b"].kind is SandboxKind.POOL and loaded["b"].tenant is None
+        assert loaded["a"].created_at == first.created_at
+
+        running = {"code": "import time; time.sleep(60)", "started_at": 12.5}
+        await store.update("a", running=running, gateway={"last_activity": 9.0})
+        (a,) = [r for r in await store.load() if r.session_id == "a"]
+        assert a.running == running and a.gateway == {"last_activity": 9.0} and a.kernel == first.kernel
+        assert a.updated_at >= a.created_at
+        await store.update("a", state="lost", lost_reason="exit code 137 (OOM killed)", running=None)
+        (a,) = [r for r in await store.load() if r.session_id == "a"]
+        assert (a.state, a.lost_reason, a.running) == (SandboxState.LOST, "exit code 137 (OOM killed)", None)
+
+        await store.put(record("b", kind="session", tenant="bob"))  # a pooled sandbox handed out: replaced
+        (b,) = [r for r in await store.load() if r.session_id == "b"]
+        assert b.kind is SandboxKind.SESSION and b.tenant == "bob"
+
+        await store.remove("a")
+        await store.remove("a")  # already gone: not an error
+        await store.update("a", state="lost")  # a late update never brings a removed record back
+        assert [r.session_id for r in await store.load()] == ["b"]
+        with pytest.raises(TypeError, match="cannot change"):
+            await store.update("b", kind="pool")
+        with pytest.raises(ValueError):
+            await store.update("b", state="zombie")
+    finally:
+        await store.close()
+        await store.close()  # idempotent
+    with pytest.raises(StoreError, match="closed"):
+        await store.load()
+    with pytest.raises(StoreError, match="closed"):
+        await store.put(record("c"))
+    reopened = await PostgresStore.open(fresh_postgres_url, "h1")
+    try:
+        assert [(r.session_id, r.tenant) for r in await reopened.load()] == [("b", "bob")]
+    finally:
+        await reopened.close()
+
+
+async def test_load_is_oldest_first(fresh_postgres_url):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    try:
+        for i, created in enumerate([30.0, 10.0, 20.0, 10.0]):
+            await store.put(record(f"s{i}", created_at=created))
+        assert [r.session_id for r in await store.load()] == ["s1", "s3", "s2", "s0"]
+    finally:
+        await store.close()
+
+
+async def test_a_host_reads_and_writes_only_its_own_rows(fresh_postgres_url):
+    a = await PostgresStore.open(fresh_postgres_url, "host-a")
+    b = await PostgresStore.open(fresh_postgres_url, "host-b")
+    try:
+        await a.put(record("s1", tenant="alice"))
+        await b.put(record("s2", tenant="alice"))
+        assert [r.session_id for r in await a.load()] == ["s1"]
+        assert [r.session_id for r in await b.load()] == ["s2"]
+        await b.update("s1", state="lost", lost_reason="not yours")
+        await b.remove("s1")
+        with pytest.raises(StoreError, match="recorded for host 'host-a'"):
+            await b.put(record("s1", tenant="mallory"))
+        (s1,) = await a.load()
+        assert (s1.state, s1.tenant, s1.lost_reason) == (SandboxState.RUNNING, "alice", None)
+        rows = admin(fresh_postgres_url, "SELECT session_id, host_id, kernel_id FROM sandboxes ORDER BY session_id")
+        assert rows == [("s1", "host-a", "k-s1"), ("s2", "host-b", "k-s2")]
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_the_kernel_id_column_follows_the_record(fresh_postgres_url):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    catalog = ClusterCatalog(store, "h1")
+    try:
+        await catalog.register("http://10.0.0.1:8888", ["runc"], 10)
+        await store.put(record("s1", tenant="alice"))
+        host, tenant, session_id = await catalog.owner_of_kernel("k-s1")
+        assert (host.host_id, tenant, session_id) == ("h1", "alice", "s1")
+        paused = {"paused": {"bytes": 10}, "profile": "default"}  # gateway/snapshots.py: no kernel runs
+        await store.update("s1", kernel=paused, state="paused")
+        assert await catalog.owner_of_kernel("k-s1") is None
+        await store.update("s1", kernel={"kernel_id": "k-new"}, state="running")
+        assert (await catalog.owner_of_kernel("k-new"))[2] == "s1"
+        await store.put(record("p1", kind="pool"))  # a pooled sandbox belongs to no tenant: never routed
+        assert await catalog.owner_of_kernel("k-p1") is None and await catalog.owner("p1") is None
+        assert await catalog.owner_of_kernel("nope") is None
+    finally:
+        await store.close()
+
+
+HOSTILE = {
+    "big": "x" * 5_000_000,
+    "nul": "a\x00b",
+    "surrogate": "\ud800 lone",
+    "quotes": "'); DROP TABLE sandboxes; -- \" \\ $$ %s %(x)s {}",
+    "unicode": "émoji 🐍 עברית \u202e rtl \ufeff",
+    "numbers": [2**100, -0.0, 1e308, 5e-324, 0.1],
+    "deep": [[[[[[[[[[{"k": None}]]]]]]]]]],
+    "keys": {"": 1, "\x00": 2, "a.b": 3, "🔑": 4},
+}
+
+
+async def test_hostile_values_are_stored_and_read_back_exactly(fresh_postgres_url):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    try:
+        odd_tenant = "tenant 'quoted' \"double\" 🐍 ; --"
+        sent = record("s1", tenant=odd_tenant, gateway=HOSTILE, running={"code": HOSTILE["quotes"]})
+        await store.put(sent)
+        (back,) = await store.load()
+        assert back.gateway == HOSTILE and back.tenant == odd_tenant and back.running == sent.running
+        assert repr(back.gateway["numbers"]) == repr(HOSTILE["numbers"])  # -0.0 and the big int exactly
+        await store.update("s1", lost_reason="why: " + HOSTILE["quotes"], kernel=HOSTILE)
+        (back,) = await store.load()
+        assert back.kernel == HOSTILE and back.lost_reason == "why: " + HOSTILE["quotes"]
+        with pytest.raises(StoreError) as caught:  # PostgreSQL text cannot hold NUL: refused, not cut short
+            await store.put(record("s2", tenant="nul\x00tenant"))
+        assert "writing the session catalog" in str(caught.value)
+        assert [r.session_id for r in await store.load()] == ["s1"]
+    finally:
+        await store.close()
+
+
+async def test_a_newer_schema_is_refused_and_left_alone(fresh_postgres_url):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    await store.put(record("s1"))
+    await store.close()
+    admin(
+        fresh_postgres_url,
+        "UPDATE sandkernel_meta SET value = %s WHERE key = 'schema_version'",
+        (str(SCHEMA_VERSION + 1),),
+    )
+    admin(fresh_postgres_url, "UPDATE sandkernel_meta SET value = '9.4.0' WHERE key = 'migrated_by'")
+    with pytest.raises(StoreError) as caught:
+        await PostgresStore.open(fresh_postgres_url, "h1")
+    message = str(caught.value)
+    assert f"schema version {SCHEMA_VERSION + 1}, written by sandkernel 9.4.0" in message and "Nothing was" in message
+    assert admin(fresh_postgres_url, "SELECT session_id FROM sandboxes") == [("s1",)]
+
+
+async def test_migrations_run_in_one_transaction_and_a_foreign_database_is_refused(fresh_postgres_url):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    await store.put(record("s1"))
+    await store.close()
+    failing = {**MIGRATIONS, 2: ("ALTER TABLE sandboxes ADD COLUMN note TEXT", "THIS IS NOT SQL")}
+    with pytest.raises(StoreError, match="rolled back, nothing was changed"):
+        await PostgresStore.open(fresh_postgres_url, "h1", migrations=failing, schema_version=2)
+    columns = {
+        r[0]
+        for r in admin(
+            fresh_postgres_url, "SELECT column_name FROM information_schema.columns WHERE table_name = 'sandboxes'"
+        )
+    }
+    assert "note" not in columns
+    working = {**MIGRATIONS, 2: ("ALTER TABLE sandboxes ADD COLUMN note TEXT",)}
+    store = await PostgresStore.open(fresh_postgres_url, "h1", migrations=working, schema_version=2)
+    assert [r.session_id for r in await store.load()] == ["s1"]
+    await store.close()
+    assert admin(fresh_postgres_url, "SELECT value FROM sandkernel_meta WHERE key = 'schema_version'") == [("2",)]
+
+    admin(fresh_postgres_url, "DROP TABLE sandkernel_meta")  # our tables, but not our version table
+    with pytest.raises(StoreError, match="not a sandkernel catalog"):
+        await PostgresStore.open(fresh_postgres_url, "h1")
+
+
+async def test_two_gateways_starting_together_migrate_once(fresh_postgres_url):
+    stores = await asyncio.gather(*(PostgresStore.open(fresh_postgres_url, f"h{i}") for i in range(4)))
+    for store in stores:
+        await store.close()
+    assert admin(fresh_postgres_url, "SELECT value FROM sandkernel_meta WHERE key = 'schema_version'") == [
+        (str(SCHEMA_VERSION),)
+    ]
+
+
+def assert_no_password(err: BaseException, password: str) -> None:
+    shown = "".join(traceback.format_exception(err)) + repr(err)
+    assert password not in shown, shown
+
+
+async def test_an_unreachable_catalog_fails_fast_without_the_password(postgres_server: PostgresServer):
+    password = postgres_server.password
+    closed_port = postgres_server.url("nothere").replace(f":{postgres_server.port}/", f":{free_port()}/")
+    start = time.monotonic()
+    with pytest.raises(CatalogUnavailableError) as caught:
+        await PostgresStore.open(closed_port, "h1")
+    assert time.monotonic() - start < 3, "a refused connection must fail at once"
+    assert caught.value.status == 503 and "Check --catalog-url" in str(caught.value)
+    assert "sandkernel@127.0.0.1" in str(caught.value)  # says where, without the password
+    assert_no_password(caught.value, password)
+
+    wrong = postgres_server.url().replace(password, "not-the-password-" + password[:6])
+    with pytest.raises(CatalogUnavailableError, match="password authentication failed") as caught:
+        await PostgresStore.open(wrong, "h1")
+    assert_no_password(caught.value, password[:6] + password[6:])
+    assert "not-the-password" not in str(caught.value)
+
+    with pytest.raises(StoreError) as caught:  # libpq cannot parse it: its message is not repeated
+        await PostgresStore.open(f"postgresql://u:{password}@127.0.0.1:5432/db?sslmode=%zz{password}", "h1")
+    assert_no_password(caught.value, password)
+    with pytest.raises(StoreError, match="must be a postgresql://"):
+        await PostgresStore.open(f"mysql://u:{password}@127.0.0.1/db", "h1")
+    with pytest.raises(StoreError, match="host id"):
+        await PostgresStore.open(postgres_server.url(), "")
+
+
+async def test_a_catalog_that_goes_away_fails_fast_and_a_broken_connection_is_replaced(fresh_postgres_url):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    try:
+        await store.put(record("s1"))
+        # PostgreSQL restarted under the pool: every connection of ours is cut; the next call retries once.
+        admin(
+            fresh_postgres_url,
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'sandkernel h1'",
+        )
+        assert [r.session_id for r in await store.load()] == ["s1"]
+    finally:
+        await store.close()
+
+    with running_postgres() as server:  # a server of its own, to stop under an open store
+        url = server.url()
+        store = await PostgresStore.open(url, "h1")
+        await store.put(record("s1"))
+        password = server.password
+    try:
+        start = time.monotonic()
+        with pytest.raises(CatalogUnavailableError) as caught:
+            await store.load()
+        took = time.monotonic() - start
+        assert took < 3, f"a catalog that went away took {took:.1f} s to fail"
+        assert_no_password(caught.value, password)
+        start = time.monotonic()
+        with pytest.raises(CatalogUnavailableError):  # and every call after it, as fast
+            await store.put(record("s2"))
+        assert time.monotonic() - start < 3
+    finally:
+        await store.close()
+
+
+async def test_catalog_calls_leave_the_event_loop_free(fresh_postgres_url):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    try:
+        for i in range(50):
+            await store.put(record(f"s{i}"))
+            await store.update(f"s{i}", state="lost")
+        assert len(await store.load()) == 50
+    finally:
+        task.cancel()
+        await store.close()
+    assert ticks >= 100, "the loop ran other tasks while the catalog wrote"
+
+
+# -- the cluster: hosts, placement, tenants' limits, hosts going down --------------------------
+
+
+async def open_hosts(url: str, *host_ids: str) -> tuple[list[PostgresStore], list[ClusterCatalog]]:
+    stores = [await PostgresStore.open(url, host_id) for host_id in host_ids]
+    return stores, [ClusterCatalog(store, store.host_id) for store in stores]
+
+
+async def close_all(stores: list[PostgresStore]) -> None:
+    for store in stores:
+        await store.close()
+
+
+async def test_hosts_register_heartbeat_and_leave(fresh_postgres_url):
+    stores, (h1, h2) = await open_hosts(fresh_postgres_url, "h1", "h2")
+    try:
+        before = admin(fresh_postgres_url, "SELECT now()")[0][0]
+        await h1.register("http://10.0.0.1:8888", ["runc", "runsc"], 100)
+        await h2.register("http://10.0.0.2:8888", ("runc",), 50)
+        await h1.heartbeat(sessions=7, free=93)
+        hosts = await h1.hosts()
+        assert [h.host_id for h in hosts] == ["h1", "h2"]
+        one = hosts[0]
+        assert isinstance(one, HostInfo) and one.runtimes == ("runc", "runsc") and one.url == "http://10.0.0.1:8888"
+        assert (one.capacity, one.sessions, one.free, one.status) == (100, 7, 93, "up")
+        assert one.heartbeat_at >= before and one.heartbeat_at.tzinfo is not None  # the server's clock
+        await h2.leave()
+        assert [h.host_id for h in await h1.hosts()] == ["h1"]
+        assert {h.host_id: h.status for h in await h1.hosts(up_only=False)} == {"h1": "up", "h2": "stopping"}
+        await h2.register("http://10.0.0.2:9999", ["runc"], 60)  # restarted: up again, new address
+        (again,) = [h for h in await h1.hosts() if h.host_id == "h2"]
+        assert (again.url, again.capacity, again.status) == ("http://10.0.0.2:9999", 60, "up")
+        stranger = ClusterCatalog(stores[0], "never-registered")
+        with pytest.raises(StoreError, match="not registered"):
+            await stranger.heartbeat(0, 0)
+        with pytest.raises(ValueError):
+            await h1.register("http://x", [], 1)
+    finally:
+        await close_all(stores)
+
+
+async def test_placement_picks_the_most_free_host_that_has_the_runtime(fresh_postgres_url):
+    stores, (a, b, c, d) = await open_hosts(fresh_postgres_url, "a", "b", "c", "d")
+    try:
+        await a.register("http://a", ["runc", "runsc"], 10)
+        await b.register("http://b", ["runc"], 10)
+        await c.register("http://c", ["runc", "runsc"], 100)
+        await d.register("http://d", ["runc", "runsc"], 100)
+        await a.heartbeat(sessions=8, free=2)
+        await b.heartbeat(sessions=0, free=10)
+        await c.heartbeat(sessions=0, free=50)
+        await d.heartbeat(sessions=0, free=90)
+        await d.leave()  # most free, but stopping: never chosen
+        assert (await a.place("runc")).host_id == "c"
+        await c.heartbeat(sessions=50, free=0)  # full: never chosen
+        assert (await a.place("runsc")).host_id == "a"  # b has more room but no gVisor
+        assert (await a.place("runc")).host_id == "b"
+        chosen = [(await a.place("runc")).host_id for _ in range(10)]  # each place takes one off free
+        assert chosen.count("b") == 9 and chosen.count("a") == 1
+        assert await a.place("runc") is None  # every host full
+        assert await a.place("kata") is None
+    finally:
+        await close_all(stores)
+
+
+async def test_tenant_limits_hold_across_hosts_under_concurrency(fresh_postgres_url):
+    stores, (h1, h2) = await open_hosts(fresh_postgres_url, "h1", "h2")
+    try:
+        attempts = [(h1 if i % 2 else h2).reserve("alice", 5, f"s{i}") for i in range(20)]
+        results = await asyncio.gather(*attempts, return_exceptions=True)
+        won = [f"s{i}" for i, r in enumerate(results) if r is None]
+        refused = [r for r in results if isinstance(r, TooManySessionsError)]
+        assert len(won) == 5 and len(refused) == 15, results
+        assert refused[0].status == 429 and "across the cluster" in str(refused[0])
+        await h2.reserve("bob", 5, "bob-1")  # another tenant has its own count
+        await h1.reserve("alice", 5, won[0])  # the same session again: no second place
+
+        # A reserved session's record replaces its reservation (no double count); a released one frees a place.
+        owner = {f"s{i}": (stores[0] if i % 2 else stores[1]) for i in range(20)}
+        await owner[won[0]].put(record(won[0], tenant="alice"))
+        with pytest.raises(TooManySessionsError):
+            await h1.reserve("alice", 5, "late-1")
+        await (h1 if owner[won[1]] is stores[0] else h2).release(won[1])
+        await h1.reserve("alice", 5, "late-1")
+        with pytest.raises(TooManySessionsError):
+            await h2.reserve("alice", 5, "late-2")
+        await owner[won[0]].update(won[0], state="lost", lost_reason="gone")  # a lost session counts until deleted
+        with pytest.raises(TooManySessionsError):
+            await h2.reserve("alice", 5, "late-2")
+        await owner[won[0]].remove(won[0])
+        await h2.reserve("alice", 5, "late-2")
+        await h2.reserve("alice", None, "unlimited")  # no limit: nothing to count
+        admin(
+            fresh_postgres_url,
+            "UPDATE reservations SET expires_at = now() - interval '1 second' WHERE session_id = 'late-2'",
+        )  # a creator that died: its place comes back
+        await h1.reserve("alice", 5, "late-3")
+        assert admin(fresh_postgres_url, "SELECT count(*) FROM reservations WHERE tenant = 'alice'") == [(5,)]
+    finally:
+        await close_all(stores)
+
+
+async def test_a_silent_host_is_marked_down_and_its_running_sessions_lost(fresh_postgres_url):
+    stores, (me, gone, live) = await open_hosts(fresh_postgres_url, "me", "gone", "live")
+    _, s_gone, s_live = stores
+    try:
+        for catalog in (me, gone, live):
+            await catalog.register(f"http://{catalog.host_id}", ["runc"], 10)
+        await s_gone.put(record("g-run", tenant="alice"))
+        await s_gone.put(record("g-paused", tenant="alice", state="paused", kernel={"paused": {"bytes": 1}}))
+        await s_gone.put(record("g-lost", tenant="bob", state="lost", lost_reason="OOM killed"))
+        await s_gone.put(record("g-pool", kind="pool"))
+        await s_live.put(record("l-run", tenant="alice"))
+        await gone.reserve("alice", 10, "g-starting")
+        # Its heartbeat stopped a minute ago (the server's clock); the others' are fresh.
+        admin(fresh_postgres_url, "UPDATE hosts SET heartbeat_at = now() - interval '1 minute' WHERE host_id = 'gone'")
+        admin(fresh_postgres_url, "UPDATE hosts SET heartbeat_at = now() - interval '1 minute' WHERE host_id = 'me'")
+        last_beat = admin(fresh_postgres_url, "SELECT heartbeat_at FROM hosts WHERE host_id = 'gone'")[0][0]
+
+        # Two gateways notice at once: one transaction each, the host goes down once. A host never
+        # marks itself down ("me" is stale too, but it is the one asking).
+        results = await asyncio.gather(me.mark_down_stale(20), me.mark_down_stale(20))
+        assert sorted(results) == [[], ["gone"]]
+        assert await live.mark_down_stale(20) == ["me"]
+        await me.heartbeat(sessions=0, free=10)  # back: up again
+
+        records = {r.session_id: r for r in await s_gone.load()}
+        stamp = last_beat.astimezone(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        assert records["g-run"].state is SandboxState.LOST
+        assert records["g-run"].lost_reason == f"host gone stopped answering at {stamp}"
+        assert (records["g-paused"].state, records["g-paused"].lost_reason) == (SandboxState.PAUSED, None)
+        assert (records["g-lost"].state, records["g-lost"].lost_reason) == (SandboxState.LOST, "OOM killed")
+        assert records["g-pool"].state is SandboxState.RUNNING  # the pool is the host's own business
+        assert [(r.session_id, r.state) for r in await s_live.load()] == [("l-run", SandboxState.RUNNING)]
+        assert admin(fresh_postgres_url, "SELECT session_id FROM reservations") == []
+        assert {h.host_id for h in await me.hosts()} == {"me", "live"}
+        assert (await me.place("runc")).host_id != "gone"
+
+        await gone.heartbeat(sessions=3, free=7)  # it comes back: up, but what was lost stays lost
+        assert {h.host_id for h in await me.hosts()} == {"me", "live", "gone"}
+        assert (await s_gone.load())[0].state is SandboxState.LOST
+        host, tenant = await live.owner("g-run")
+        assert (host.host_id, host.status, tenant) == ("gone", "up", "alice")
+        assert await live.owner("nope") is None
+    finally:
+        await close_all(stores)
+
+
+async def test_a_tenants_sessions_are_listed_from_every_host(fresh_postgres_url):
+    stores, (h1, _h2) = await open_hosts(fresh_postgres_url, "h1", "h2")
+    try:
+        await stores[0].put(record("a1", tenant="alice", created_at=1.0))
+        await stores[1].put(record("a2", tenant="alice", created_at=2.0, state="paused"))
+        await stores[1].put(record("b1", tenant="bob", created_at=0.5))
+        await stores[1].put(record("p1", kind="pool", created_at=0.1))
+        listed = await h1.tenant_sessions("alice")
+        assert [(r.session_id, r.state) for r in listed] == [("a1", SandboxState.RUNNING), ("a2", SandboxState.PAUSED)]
+        assert [r.session_id for r in await h1.tenant_sessions("bob")] == ["b1"]
+        assert await h1.tenant_sessions("carol") == []
+    finally:
+        await close_all(stores)
