@@ -56,6 +56,8 @@ def test_engines_are_separate_and_the_main_engine_is_untouched(swarm_lab: Lab) -
     swarm_lab.docker(2, "run", "-d", "--name", name, "--network", "none", BASE_IMAGE, "sleep", "300")
     try:
         assert name in swarm_lab.docker(2, "ps", "--format", "{{.Names}}").stdout.split()
+        # Its containerd shim's socket is in the engine's private /run/containerd, not the machine's.
+        assert list((swarm_lab.host(2).exec_root / "run-containerd" / "s").iterdir())
         for other in (1, 3):
             assert name not in swarm_lab.docker(other, "ps", "-a", "--format", "{{.Names}}").stdout
         main = subprocess.run(["docker", "ps", "-a", "--filter", f"name={name}", "--format", "{{.Names}}"],

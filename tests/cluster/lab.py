@@ -18,7 +18,8 @@ Each "host" is a Docker engine of its own, started by the tests and thrown away 
   (hostname ``sklab-hN``, so ``docker node ls`` tells the hosts apart) and its own mount
   namespace, where a private directory is bind-mounted over ``/etc/docker``: the main
   engine's configuration and ``key.json`` are neither read nor written, and every mount the
-  engine makes (overlay2 layers, network namespaces) dies with that namespace.
+  engine makes (overlay2 layers, network namespaces) dies with that namespace. ``/run/containerd``
+  is private too (the shims' sockets).
 * gVisor registered exactly as on the main engine: the ``runtimes`` of
   ``/etc/docker/daemon.json`` (written by scripts/host-setup.sh) copied into the engine's own
   config file, on the hosts chosen to have it (:attr:`Lab.runsc_hosts`); those hosts get the
@@ -70,13 +71,16 @@ MAX_HOSTS = 20  # host N's docker0 is 10.213.(10+N).1/24, below BRIDGE_POOL
 
 # Run inside the engine's new UTS and mount namespaces (already in its network namespace), as
 # sh -c WRAPPER sh HOSTNAME EXEC_ROOT dockerd ARGS...: its own hostname; a private /etc/docker;
+# a private /run/containerd (containerd's shims put their sockets in /run/containerd/s whatever
+# containerd's own paths are, and a SIGKILLed shim leaves its socket there: found the hard way);
 # a sysfs of its own network namespace (what `ip netns exec` does too, but that one drops the
 # cgroup mounts, and dockerd refuses to start without them: "Devices cgroup isn't mounted"), so
 # the cgroup tree is moved over onto the new /sys.
 _DAEMON_WRAPPER = """set -e
 hostname "$1"
-mkdir -p "$2/etc-docker" "$2/cgroup"
+mkdir -p "$2/etc-docker" "$2/run-containerd" "$2/cgroup" /run/containerd
 mount --bind "$2/etc-docker" /etc/docker
+mount --bind "$2/run-containerd" /run/containerd
 mount --rbind /sys/fs/cgroup "$2/cgroup"
 umount -l /sys
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
