@@ -68,7 +68,6 @@ class SessionsHandler(BaseHandler):
         self.set_header("Location", f"/api/sessions/{managed.id}")
         self.write_json(managed.session_model(), status=201)
 
-
     async def _placed_elsewhere(self, profile: str | None, limits: dict[str, Any]) -> bool:
         """Cluster mode: pass the create to the host the catalog places it on, when that is another
         one (True: answered). The profile is checked here first (every gateway of a cluster has

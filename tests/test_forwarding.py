@@ -11,24 +11,39 @@ keeps serving its own sessions.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
+import json
+import os
 import time
+import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.websocket import websocket_connect
 
 from sandkernel.errors import ConfigError
 from sandkernel.gateway.base import ApiError
 from sandkernel.gateway.cluster.signing import (
     FORWARDED_HEADER,
     MAX_SKEW_SECONDS,
+    PLACE_HERE_HEADER,
     load_cluster_secret,
     sign,
     verify,
 )
 
+from .conftest import container_ids_of, require_runtime
+from .gateway_fixtures import ALICE, BOB, free_port
+from .postgres_fixtures import create_database, drop_database, postgres_server  # noqa: F401 (pytest finds it here)
+from .test_durable_sessions import Serve
+
 SECRET = b"s" * 40
+CLUSTER_SECRET = b"cluster-secret-for-the-forwarding-tests-0123456789"
 URI = "/api/sessions/abc/execute?stream=1"
 
 
@@ -127,3 +142,238 @@ def test_an_old_header_replayed_is_refused_and_a_fresh_one_is_not() -> None:
 @pytest.mark.parametrize("value", ["", "junk", "host=a;t=now;sig=00", "host=;t=1;sig=00", "host=a;t=1"])
 def test_a_malformed_header_is_refused(value: str) -> None:
     assert "expected host=" in refused({FORWARDED_HEADER: value})
+
+
+# -- two real gateways, one catalog ----------------------------------------------------------
+
+
+class Host:
+    """One cluster gateway: a ``sandkernel serve`` process (tests/test_durable_sessions.py's
+    Serve) with the cluster's flags."""
+
+    def __init__(self, root: Path, host_id: str, catalog_url: str, secret_file: Path) -> None:
+        self.host_id = host_id
+        self.serve = Serve(root / host_id, "runc")
+        self.flags = (
+            "--catalog-url", catalog_url, "--cluster-secret-file", str(secret_file), "--host-id", host_id,
+            "--advertise-url", self.serve.url, "--heartbeat-seconds", "1", "--on-exit", "delete",
+        )  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        return self.serve.url
+
+    def holds(self, model: dict[str, Any]) -> bool:
+        """Whether this host holds the session: its transcript is in this host's notebook dir."""
+        return str(model["path"]).startswith(str(self.serve.notebooks))
+
+    async def start(self) -> Host:
+        await self.serve.start(*self.flags)
+        return self
+
+    async def call(self, method: str, path: str, body: Any = None, token: str = ALICE,
+                   headers: dict[str, str] | None = None, raw: bytes | None = None,
+                   **kw: Any) -> tuple[int, Any, Any]:  # fmt: skip
+        """(status, JSON or text, response headers) of one request."""
+        data = raw if raw is not None else json.dumps(body).encode() if body is not None else None
+        if method in ("POST", "PUT") and data is None:
+            data = b""
+        request = HTTPRequest(
+            self.url + path, method=method, body=data, request_timeout=120,
+            headers={"Authorization": f"token {token}", **(headers or {})}, **kw,
+        )  # fmt: skip
+        try:
+            response = await AsyncHTTPClient().fetch(request)
+        except HTTPClientError as err:
+            assert err.response is not None, err
+            response = err.response
+        text = response.body.decode(errors="replace") if response.body else ""
+        try:
+            return response.code, json.loads(text) if text else None, response.headers
+        except ValueError:
+            return response.code, text, response.headers
+
+
+@pytest.fixture(scope="module")
+async def cluster(tmp_path_factory, request) -> AsyncIterator[tuple[Host, Host]]:
+    """Two gateways of one cluster on this engine: host-a and host-b, each with its own state dir
+    and port, one catalog database, one secret. Each stops with --on-exit delete."""
+    require_runtime("runc")
+    root = tmp_path_factory.mktemp("cluster")
+    catalog_url = create_database(request.getfixturevalue("postgres_server").url())
+    secret_file = write_secret(root / "cluster.secret", CLUSTER_SECRET)
+    hosts = [Host(root, name, catalog_url, secret_file) for name in ("host-a", "host-b")]
+    try:
+        await asyncio.gather(*(host.start() for host in hosts))
+        yield hosts[0], hosts[1]
+    finally:
+        for host in hosts:
+            if host.serve.proc is not None and host.serve.proc.poll() is None:
+                assert await host.serve.term() == 0, host.serve.output[-4000:]
+        drop_database(catalog_url)
+
+
+@pytest.fixture(scope="module")
+async def placed(cluster: tuple[Host, Host]) -> dict[str, dict[str, Any]]:
+    """Two of alice's sessions, one created through each gateway; placement puts them on both
+    hosts (each goes to the host with most room). Keyed by the host id that holds it."""
+    a, b = cluster
+    models = []
+    for host in (a, b):
+        status, model, _ = await host.call("POST", "/api/sessions", {"metadata": {"via": host.host_id}})
+        assert status == 201, (status, model, host.serve.output[-4000:])
+        models.append(model)
+    by_host = {host.host_id: m for m in models for host in (a, b) if host.holds(m)}
+    assert set(by_host) == {"host-a", "host-b"}, f"placement did not use both hosts: {[m['path'] for m in models]}"
+    return by_host
+
+
+def other(cluster: tuple[Host, Host], host_id: str) -> Host:
+    """The gateway that does not hold a session of ``host_id``."""
+    return next(host for host in cluster if host.host_id != host_id)
+
+
+async def test_a_session_is_used_through_the_gateway_that_does_not_hold_it(cluster, placed):
+    for owner_id, model in placed.items():
+        via = other(cluster, owner_id)
+        sid = model["id"]
+        status, result, _ = await via.call("POST", f"/api/sessions/{sid}/execute", {"code": "x = 6 * 7; print(x)"})
+        assert status == 200 and result["outputs"][0]["text"] == "42\n", (status, result)
+        # The NDJSON stream comes through line by line, as the owner writes it.
+        lines: list[tuple[float, bytes]] = []
+        code = "import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.4)"
+        status, _, headers = await via.call(
+            "POST", f"/api/sessions/{sid}/execute?stream=1", {"code": code},
+            streaming_callback=lambda chunk, lines=lines: lines.append((time.monotonic(), chunk)),
+        )  # fmt: skip
+        assert status == 200 and headers["Content-Type"] == "application/x-ndjson"
+        events = [json.loads(line) for _, chunk in lines for line in chunk.splitlines() if line.strip()]
+        assert [e["output"]["text"] for e in events if e["type"] == "output"] == ["0\n", "1\n", "2\n"]
+        assert events[-1]["type"] == "result" and events[-1]["result"]["status"] == "ok"
+        assert lines[-1][0] - lines[0][0] > 0.6, f"the stream was held back and sent at once: {lines}"
+        # A file up through one gateway, down through it again: the owner's workspace has it.
+        data = os.urandom(300_000)
+        status, written, _ = await via.call("PUT", f"/api/sessions/{sid}/files/blob.bin", raw=data)
+        assert status == 201 and written["size"] == len(data), written
+        request = HTTPRequest(
+            via.url + f"/api/sessions/{sid}/files/blob.bin", headers={"Authorization": f"token {ALICE}"}
+        )
+        download = await AsyncHTTPClient().fetch(request)
+        assert download.body == data
+        status, result, _ = await via.call(
+            "POST", f"/api/sessions/{sid}/execute", {"code": "import os; print(os.path.getsize('blob.bin'), x)"}
+        )
+        assert result["outputs"][0]["text"] == f"{len(data)} 42\n", result
+
+
+async def test_the_kernel_websocket_is_relayed_to_the_owner(cluster, placed):
+    for owner_id, model in placed.items():
+        via = other(cluster, owner_id)
+        kernel_id = model["kernel"]["id"]
+        status, kernel, _ = await via.call("GET", f"/api/kernels/{kernel_id}")
+        assert status == 200 and kernel["id"] == kernel_id, (status, kernel)
+        ws = await websocket_connect(
+            HTTPRequest(
+                via.url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels",
+                headers={"Authorization": f"token {ALICE}"},
+            )
+        )
+        try:
+            msg_id = uuid.uuid4().hex
+            ws.write_message(json.dumps(execute_request(msg_id, "print(x + 1)")))
+            texts, reply, idle = [], None, False
+            while reply is None or not idle:  # the reply (shell) and idle (iopub) come in either order
+                message = await asyncio.wait_for(ws.read_message(), 60)
+                assert message is not None, f"the websocket closed: {ws.close_code} {ws.close_reason}"
+                msg = json.loads(message)
+                if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                    continue
+                if msg["msg_type"] == "stream":
+                    texts.append(msg["content"]["text"])
+                elif msg["msg_type"] == "execute_reply":
+                    reply = msg["content"]
+                elif msg["msg_type"] == "status":
+                    idle = msg["content"]["execution_state"] == "idle"
+            assert reply["status"] == "ok" and "".join(texts) == "43\n", (reply, texts)
+        finally:
+            ws.close()
+
+
+async def test_the_listing_is_cluster_wide_and_other_tenants_get_404_everywhere(cluster, placed):
+    for host in cluster:
+        status, listing, _ = await host.call("GET", "/api/sessions")
+        assert status == 200
+        assert {m["id"] for m in listing} == {m["id"] for m in placed.values()}, listing
+        status, listing, _ = await host.call("GET", "/api/sessions", token=BOB)
+        assert status == 200 and listing == []
+    for model in placed.values():
+        sid, kernel_id = model["id"], model["kernel"]["id"]
+        for host in cluster:  # the owner and the other gateway answer bob the same
+            for method, path, body in (
+                ("GET", f"/api/sessions/{sid}", None),
+                ("POST", f"/api/sessions/{sid}/execute", {"code": "x"}),
+                ("GET", f"/api/sessions/{sid}/files/blob.bin", None),
+                ("GET", f"/api/kernels/{kernel_id}", None),
+            ):
+                status, answer, _ = await host.call(method, path, body, token=BOB)
+                assert status == 404 and answer["error"] == "not_found", (host.host_id, path, status, answer)
+            with pytest.raises(HTTPClientError) as refused_ws:
+                await websocket_connect(
+                    HTTPRequest(
+                        host.url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels",
+                        headers={"Authorization": f"token {BOB}"},
+                    )
+                )
+            assert refused_ws.value.code == 404
+
+
+async def test_a_forged_or_stale_forwarded_header_is_401_and_a_forwarded_request_is_not_forwarded_again(
+    cluster, placed
+):
+    a, b = cluster
+    sid = placed["host-a"]["id"]
+    path = f"/api/sessions/{sid}"
+    cases = {
+        "forged": {FORWARDED_HEADER: f"host=host-b;t={int(time.time())};sig={'0' * 64}"},
+        "stale": sign(CLUSTER_SECRET, "GET", path, "host-b", now=time.time() - 120),
+        "another secret": sign(b"w" * 40, "GET", path, "host-b"),
+        "another request": sign(CLUSTER_SECRET, "GET", f"/api/sessions/{placed['host-b']['id']}", "host-b"),
+        "unsigned place-here": {PLACE_HERE_HEADER: "1"},
+    }
+    for name, headers in cases.items():
+        for host in cluster:
+            status, answer, _ = await host.call("GET", path, headers=headers)
+            assert status == 401 and answer["error"] == "bad_forwarded_signature", (name, host.host_id, answer)
+    # Signed properly, the owner serves it; the other gateway serves it itself too (no second hop):
+    # it does not hold the session, so that is a 404, never a forward.
+    signed = sign(CLUSTER_SECRET, "GET", path, "host-b")
+    status, model, _ = await a.call("GET", path, headers=signed)
+    assert status == 200 and model["id"] == sid
+    status, answer, _ = await b.call("GET", path, headers=sign(CLUSTER_SECRET, "GET", path, "host-a"))
+    assert status == 404, (status, answer)
+
+
+async def test_an_owner_that_is_gone_is_a_503_naming_it_and_the_other_host_keeps_serving(cluster, placed):
+    """Last in the module: it kills host-a."""
+    a, b = cluster
+    lost, kept = placed["host-a"]["id"], placed["host-b"]["id"]
+    a.serve.kill9()
+    try:
+        status, answer, headers = await b.call("POST", f"/api/sessions/{lost}/execute", {"code": "x"})
+        assert status == 503 and answer["error"] == "cluster_unavailable", (status, answer)
+        assert "host-a" in answer["message"] and "retry" in answer["message"].lower(), answer
+        assert headers.get("Retry-After"), headers
+        status, result, _ = await b.call("POST", f"/api/sessions/{kept}/execute", {"code": "print(x)"})
+        assert status == 200 and result["outputs"][0]["text"] == "42\n", (status, result)
+    finally:  # host-a's sandboxes: a gateway on its state dir with --on-exit delete removes them
+        a.serve.port = free_port()
+        await a.serve.start(*a.flags)
+        assert await a.serve.term() == 0, a.serve.output[-4000:]
+        assert not container_ids_of(lost)
+
+
+def execute_request(msg_id: str, code: str) -> dict[str, Any]:
+    header = {"msg_id": msg_id, "msg_type": "execute_request", "username": "t", "session": "s", "date": "",
+              "version": "5.3"}  # fmt: skip
+    content = {"code": code, "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False}
+    return {"header": header, "parent_header": {}, "metadata": {}, "content": content, "channel": "shell"}

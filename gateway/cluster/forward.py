@@ -62,8 +62,20 @@ WEBSOCKET_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # as the gateway's own (server.p
 WEBSOCKET_PING_SECONDS = 30.0
 # Headers of one hop only (RFC 9110 7.6.1), and ours, which each hop signs afresh.
 HOP_HEADERS = frozenset(
-    {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "transfer-encoding",
-     "upgrade", "host", "content-length", "server", "date"}
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "server",
+        "date",
+    }
 )
 # Close codes a websocket may not send (RFC 6455 7.4.1): they only describe a close.
 UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
@@ -275,8 +287,12 @@ async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool
         raise unreachable(host, error)
     log.warning("forwarded response from host %s cut: %s", host.host_id, error)
     if "ndjson" in (relay.headers.get("Content-Type") or ""):
-        line = {"type": "error", "status": 503, "error": ClusterUnavailableError.code,
-                "message": str(unreachable(host, error))}
+        line = {
+            "type": "error",
+            "status": 503,
+            "error": ClusterUnavailableError.code,
+            "message": str(unreachable(host, error)),
+        }
         with contextlib.suppress(StreamClosedError):
             handler.write(json.dumps(line) + "\n")
             await handler.flush()
