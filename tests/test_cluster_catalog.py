@@ -259,6 +259,9 @@ async def test_an_unreachable_catalog_fails_fast_without_the_password(postgres_s
     with pytest.raises(StoreError) as caught:  # libpq cannot parse it: its message is not repeated
         await PostgresStore.open(f"postgresql://u:{password}@127.0.0.1:5432/db?sslmode=%zz{password}", "h1")
     assert_no_password(caught.value, password)
+    with pytest.raises(StoreError, match="invalid port") as caught:  # the URL is quoted, its password is not
+        await PostgresStore.open(f"postgresql://u:{password}@127.0.0.1:99999999/db", "h1")
+    assert_no_password(caught.value, password)
     with pytest.raises(StoreError, match="must be a postgresql://"):
         await PostgresStore.open(f"mysql://u:{password}@127.0.0.1/db", "h1")
     with pytest.raises(StoreError, match="host id"):
@@ -388,6 +391,9 @@ async def test_placement_picks_the_most_free_host_that_has_the_runtime(fresh_pos
 async def test_tenant_limits_hold_across_hosts_under_concurrency(fresh_postgres_url):
     stores, (h1, h2) = await open_hosts(fresh_postgres_url, "h1", "h2")
     try:
+        # Grow both pools first, so the 20 reserves really run at once on 16 connections (without
+        # the tenant's lock, this test sees more than 5 win).
+        await asyncio.gather(*(store.run(lambda conn: conn.execute("SELECT pg_sleep(0.2)")) for store in stores * 8))
         attempts = [(h1 if i % 2 else h2).reserve("alice", 5, f"s{i}") for i in range(20)]
         results = await asyncio.gather(*attempts, return_exceptions=True)
         won = [f"s{i}" for i, r in enumerate(results) if r is None]
