@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 
 import pytest
@@ -37,6 +38,35 @@ try:
 except OSError as e:
     print(errno.errorcode.get(e.errno, e.errno), round(time.monotonic() - t, 3))
 """
+
+
+# Answers GET with the container's hostname (its short container id).
+HOSTNAME_SERVER = """
+import http.server, socket
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(socket.gethostname().encode())
+http.server.HTTPServer(("", 8000), Handler).serve_forever()
+"""
+
+
+NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # straight to the lab, whatever *_proxy says
+
+
+def http_get(url: str, timeout: float = 30.0) -> str:
+    """GET ``url`` from the test process, retrying until the server listens (a task is Running
+    before its process has bound the port)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with NO_PROXY.open(url, timeout=5) as response:
+                return response.read().decode()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def unique(what: str) -> str:
@@ -74,12 +104,22 @@ def test_engines_are_separate_and_the_main_engine_is_untouched(swarm_lab: Lab) -
     assert main_swarm == "inactive"
 
 
-def test_a_global_service_runs_one_task_on_every_node(swarm_lab: Lab) -> None:
+def test_a_global_service_runs_one_task_on_every_node_reachable_on_its_host_port(swarm_lab: Lab) -> None:
+    """What the gateway stack will do: a global service publishing its port in host mode (the
+    ingress routing mesh and VIPs need IPVS, which this machine's kernel lacks), answered on each
+    host's lab address by that host's own task."""
     name = unique("global")
     swarm_lab.docker(1, "service", "create", "--detach", "--quiet", "--no-resolve-image", "--name", name,
-                     "--mode", "global", BASE_IMAGE, "sleep", "infinity")
+                     "--mode", "global", "--publish", "mode=host,target=8000,published=18080",
+                     BASE_IMAGE, "python3", "-c", HOSTNAME_SERVER)
     try:
         assert swarm_lab.wait_running(name, 3) == ["sklab-h1", "sklab-h2", "sklab-h3"]
+        answers = {}
+        for h in swarm_lab.hosts:
+            task = swarm_lab.docker(h, "ps", "--filter", f"label=com.docker.swarm.service.name={name}",
+                                    "--format", "{{.ID}}").stdout.strip()
+            answers[h.name] = (http_get(f"http://{h.ip}:18080/"), task)
+        assert all(answer and task.startswith(answer) for answer, task in answers.values()), answers
     finally:
         swarm_lab.docker(1, "service", "rm", name)
 
