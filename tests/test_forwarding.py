@@ -357,13 +357,39 @@ async def test_an_owner_that_is_gone_is_a_503_naming_it_and_the_other_host_keeps
     """Last in the module: it kills host-a."""
     a, b = cluster
     lost, kept = placed["host-a"]["id"], placed["host-b"]["id"]
+    relayed = await websocket_connect(  # a websocket through host-b to host-a's kernel
+        HTTPRequest(
+            b.url.replace("http://", "ws://") + f"/api/kernels/{placed['host-a']['kernel']['id']}/channels",
+            headers={"Authorization": f"token {ALICE}"},
+        )
+    )
+    chunks: list[bytes] = []
+    first = asyncio.Event()
+
+    def got(chunk: bytes) -> None:
+        chunks.append(chunk)
+        first.set()
+
+    long_cell = {"code": "import time\nfor i in range(600):\n    print(i, flush=True); time.sleep(0.1)"}
+    # A streamed execute through host-b, running on host-a.
+    streaming = asyncio.create_task(b.call("POST", f"/api/sessions/{lost}/execute?stream=1", long_cell, streaming_callback=got))
+    await asyncio.wait_for(first.wait(), 60)
     a.serve.kill9()
     try:
+        # The stream ends with an error line naming the host; the websocket closes 1011, saying why.
+        status, _, _ = await asyncio.wait_for(streaming, 60)
+        events = [json.loads(line) for line in b"".join(chunks).splitlines() if line.strip()]
+        assert status == 200 and events[0]["type"] == "output", events[:3]
+        assert events[-1]["type"] == "error" and events[-1]["error"] == "cluster_unavailable", events[-1]
+        assert "host-a" in events[-1]["message"]
+        while await asyncio.wait_for(relayed.read_message(), 30) is not None:
+            pass
+        assert relayed.close_code == 1011 and "host-a" in (relayed.close_reason or ""), relayed.close_reason
         status, answer, headers = await b.call("POST", f"/api/sessions/{lost}/execute", {"code": "x"})
         assert status == 503 and answer["error"] == "cluster_unavailable", (status, answer)
         assert "host-a" in answer["message"] and "retry" in answer["message"].lower(), answer
         assert headers.get("Retry-After"), headers
-        status, result, _ = await b.call("POST", f"/api/sessions/{kept}/execute", {"code": "print(x)"})
+        status, result, _ = await b.call("POST", f"/api/sessions/{kept}/execute", {"code": "print(6 * 7)"})
         assert status == 200 and result["outputs"][0]["text"] == "42\n", (status, result)
     finally:  # host-a's sandboxes: a gateway on its state dir with --on-exit delete removes them
         a.serve.port = free_port()

@@ -79,6 +79,9 @@ HOP_HEADERS = frozenset(
 )
 # Close codes a websocket may not send (RFC 6455 7.4.1): they only describe a close.
 UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
+# What a relayed websocket's client gets when the owner's connection drops without a close
+# (RFC 6455 1011, an unexpected condition): Jupyter clients reconnect after it.
+CLOSE_HOST_GONE = 1011
 
 
 class OwnerCatalog(Protocol):
@@ -324,9 +327,12 @@ class ForwardedChannels:
     message, so the gateway holds at most one message per direction. A close on either side
     closes the other with the same code and reason."""
 
-    def __init__(self, handler: websocket.WebSocketHandler, upstream: websocket.WebSocketClientConnection) -> None:
+    def __init__(
+        self, handler: websocket.WebSocketHandler, upstream: websocket.WebSocketClientConnection, host_id: str
+    ) -> None:
         self.handler = handler
         self.upstream = upstream
+        self.host_id = host_id
         self.task: asyncio.Task[None] | None = None
 
     @classmethod
@@ -358,7 +364,7 @@ class ForwardedChannels:
             raise unreachable(host, err) from None
         except (OSError, StreamClosedError, asyncio.TimeoutError) as err:
             raise unreachable(host, err) from None
-        return cls(handler, upstream)
+        return cls(handler, upstream, host.host_id)
 
     def start(self) -> None:
         """Called from the handler's ``open``: relay the owner's messages to the client."""
@@ -368,8 +374,10 @@ class ForwardedChannels:
         while True:
             message = await self.upstream.read_message()
             if message is None:  # the owner closed: so does the client, with its code
-                code = self.upstream.close_code
-                self.handler.close(code if code not in UNSENDABLE_CLOSE_CODES else 1011, self.upstream.close_reason)
+                code, reason = self.upstream.close_code, self.upstream.close_reason
+                if code is None or code in UNSENDABLE_CLOSE_CODES:  # the host went away without a close
+                    code, reason = CLOSE_HOST_GONE, f"the kernel's host {self.host_id} went away; reconnect"
+                self.handler.close(code, reason)
                 return
             try:
                 await self.handler.write_message(message, binary=isinstance(message, bytes))
