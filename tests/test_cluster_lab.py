@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from .cluster import BASE_IMAGE, LAB_NET, RUNSC_LABEL, SWITCH_NET, Lab, main_runtimes
+from .cluster import BASE_IMAGE, LAB_NET, RUNSC_LABEL, SWITCH_NET, Lab, LabError, main_runtimes
 from .cluster.fixtures import swarm_lab_fixture  # noqa: F401  (the swarm_lab fixture)
 
 SWARM_LAB = {"runsc_hosts": (1, 2) if "runsc" in main_runtimes() else ()}
@@ -71,6 +71,21 @@ def http_get(url: str, timeout: float = 30.0) -> str:
 
 def unique(what: str) -> str:
     return f"sklab-test-{what}-{uuid.uuid4().hex[:6]}"
+
+
+def test_a_second_lab_waits_for_the_machine_wide_lock_and_touches_nothing() -> None:
+    """First in the module (before the lab fixture is up): another process's lab is simulated by
+    holding the lock; up() must time out on it, not tear that lab down as a crashed run's."""
+    holder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    holder.bind("\0sklab.lab-lock")
+    before = Lab().leftovers()  # normally empty; whatever a crashed run left must stay as it was
+    try:
+        with pytest.raises(LabError, match="lab lock"):
+            Lab(lock_timeout=1.0).up()
+        assert Lab().leftovers() == before
+        assert Lab._active is None
+    finally:
+        holder.close()
 
 
 def test_three_ready_nodes_named_after_their_hosts_all_managers(swarm_lab: Lab) -> None:

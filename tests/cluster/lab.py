@@ -31,28 +31,34 @@ into each lab engine (:meth:`Lab.load_image`). Swarm tasks never try to pull
 (``DOCKER_SERVICE_PREFER_OFFLINE_IMAGE=1``) and services are created with
 ``--no-resolve-image``.
 
-Everything the lab creates is named from its prefix, so :meth:`Lab.up` first removes what a
-crashed run left behind, and :meth:`Lab.down` leaves nothing (:meth:`Lab.leftovers` says what,
-if anything, is left). Root is required (namespaces, mounts, dockerd); without it up() fails
-with a clear message, never a silent skip.
+One lab per machine at a time: a lab holds the abstract unix socket ``@sklab.lab-lock`` from
+up() to down() (the kernel drops it when the process dies, so a crash never leaves it held); a
+second lab, from another test process, waits for it. Everything the lab creates is named from
+its prefix, so :meth:`Lab.up`, once it holds the lock, first removes what a crashed run left
+behind, and :meth:`Lab.down` leaves nothing (:meth:`Lab.leftovers` says what, if anything, is
+left: found from /proc, /run/netns and the cgroup tree, see :mod:`.traces`). Root is required
+(namespaces, mounts, dockerd); without it up() fails with a clear message, never a silent skip.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import json
 import logging
 import os
 import shutil
-import signal
+import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import network, traces
+from .commands import LabError, run, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +71,7 @@ RUNSC_LABEL = "sandkernel.runsc"
 BASE_IMAGE = "sandkernel-base:bookworm"
 KERNEL_IMAGE = "sandkernel-kernel:0.1.0"
 MAIN_DAEMON_JSON = Path("/etc/docker/daemon.json")
-CGROUP_ROOT = Path("/sys/fs/cgroup")
 MAX_HOSTS = 20  # host N's docker0 is 10.213.(10+N).1/24, below BRIDGE_POOL
-
 
 # Run inside the engine's new UTS and mount namespaces (already in its network namespace), as
 # sh -c WRAPPER sh HOSTNAME EXEC_ROOT dockerd ARGS...: its own hostname; a private /etc/docker;
@@ -88,10 +92,6 @@ mount --move "$2/cgroup" /sys/fs/cgroup
 shift 2
 exec "$@"
 """
-
-
-class LabError(RuntimeError):
-    """The lab could not be built, driven or torn down; the message says which step and why."""
 
 
 @dataclass(frozen=True)
@@ -121,35 +121,11 @@ def main_runtimes() -> dict[str, dict]:
         return {}
 
 
-def _run(cmd: Sequence[str], *, check: bool = True, timeout: float = 60.0, env: dict | None = None,
-         input: str | None = None) -> subprocess.CompletedProcess[str]:
-    """Run a command, text in and out; LabError (with stderr) if it fails and ``check``."""
-    try:
-        proc = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, env=env, input=input)
-    except subprocess.TimeoutExpired as exc:
-        raise LabError(f"{' '.join(cmd)}: no answer within {timeout} s") from exc
-    if check and proc.returncode != 0:
-        raise LabError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc
-
-
-def _wait(what: str, ready, timeout: float, interval: float = 0.2):
-    """Poll ``ready()`` until it returns something truthy (returned) or ``timeout`` seconds pass (LabError)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = ready()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise LabError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
-def _netns_inode(name: str) -> int | None:
-    try:
-        return os.stat(f"/run/netns/{name}").st_ino
-    except OSError:
-        return None
+def docker_env() -> dict[str, str]:
+    """This process's environment for the docker CLI, minus what could point it at another engine."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_TLS_VERIFY")}
+    env["DOCKER_CLI_HINTS"] = "false"
+    return env
 
 
 class Lab:
@@ -161,17 +137,18 @@ class Lab:
     ``images``: loaded into every engine by :meth:`up`. ``tmpfs_size``: the data roots live on a
     tmpfs of that size (RAM is used only as written: about the images' size per host), so the
     teardown is an unmount instead of deleting some 10,000 layer files per host from disk
-    (6.7 s for the base image on three hosts); None keeps them on disk. Timings (seconds) are kept in
+    (6.7 s for the base image on three hosts); None keeps them on disk. ``lock_timeout``: how
+    long up() waits for another process's lab to go. Timings (seconds) are kept in
     :attr:`timings`. Synchronous on purpose: a fixture drives it outside any event loop, and
     every step is a subprocess.
     """
 
-    _active: Lab | None = None  # one lab per process: two would fight over the same names
+    _active: Lab | None = None  # the lab this process holds (the lock is machine-wide, not re-entrant)
 
     def __init__(self, hosts: int = 3, *, managers: int | None = None, runsc_hosts: Iterable[int] | None = None,
                  images: Sequence[str] = (BASE_IMAGE,), prefix: str = PREFIX,
                  run_root: Path | None = None, data_root: Path | None = None, tmpfs_size: str | None = "8g",
-                 start_timeout: float = 60.0) -> None:
+                 start_timeout: float = 60.0, lock_timeout: float = 900.0) -> None:
         if not 1 <= hosts <= MAX_HOSTS:
             raise ValueError(f"hosts must be 1..{MAX_HOSTS}, not {hosts}")
         self.prefix = prefix
@@ -189,6 +166,7 @@ class Lab:
         self.images = tuple(images)
         self.tmpfs_size = tmpfs_size
         self.start_timeout = start_timeout
+        self.lock_timeout = lock_timeout
         self.switch_ns = f"{prefix}-sw"
         self.root_veth = f"{prefix}0"
         self.root_ip = str(SWITCH_NET.network_address + 254)
@@ -200,6 +178,7 @@ class Lab:
         ]
         self.timings: dict[str, float] = {}
         self._daemons: dict[int, subprocess.Popen] = {}
+        self._lock: socket.socket | None = None
 
     # ----- lookups -------------------------------------------------------------------------
     def host(self, host: int | LabHost) -> LabHost:
@@ -226,32 +205,29 @@ class Lab:
     def docker(self, host: int | LabHost, *args: str, check: bool = True, timeout: float = 60.0,
                input: str | None = None) -> subprocess.CompletedProcess[str]:
         """``docker -H <host's socket> ARGS``; LabError with docker's message if it fails and ``check``."""
-        return _run(["docker", "-H", self.host(host).docker_host, *args], check=check, timeout=timeout,
-                    env=self._docker_env(), input=input)
+        return run(["docker", "-H", self.host(host).docker_host, *args], check=check, timeout=timeout,
+                   env=docker_env(), input=input)
 
     def in_netns(self, host: int | LabHost, *cmd: str, check: bool = True,
                  timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
         """Run a command inside the host's network namespace."""
-        return _run(["ip", "netns", "exec", self.netns_of(host), *cmd], check=check, timeout=timeout)
-
-    @staticmethod
-    def _docker_env() -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k not in ("DOCKER_HOST", "DOCKER_CONTEXT", "DOCKER_TLS_VERIFY")}
-        env["DOCKER_CLI_HINTS"] = "false"
-        return env
+        return run(["ip", "netns", "exec", self.netns_of(host), *cmd], check=check, timeout=timeout)
 
     # ----- lifecycle -----------------------------------------------------------------------
     def up(self) -> Lab:
-        """Build the lab: leftovers of a crashed run removed, network, engines, swarm, labels,
-        images. On any failure everything is torn down again and LabError raised."""
-        if Lab._active is not None and Lab._active is not self:
-            raise LabError(f"another lab ({Lab._active.prefix}) is up in this process: down() it first")
+        """Build the lab: the machine-wide lock, leftovers of a crashed run removed, network,
+        engines, swarm, labels, images. On any failure everything is torn down again and
+        LabError raised."""
+        if Lab._active is not None:
+            raise LabError(f"this process already has a lab up ({Lab._active.prefix}): down() it first")
         self._check_prerequisites()
         started = time.monotonic()
-        self._clean()
+        self._take_lock()
         Lab._active = self
         try:
-            self._build_network()
+            self._clean()
+            network.build(self.switch_ns, [(h.name, h.ip) for h in self.hosts], self.root_veth, self.root_ip,
+                          SWITCH_NET)
             self._start_engines()
             self.timings["engines"] = time.monotonic() - started
             self._form_swarm()
@@ -266,15 +242,19 @@ class Lab:
         return self
 
     def down(self) -> None:
-        """Tear everything down (idempotent): engines stopped (SIGTERM, then SIGKILL after a few
-        seconds), every process left in the lab's namespaces or cgroups killed, namespaces, veth,
-        cgroups, sockets and data roots removed."""
+        """Tear everything down (idempotent; a no-op unless this object holds the lab): every
+        process of the lab SIGKILLed, namespaces, veth, cgroups, mounts, sockets and data roots
+        removed, the lock released. LabError if anything is left."""
+        if Lab._active is not self:
+            return
         started = time.monotonic()
         try:
             self._clean()
         finally:
-            if Lab._active is self:
-                Lab._active = None
+            Lab._active = None
+            if self._lock is not None:
+                self._lock.close()
+                self._lock = None
         self.timings["down"] = time.monotonic() - started
 
     def __enter__(self) -> Lab:
@@ -290,37 +270,18 @@ class Lab:
         if missing:
             raise LabError(f"the swarm lab needs {', '.join(missing)} on PATH")
 
-    # ----- network -------------------------------------------------------------------------
-    def _build_network(self) -> None:
-        sw = self.switch_ns
-        steps: list[list[str]] = [
-            ["ip", "netns", "add", sw],
-            ["ip", "-n", sw, "link", "set", "lo", "up"],
-            ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
-            ["ip", "-n", sw, "link", "set", "br0", "up"],
-        ]
-        for h in self.hosts:
-            port = f"h{h.index}"
-            steps += [
-                ["ip", "netns", "add", h.name],
-                ["ip", "-n", h.name, "link", "set", "lo", "up"],
-                ["ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", "eth0", "netns", h.name],
-                ["ip", "-n", sw, "link", "set", port, "master", "br0", "up"],
-                ["ip", "-n", h.name, "addr", "add", f"{h.ip}/{SWITCH_NET.prefixlen}", "dev", "eth0"],
-                ["ip", "-n", h.name, "link", "set", "eth0", "up"],
-            ]
-        steps += [
-            ["ip", "link", "add", self.root_veth, "type", "veth", "peer", "name", "root", "netns", sw],
-            ["ip", "-n", sw, "link", "set", "root", "master", "br0", "up"],
-        ]
-        for step in steps:
-            _run(step)
-        # The root end: no forwarding of anything that arrives from the lab, no IPv6, then the
-        # address (whose connected route, 10.213.0.0/24 on this veth, is the only route added).
-        Path(f"/proc/sys/net/ipv4/conf/{self.root_veth}/forwarding").write_text("0\n")
-        Path(f"/proc/sys/net/ipv6/conf/{self.root_veth}/disable_ipv6").write_text("1\n")
-        _run(["ip", "addr", "add", f"{self.root_ip}/{SWITCH_NET.prefixlen}", "dev", self.root_veth])
-        _run(["ip", "link", "set", self.root_veth, "up"])
+    def _take_lock(self) -> None:
+        """Bind the abstract unix socket ``@<prefix>.lab-lock``: one lab per machine. Waits
+        (up to ``lock_timeout``) while another process holds it."""
+        lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        name = f"\0{self.prefix}.lab-lock"
+        try:
+            wait_for(f"the lab lock @{self.prefix}.lab-lock (another test process has a lab up)",
+                     lambda: _bind(lock, name), self.lock_timeout, 0.5)
+        except BaseException:
+            lock.close()
+            raise
+        self._lock = lock
 
     # ----- engines -------------------------------------------------------------------------
     def _daemon_command(self, h: LabHost) -> list[str]:
@@ -340,7 +301,6 @@ class Lab:
             "--bip", f"10.213.{10 + h.index}.1/24",
             "--default-address-pool", f"base={BRIDGE_POOL},size=24",
             "--userland-proxy=false",
-            "--shutdown-timeout", "2",
             "--log-level", "warn",
         ]
 
@@ -349,10 +309,9 @@ class Lab:
         h.data_root.mkdir(parents=True, exist_ok=True)
         config = {"runtimes": {"runsc": self.runtimes["runsc"]}} if h.runsc else {}
         (h.exec_root / "daemon.json").write_text(json.dumps(config, indent=2) + "\n")
-        env = self._docker_env()
+        env = docker_env()
         env["DOCKER_SERVICE_PREFER_OFFLINE_IMAGE"] = "1"  # swarm tasks: never try a registry
-        logfile = self.run_root / f"{h.name}.log"
-        with logfile.open("ab") as out:
+        with (self.run_root / f"{h.name}.log").open("ab") as out:
             self._daemons[h.index] = subprocess.Popen(
                 self._daemon_command(h), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env=env, start_new_session=True)
@@ -362,14 +321,14 @@ class Lab:
 
         def answers() -> bool:
             if daemon.poll() is not None:
-                raise LabError(f"dockerd of {h.name} exited ({daemon.returncode}):\n{self.log_tail(h)}")
+                raise LabError(f"dockerd of {h.name} exited ({daemon.returncode})")
             return self.docker(h, "version", "--format", "{{.Server.Version}}", check=False,
                                timeout=10).returncode == 0
 
         try:
-            _wait(f"dockerd of {h.name} to answer on {h.socket}", answers, self.start_timeout)
+            wait_for(f"dockerd of {h.name} to answer on {h.socket}", answers, self.start_timeout)
         except LabError as exc:
-            raise LabError(f"{exc}\n{self.log_tail(h)}") from None
+            raise LabError(f"{exc}:\n{self.log_tail(h)}") from None
 
     def log_tail(self, host: int | LabHost, lines: int = 30) -> str:
         """The end of the host's dockerd log (for error messages)."""
@@ -383,8 +342,8 @@ class Lab:
         self.run_root.mkdir(parents=True, exist_ok=True)
         self.data_root.mkdir(parents=True, exist_ok=True)
         if self.tmpfs_size:
-            _run(["mount", "-t", "tmpfs", "-o", f"size={self.tmpfs_size},mode=0700", f"{self.prefix}-data",
-                  str(self.data_root)])
+            run(["mount", "-t", "tmpfs", "-o", f"size={self.tmpfs_size},mode=0700", f"{self.prefix}-data",
+                 str(self.data_root)])
         for h in self.hosts:
             self._start_engine(h)
         with ThreadPoolExecutor(len(self.hosts)) as pool:
@@ -405,7 +364,7 @@ class Lab:
             role = "manager" if h.index <= self.managers else "worker"
             self.docker(h, "swarm", "join", "--token", tokens[role], "--advertise-addr", h.ip,
                         "--listen-addr", f"{h.ip}:2377", f"{first.ip}:2377")
-        _wait(f"{len(self.hosts)} Ready nodes", lambda: len(self.ready_nodes()) == len(self.hosts), 60)
+        wait_for(f"{len(self.hosts)} Ready nodes", lambda: len(self.ready_nodes()) == len(self.hosts), 60)
         for h in self.hosts:
             if h.runsc:
                 self.docker(first, "node", "update", "--label-add", f"{RUNSC_LABEL}=true", h.name)
@@ -436,7 +395,7 @@ class Lab:
             nodes = [node for node, state in self.service_tasks(service) if state == "Running"]
             return sorted(nodes) if len(nodes) >= tasks else None
 
-        return _wait(f"{tasks} running tasks of service {service}", running, timeout)
+        return wait_for(f"{tasks} running tasks of service {service}", running, timeout)
 
     # ----- images --------------------------------------------------------------------------
     def load_image(self, tag: str) -> float:
@@ -447,7 +406,7 @@ class Lab:
         images.mkdir(parents=True, exist_ok=True)
         tar = images / (tag.replace("/", "_").replace(":", "_") + ".tar")
         started = time.monotonic()
-        _run(["docker", "save", "-o", str(tar), tag], timeout=600)
+        run(["docker", "save", "-o", str(tar), tag], timeout=600)
         saved = time.monotonic()
         try:
             with ThreadPoolExecutor(len(self.hosts)) as pool:
@@ -460,42 +419,22 @@ class Lab:
         return done - started
 
     # ----- teardown ------------------------------------------------------------------------
-    def _lab_netns(self) -> list[str]:
-        try:
-            names = os.listdir("/run/netns")
-        except FileNotFoundError:
-            return []
-        return sorted(n for n in names if n == self.switch_ns or n.startswith(f"{self.prefix}-h"))
+    def _marks(self) -> tuple[str, str]:
+        return f"{self.run_root}/", f"{self.data_root}/"
 
-    def _cgroup_dirs(self) -> list[Path]:
-        """Top cgroup directories of the lab's engines, in every hierarchy."""
-        return sorted(p for p in CGROUP_ROOT.glob(f"*/{self.prefix}-h*") if p.is_dir())
+    def _cgroups(self) -> list[Path]:
+        return traces.cgroup_tops(f"{self.prefix}-h*")
 
     def lab_pids(self) -> set[int]:
-        """Every process of the lab: in one of its network namespaces, in one of its cgroups, or
-        whose command line names its directories (dockerd, containerd, shims, runsc)."""
-        inodes = {ino for ino in map(_netns_inode, self._lab_netns()) if ino is not None}
-        marks = (f"{self.run_root}/", f"{self.data_root}/")
-        me = {os.getpid(), os.getppid()}
-        pids: set[int] = set()
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit() or int(entry.name) in me:
-                continue
-            try:
-                if os.stat(entry / "ns" / "net").st_ino in inodes:
-                    pids.add(int(entry.name))
-                    continue
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if any(mark in cmdline for mark in marks):
-                pids.add(int(entry.name))
-        for top in self._cgroup_dirs():
-            for procs in top.rglob("cgroup.procs"):
-                with contextlib.suppress(OSError):
-                    pids.update(int(p) for p in procs.read_text().split())
-        # A zombie is already dead (its parent, often init, has yet to reap it): nothing to kill.
-        return {pid for pid in pids - me if _state(pid) not in ("Z", "?")}
+        """Every live process of the lab: in one of its network namespaces, in one of its cgroups,
+        or whose command line names its directories (dockerd, containerd, shims, runsc, docker load)."""
+        return traces.processes(network.named_netns(f"{self.prefix}-"), self._marks(), self._cgroups())
+
+    def lab_mounts(self, *, everywhere: bool = True) -> list[str]:
+        """Mount points of the lab (its directories, its netns files) in any mount namespace of
+        the machine (or only in this process's with ``everywhere=False``)."""
+        return traces.mount_points((str(self.run_root), str(self.data_root), f"/run/netns/{self.prefix}-"),
+                                   everywhere=everywhere)
 
     def _clean(self) -> None:
         """Remove everything of this lab's names, whether this object built it or a crashed run did.
@@ -503,34 +442,16 @@ class Lab:
         Every process of the lab is SIGKILLed at once, without a graceful dockerd shutdown: all
         the lab's state is thrown away, every mount its engines made lives in their private mount
         namespaces (gone with their last process), and a graceful stop of three swarm managers
-        takes over 8 s (each waits for the raft quorum the others are leaving)."""
+        took over 8 s (each waits for the raft quorum the others are leaving)."""
         phases: dict[str, float] = {}
         mark = time.monotonic()
-        deadline = mark + 15
-        while pids := self.lab_pids():
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            self._reap()
-            if time.monotonic() > deadline:
-                raise LabError(f"lab processes survive SIGKILL: {[(p, _cmdline(p)) for p in sorted(pids)]}")
-            time.sleep(0.05)
-        self._reap()
+        traces.kill_all(self.lab_pids, 15, self._reap)
         phases["processes"], mark = time.monotonic() - mark, time.monotonic()
-        for ns in self._lab_netns():
-            _run(["ip", "netns", "del", ns], check=False)
-        if Path(f"/sys/class/net/{self.root_veth}").exists():
-            _run(["ip", "link", "del", self.root_veth], check=False)
+        network.remove(network.named_netns(f"{self.prefix}-"), self.root_veth)
         phases["network"], mark = time.monotonic() - mark, time.monotonic()
-        for top in self._cgroup_dirs():
-            for sub in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
-                with contextlib.suppress(OSError):
-                    sub.rmdir()
-            with contextlib.suppress(OSError):
-                top.rmdir()
-        phases["cgroups"], mark = time.monotonic() - mark, time.monotonic()
+        traces.remove_cgroups(self._cgroups())
         for point in reversed(self.lab_mounts(everywhere=False)):  # the data tmpfs, in the root mount ns
-            _run(["umount", point], check=False)
+            run(["umount", point], check=False)
         for root in (self.run_root, self.data_root):
             if root.exists():
                 shutil.rmtree(root)
@@ -549,81 +470,50 @@ class Lab:
     def leftovers(self) -> list[str]:
         """What of the lab still exists (empty after a clean down()): namespaces, the root veth,
         processes, mounts (in every mount namespace on the machine), cgroups, directories."""
-        left = [f"netns {ns}" for ns in self._lab_netns()]
-        if Path(f"/sys/class/net/{self.root_veth}").exists():
+        left = [f"netns {ns}" for ns in network.named_netns(f"{self.prefix}-")]
+        if network.link_exists(self.root_veth):
             left.append(f"link {self.root_veth}")
-        left += [f"process {pid}: {_cmdline(pid)}" for pid in sorted(self.lab_pids())]
+        left += [f"process {pid}: {traces.cmdline(pid)}" for pid in sorted(self.lab_pids())]
         left += [f"mount {m}" for m in self.lab_mounts()]
-        left += [f"cgroup {p}" for p in self._cgroup_dirs()]
+        left += [f"cgroup {p}" for p in self._cgroups()]
         left += [f"directory {p}" for p in (self.run_root, self.data_root) if p.exists()]
         return left
 
-    def lab_mounts(self, *, everywhere: bool = True) -> list[str]:
-        """Mount points of the lab (under its directories or its netns files), in any mount
-        namespace of the machine (or only in this process's with ``everywhere=False``)."""
-        marks = (str(self.run_root), str(self.data_root), f"/run/netns/{self.prefix}-")
-        seen: set[int] = set()
-        found: set[str] = set()
-        entries = Path("/proc").iterdir() if everywhere else [Path("/proc/self")]
-        for entry in entries:
-            if not entry.name.isdigit() and entry.name != "self":
-                continue
-            try:
-                ns = os.stat(entry / "ns" / "mnt").st_ino
-                if ns in seen:
-                    continue
-                seen.add(ns)
-                text = (entry / "mountinfo").read_text()
-            except OSError:
-                continue
-            for line in text.splitlines():
-                point = line.split()[4]
-                if point.startswith(marks):
-                    found.add(point)
-        return sorted(found)
 
-
-def _state(pid: int) -> str:
+def _bind(sock: socket.socket, name: str) -> bool:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()[:200]
-    except OSError:
-        return "?"
-
-
-_shared_lock = threading.Lock()
+        sock.bind(name)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            return False
+        raise
+    return True
 
 
 @contextlib.contextmanager
 def running_lab(**kwargs) -> Iterator[Lab]:
-    """A lab that is up for the block and torn down after it; the teardown fails loudly
-    (LabError naming what is left) if anything of the lab survives."""
-    with _shared_lock:
-        lab = Lab(**kwargs).up()
+    """A :class:`Lab` (keyword arguments as its) up for the block and torn down after it; the
+    teardown fails loudly (LabError naming what is left) if anything of the lab survives."""
+    lab = Lab(**kwargs).up()
     try:
         yield lab
     finally:
-        with _shared_lock:
-            lab.down()
+        lab.down()
 
 
-if __name__ == "__main__":  # python -m tests.cluster.lab up|down|leftovers (by hand, for debugging)
+if __name__ == "__main__":  # python -m tests.cluster.lab up|down|leftovers, by hand, for debugging
     import sys
 
     logging.basicConfig(level=logging.INFO)
     verb = sys.argv[1] if len(sys.argv) > 1 else "leftovers"
     lab = Lab()
-    if verb == "up":
+    if verb == "up":  # the lab stays up after this process (and its lock) is gone
         lab.up()
-        print(json.dumps(lab.timings, indent=2))
-    elif verb == "down":
+    elif verb == "down":  # takes the lock, then removes whatever of the lab exists
+        lab._take_lock()
+        Lab._active = lab
         lab.down()
-        print(json.dumps(lab.timings, indent=2))
     else:
         print("\n".join(lab.leftovers()) or "nothing left")
+    if verb != "leftovers":
+        print(json.dumps(lab.timings, indent=2))
