@@ -626,6 +626,29 @@ class SessionRegistry:
                 with contextlib.suppress(OSError):
                     await asyncio.to_thread(os.unlink, transcript)
 
+    async def declare_lost(self) -> int:
+        """After this host was marked down by the cluster (it stopped heartbeating: frozen, cut
+        off), let go of the live sessions the catalog now records as lost: their tenants were
+        told, through the other hosts, that they are lost, so they are lost here too (noted in
+        the transcript, sandbox removed, listed with the reason until deleted), never quietly
+        carried on. Returns how many."""
+        if self.store is None:
+            return 0
+        declared = [
+            record
+            for record in await self.store.load()
+            if record.state == SandboxState.LOST and record.session_id in self._sessions
+        ]
+        for record in declared:
+            managed = self._sessions.pop(record.session_id)
+            reason = record.lost_reason or "the cluster declared it lost"
+            with contextlib.suppress(Exception):
+                await managed.session.note(f"**session lost:** {reason}; the cluster declared it lost")
+            await managed.session.shutdown()
+            self.add_lost(LostSession(record, reason))
+            log.warning("session declared lost by the cluster", extra={"session": record.session_id})
+        return len(declared)
+
     async def _remove(self, managed: ManagedSession) -> None:
         await managed.session.shutdown()
         if self.snapshots is not None:  # its per-cell checkpoints, if it kept any

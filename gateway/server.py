@@ -420,6 +420,7 @@ async def _join(cluster: ClusterCatalog, settings: GatewaySettings, registry: Se
         load=registry.load,
         interval=settings.heartbeat_seconds,
         down_after=settings.host_down_after,
+        on_return=registry.declare_lost,
     )
     await membership.start()
     return membership

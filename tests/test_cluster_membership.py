@@ -17,8 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import nbformat
 import psycopg
 
+from .conftest import container_ids_of
 from .postgres_fixtures import create_database, running_postgres
 from .test_durable_sessions import Serve, clean_up
 
@@ -99,23 +101,62 @@ async def test_a_killed_host_is_marked_down_by_the_others_and_its_sessions_are_l
                 await clean_up(serve, mine)
 
 
-async def test_a_gateway_that_stops_says_so_and_keeps_its_sessions(tmp_path, fresh_postgres_url):
+async def test_a_gateway_that_stops_says_so_and_keeps_its_sessions_through_a_slow_restart(tmp_path, fresh_postgres_url):
     url = fresh_postgres_url
-    a = Serve(tmp_path / "a", "runc")
+    a, b = Serve(tmp_path / "a", "runc"), Serve(tmp_path / "b", "runc")
     ids: list[str] = []
     try:
         await a.start(*cluster_flags(tmp_path, url, "host-a", a))
         session = await a.create()
         ids.append(session["id"])
+        await b.start(*cluster_flags(tmp_path, url, "host-b", b))  # it would mark a crashed host down
         assert await a.term() == 0
+        assert rows(url, "SELECT status FROM hosts WHERE host_id = 'host-a'") == [("stopping",)]
+        # Longer than --host-down-after: a host that said it is restarting is given its grace
+        # (an upgrade pulling an image takes time); a crashed one is not (the test above).
+        await asyncio.sleep(float(DOWN_AFTER) + 3 * float(HEARTBEAT) + 1)
         assert rows(url, "SELECT status FROM hosts WHERE host_id = 'host-a'") == [("stopping",)]
         assert rows(url, "SELECT state FROM sandboxes WHERE session_id = %s", session["id"]) == [("running",)]
         await a.start(*cluster_flags(tmp_path, url, "host-a", a))  # durable sessions: adopted back
         assert rows(url, "SELECT status FROM hosts WHERE host_id = 'host-a'") == [("up",)]
         assert (await a.execute(session["id"], "print('kept')"))["text"] == "kept\n"
     finally:
-        if a.proc is not None:
-            await clean_up(a, ids)
+        for serve, mine in ((a, ids), (b, [])):
+            if serve.proc is not None:
+                await clean_up(serve, mine)
+
+
+async def test_a_host_that_was_cut_off_lets_go_of_the_sessions_the_cluster_declared_lost(tmp_path, fresh_postgres_url):
+    url = fresh_postgres_url
+    a, b = Serve(tmp_path / "a", "runc"), Serve(tmp_path / "b", "runc")
+    ids: list[str] = []
+    try:
+        await b.start(*cluster_flags(tmp_path, url, "host-b", b))
+        held = await b.create()
+        ids.append(held["id"])
+        await a.start(*cluster_flags(tmp_path, url, "host-a", a))
+        assert b.proc is not None
+        b.proc.send_signal(signal.SIGSTOP)  # frozen: no heartbeat, as if cut off from the catalog
+        try:
+            await until(
+                "host-b marked down",
+                lambda: rows(url, "SELECT 1 FROM hosts WHERE host_id = 'host-b' AND status = 'down'"),
+            )
+        finally:
+            b.proc.send_signal(signal.SIGCONT)
+        # Its tenant was told the session is lost; the host that comes back agrees, and removes it.
+        await until(
+            "host-b up again", lambda: rows(url, "SELECT 1 FROM hosts WHERE host_id = 'host-b' AND status = 'up'")
+        )
+        await until("the sandbox removed", lambda: not container_ids_of(held["id"]))
+        status, body = await b.call("POST", f"/api/sessions/{held['id']}/execute", {"code": "1"})
+        assert status == 410 and "host-b" in body["message"], (status, body)
+        await b.flushed(held["id"])
+        assert "declared it lost" in json.dumps(nbformat.read(held["path"], as_version=4).cells)
+    finally:
+        for serve, mine in ((b, ids), (a, [])):
+            if serve.proc is not None:
+                await clean_up(serve, mine)
 
 
 async def test_losing_the_catalog_refuses_creates_fast_and_local_sessions_keep_working(tmp_path):

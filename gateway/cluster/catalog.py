@@ -48,6 +48,10 @@ RESERVATION_SECONDS = (
     600.0  # longer than any create takes (image start, adoption); a crashed creator's place comes back
 )
 HOST_STATUSES = frozenset({"up", "down", "stopping"})
+# A host that said it is stopping (a restart, a rolling upgrade) is given at least this long
+# before it is marked down and its sessions lost: its sandboxes keep running meanwhile, and the
+# next gateway on it adopts them (durable sessions). One that crashed gets only host_down_after.
+RESTART_GRACE_SECONDS = 120.0
 _HOST_COLUMNS = "host_id, url, runtimes, capacity, sessions, free, status, heartbeat_at"
 _H_HOST_COLUMNS = ", ".join(f"h.{name.strip()}" for name in _HOST_COLUMNS.split(","))
 
@@ -110,9 +114,10 @@ class ClusterCatalog:
         previous = await self._row(sql, params, what="registering this host in")
         self._note_return(previous)
 
-    async def heartbeat(self, sessions: int, free: int) -> None:
+    async def heartbeat(self, sessions: int, free: int) -> bool:
         """This host is alive with ``sessions`` sessions and room for ``free`` more (the server's
-        clock times it). A host marked down meanwhile is 'up' again (its lost sessions stay lost).
+        clock times it). A host marked down meanwhile is 'up' again (its lost sessions stay lost):
+        returns True then, so the gateway lets go of the sessions the cluster declared lost.
         StoreError if the host is not registered (its row was deleted: register again)."""
         sql = (
             "UPDATE hosts h SET sessions = %s, free = %s, heartbeat_at = now(), status = 'up' "
@@ -123,10 +128,11 @@ class ClusterCatalog:
         if row is None:
             raise StoreError(f"host {self.host_id!r} is not registered in the cluster catalog: register it again")
         self._note_return(row)
+        return row[0] == "down"
 
     async def leave(self) -> None:
         """A graceful stop: 'stopping' (no new sessions are placed here; marked down if it does
-        not come back within ``host_down_after``)."""
+        not come back within ``host_down_after``, or :data:`RESTART_GRACE_SECONDS` if longer)."""
         await self._execute(
             "UPDATE hosts SET status = 'stopping' WHERE host_id = %s", (self.host_id,), "leaving the cluster in"
         )
@@ -165,7 +171,8 @@ class ClusterCatalog:
         sql = (
             "WITH down AS ("
             "  UPDATE hosts SET status = 'down' WHERE status <> 'down' AND host_id <> %(me)s"
-            "  AND heartbeat_at < now() - make_interval(secs => %(after)s)"
+            "  AND heartbeat_at < now() - make_interval(secs => CASE WHEN status = 'stopping'"
+            "    THEN greatest(%(after)s, %(restart)s) ELSE %(after)s END)"
             "  RETURNING host_id, heartbeat_at"
             "), lost AS ("
             "  UPDATE sandboxes s SET state = %(lost)s, updated_at = extract(epoch FROM clock_timestamp()),"
@@ -180,6 +187,7 @@ class ClusterCatalog:
         params = {
             "me": self.host_id,
             "after": float(after_seconds),
+            "restart": RESTART_GRACE_SECONDS,
             "lost": SandboxState.LOST.value,
             "session": SandboxKind.SESSION.value,
             "running": SandboxState.RUNNING.value,

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from sandkernel.logs import Throttle
@@ -32,7 +32,7 @@ class MembershipCatalog(Protocol):
 
     async def register(self, url: str, runtimes: Sequence[str], capacity: int) -> None: ...
 
-    async def heartbeat(self, sessions: int, free: int) -> None: ...
+    async def heartbeat(self, sessions: int, free: int) -> bool: ...
 
     async def mark_down_stale(self, after_seconds: float) -> list[str]: ...
 
@@ -55,6 +55,7 @@ class ClusterMembership:
         load: Callable[[], tuple[int, int]],
         interval: float,
         down_after: float,
+        on_return: Callable[[], Awaitable[int]] | None = None,
     ) -> None:
         self.catalog = catalog
         self.host_id = host_id
@@ -64,6 +65,7 @@ class ClusterMembership:
         self.load = load
         self.interval = interval
         self.down_after = down_after
+        self.on_return = on_return  # after this host was marked down: let go of what was declared lost
         self.last_beat = 0.0  # time.monotonic() of the last beat the catalog took
         self._task: asyncio.Task[None] | None = None
         self._failures = Throttle(30.0)
@@ -87,8 +89,13 @@ class ClusterMembership:
     async def beat(self) -> list[str]:
         """One heartbeat and one look for hosts gone quiet; returns the hosts marked down now."""
         sessions, free = self.load()
-        await asyncio.wait_for(self.catalog.heartbeat(sessions, free), BEAT_TIMEOUT_SECONDS)
+        was_down = await asyncio.wait_for(self.catalog.heartbeat(sessions, free), BEAT_TIMEOUT_SECONDS)
         self.last_beat = time.monotonic()
+        if was_down and self.on_return is not None:
+            lost = await self.on_return()
+            log.warning(
+                "this host had been marked down: %d session(s) declared lost let go", lost, extra={"host": self.host_id}
+            )
         down = await asyncio.wait_for(self.catalog.mark_down_stale(self.down_after), BEAT_TIMEOUT_SECONDS)
         for host in down:
             log.warning(
