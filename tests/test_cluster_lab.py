@@ -212,6 +212,19 @@ def test_the_test_process_reaches_every_host(swarm_lab: Lab) -> None:
             pass
 
 
+def test_a_killed_host_stops_answering_and_the_swarm_keeps_its_quorum(swarm_lab: Lab) -> None:
+    """Second to last (it breaks host 3): kill_host() is how the cluster tests stop a host."""
+    swarm_lab.docker(3, "run", "-d", "--network", "none", BASE_IMAGE, "sleep", "300")
+    swarm_lab.kill_host(3)
+    assert swarm_lab.docker(3, "version", check=False, timeout=10).returncode != 0
+    probe = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], 2377), timeout=2)\n"
+             "    print('answered')\nexcept OSError as e:\n    print('no answer', e)\n")
+    assert swarm_lab.in_netns(1, sys.executable, "-c", probe, swarm_lab.ip_of(3)).stdout.startswith("no answer")
+    # Hosts 1 and 2 carry on, and 2 managers of 3 still make a quorum: the swarm still answers.
+    assert len(swarm_lab.nodes()) == 3
+    assert swarm_lab.docker(2, "node", "ls", "--format", "{{.Hostname}}").returncode == 0
+
+
 def test_teardown_leaves_nothing(swarm_lab: Lab) -> None:
     """Last in the module: takes the lab down itself (the fixture's down() after it is a no-op)."""
     pids = {h.index: int((h.exec_root / "dockerd.pid").read_text()) for h in swarm_lab.hosts}

@@ -418,6 +418,15 @@ class Lab:
         self.timings[f"load {tag}"] = done - saved
         return done - started
 
+    def kill_host(self, host: int | LabHost) -> None:
+        """The host dies: every process of its engine (dockerd, containerd, shims, containers)
+        SIGKILLed and its network link down, so the other hosts see it stop answering. Its
+        namespace and files stay until :meth:`down`."""
+        h = self.host(host)
+        traces.kill_all(lambda: traces.processes([h.name], (f"{h.exec_root}/", f"{h.data_root}/"),
+                                                 traces.cgroup_tops(h.name)), 15, self._reap)
+        run(["ip", "-n", h.name, "link", "set", "eth0", "down"])
+
     # ----- teardown ------------------------------------------------------------------------
     def _marks(self) -> tuple[str, str]:
         return f"{self.run_root}/", f"{self.data_root}/"
