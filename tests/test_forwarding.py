@@ -280,7 +280,7 @@ async def test_the_kernel_websocket_is_relayed_to_the_owner(cluster, placed):
         )
         try:
             msg_id = uuid.uuid4().hex
-            ws.write_message(json.dumps(execute_request(msg_id, "print(x + 1)")))
+            ws.write_message(json.dumps(execute_request(msg_id, "print(40 + 3)")))
             texts, reply, idle = [], None, False
             while reply is None or not idle:  # the reply (shell) and idle (iopub) come in either order
                 message = await asyncio.wait_for(ws.read_message(), 60)
