@@ -51,6 +51,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -398,25 +399,53 @@ class Lab:
         return wait_for(f"{tasks} running tasks of service {service}", running, timeout)
 
     # ----- images --------------------------------------------------------------------------
-    def load_image(self, tag: str) -> float:
-        """``docker save`` ``tag`` from the main engine once, ``docker load`` it into every lab
-        engine (in parallel); returns the seconds taken (also in :attr:`timings` as
-        ``save <tag>`` and ``load <tag>``). The tar file is removed afterwards."""
-        images = self.data_root / "images"
-        images.mkdir(parents=True, exist_ok=True)
-        tar = images / (tag.replace("/", "_").replace(":", "_") + ".tar")
+    def load_image(self, tag: str, timeout: float = 900.0) -> float:
+        """Copy ``tag`` from the main engine into every lab engine: one ``docker save`` streamed
+        into a ``docker load`` per engine at once (no tar file, and the loads overlap the save);
+        returns the seconds taken (also in :attr:`timings` as ``load <tag>``). LabError, with
+        docker's message, if the save or a load fails or all of it takes over ``timeout`` s."""
         started = time.monotonic()
-        run(["docker", "save", "-o", str(tar), tag], timeout=600)
-        saved = time.monotonic()
+        save = subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        loads = [subprocess.Popen(["docker", "-H", h.docker_host, "load", "-q"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=docker_env())
+                 for h in self.hosts]
+        named = [(f"docker save {tag}", save)] + [
+            (f"docker load into {h.name}", load) for h, load in zip(self.hosts, loads, strict=True)]
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            for _, proc in named:
+                proc.kill()
+
+        watchdog = threading.Timer(timeout, expire)
+        watchdog.start()
+        failures: list[str] = []
         try:
-            with ThreadPoolExecutor(len(self.hosts)) as pool:
-                list(pool.map(lambda h: self.docker(h, "load", "-q", "-i", str(tar), timeout=900), self.hosts))
+            assert save.stdout is not None
+            while chunk := save.stdout.read(1 << 20):
+                for load in loads:
+                    with contextlib.suppress(BrokenPipeError):  # a load that died: its stderr says why, below
+                        load.stdin.write(chunk)  # type: ignore[union-attr]
+            for load in loads:
+                with contextlib.suppress(BrokenPipeError):
+                    load.stdin.close()  # type: ignore[union-attr]
+            for name, proc in named:
+                err = proc.stderr.read().decode(errors="replace").strip()  # type: ignore[union-attr]
+                if proc.wait() != 0:
+                    failures.append(f"{name} failed ({proc.returncode}): {err}")
         finally:
-            tar.unlink(missing_ok=True)
-        done = time.monotonic()
-        self.timings[f"save {tag}"] = saved - started
-        self.timings[f"load {tag}"] = done - saved
-        return done - started
+            watchdog.cancel()
+            for _, proc in named:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+        if expired.is_set():
+            failures.insert(0, f"copying {tag} took over {timeout} s")
+        if failures:
+            raise LabError("; ".join(failures))
+        self.timings[f"load {tag}"] = time.monotonic() - started
+        return self.timings[f"load {tag}"]
 
     def kill_host(self, host: int | LabHost) -> None:
         """The host dies: every process of its engine (dockerd, containerd, shims, containers)
