@@ -215,13 +215,15 @@ async def cluster(tmp_path_factory, request) -> AsyncIterator[tuple[Host, Host]]
 
 @pytest.fixture(scope="module")
 async def placed(cluster: tuple[Host, Host]) -> dict[str, dict[str, Any]]:
-    """Two of alice's sessions, one created through each gateway; placement puts them on both
-    hosts (each goes to the host with most room). Keyed by the host id that holds it."""
+    """Two of alice's sessions, both created through host-b: placement puts them on both hosts
+    (each goes to the host with most room), so one create was forwarded to host-a (signed, with
+    X-Sandkernel-Place-Here) and created there. Keyed by the host id that holds it."""
     a, b = cluster
     models = []
-    for host in (a, b):
-        status, model, _ = await host.call("POST", "/api/sessions", {"metadata": {"via": host.host_id}})
-        assert status == 201, (status, model, host.serve.output[-4000:])
+    for _ in range(2):
+        status, model, _ = await b.call("POST", "/api/sessions", {"metadata": {"via": b.host_id}})
+        assert status == 201, (status, model, b.serve.output[-4000:], a.serve.output[-4000:])
+        assert model["metadata"] == {"via": b.host_id}
         models.append(model)
     by_host = {host.host_id: m for m in models for host in (a, b) if host.holds(m)}
     assert set(by_host) == {"host-a", "host-b"}, f"placement did not use both hosts: {[m['path'] for m in models]}"
