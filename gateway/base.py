@@ -25,7 +25,7 @@ from tornado import web
 from sandkernel.errors import KernelNotFoundError, SandkernelError, SessionClosedError
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.metrics import GatewayMetrics
-from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.registry import LostSession, SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -138,6 +138,8 @@ class BaseHandler(web.RequestHandler):
     _counted = False
     forwarded_from: str | None = None  # the origin host of a request another gateway forwarded (verified)
     forward_to: HostInfo | None = None  # the host this request is passed to (cluster mode)
+    lost_elsewhere: LostSession | None = None  # its session was lost with its host (cluster mode)
+    serves_session_model = False  # GET/DELETE /api/sessions/{id}: a lost session's model and delete
     forwarding: Any = None  # the exchange with that host, once started (gateway/cluster/forward.py)
 
     def initialize(
@@ -192,11 +194,33 @@ class BaseHandler(web.RequestHandler):
                 self.registry.by_kernel(self.tenant, kernel_id)
                 return
         host = await cluster.owner_elsewhere(self.tenant, session_id=session_id, kernel_id=kernel_id)
+        if host is not None and host.status == "down" and session_id is not None:
+            lost = await cluster.lost_with_its_host(self.tenant, session_id)
+            if lost is not None:  # no gateway holds it: answered here, from its record
+                self.lost_elsewhere = LostSession(lost, lost.lost_reason or f"its host {host.host_id} is down")
+                setattr(self, (self.request.method or "get").lower(), self._answer_lost)
+                return
         if host is not None:
             self.forward_to = host
             # tornado calls the verb by its name once the body is in: this request's is _forward
             # (an instance attribute, so the handler class and its other requests are untouched).
             setattr(self, (self.request.method or "get").lower(), self._forward)
+
+    async def _answer_lost(self, *args: Any, **kwargs: Any) -> None:
+        """The verb of a request for a session lost with its host (see :meth:`_route`): the
+        session's own GET gives its model (state ``lost``, why) and its DELETE clears it, as on
+        the host that held it; anything else is the 410 that says to delete it."""
+        lost = self.lost_elsewhere
+        assert lost is not None and self.cluster is not None
+        if self.serves_session_model and self.request.method == "GET":
+            self.write_json(lost.session_model())
+            return
+        if self.serves_session_model and self.request.method == "DELETE":
+            await self.cluster.forget_lost(self.tenant, lost.id)
+            self.set_status(204)
+            self.finish()
+            return
+        raise lost.error()
 
     async def _forward(self, *args: Any, **kwargs: Any) -> None:
         """The verb of a request passed to the host that holds its session (see :meth:`_route`)."""

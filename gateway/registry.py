@@ -225,7 +225,7 @@ class LostSession(RecordedSession):
         """The session model of a live session, with state ``lost`` and the reason; its kernel is
         ``dead``."""
         return {
-            **_recorded_model(self.record, self.record.kernel.get("kernel_id"), "dead"),
+            **recorded_model(self.record, self.record.kernel.get("kernel_id"), "dead"),
             "state": SandboxState.LOST.value,
             "lost_reason": self.reason,
         }
@@ -252,13 +252,13 @@ class PausedSession(RecordedSession):
     def session_model(self) -> dict[str, Any]:
         """The session model with state ``paused`` and its snapshot; its kernel does not run."""
         return {
-            **_recorded_model(self.record, None, "paused"),
+            **recorded_model(self.record, None, "paused"),
             "state": SandboxState.PAUSED.value,
             "snapshot": self.snapshot,
         }
 
 
-def _recorded_model(record: SandboxRecord, kernel_id: Any, execution_state: str) -> dict[str, Any]:
+def recorded_model(record: SandboxRecord, kernel_id: Any, execution_state: str) -> dict[str, Any]:
     """The session model of a session known only by its catalog record (lost, paused)."""
     gateway = record.gateway
     metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}

@@ -114,6 +114,8 @@ class SessionHandler(SessionScoped):
     """GET the session model (a lost session's too: state ``lost`` and why); DELETE the session
     (its container, or a lost one's leftovers; the transcript is kept unless asked)."""
 
+    serves_session_model = True
+
     async def get(self, session_id: str) -> None:
         await self.registry.settled(session_id, self.tenant)
         self.write_json(self.registry.find(self.tenant, session_id).session_model())

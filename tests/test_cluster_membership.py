@@ -21,6 +21,7 @@ import nbformat
 import psycopg
 
 from .conftest import container_ids_of
+from .gateway_fixtures import BOB
 from .postgres_fixtures import create_database, running_postgres
 from .test_durable_sessions import Serve, clean_up
 
@@ -85,14 +86,25 @@ async def test_a_killed_host_is_marked_down_by_the_others_and_its_sessions_are_l
         ids.append(fresh["id"])
         assert (await a.execute(fresh["id"], "print('still here')"))["text"] == "still here\n"
 
-        # The killed host comes back: up again, and what was declared lost stays lost (its
-        # tenant was told; it is never quietly turned back), readable with the reason.
+        # No gateway holds it now; any gateway answers for it from the catalog: lost, with why.
+        status, model = await a.call("GET", f"/api/sessions/{held['id']}")
+        assert status == 200 and model["state"] == "lost" and "host-b" in model["lost_reason"], (status, model)
+        status, body = await a.call("POST", f"/api/sessions/{held['id']}/execute", {"code": "print(x)"})
+        assert status == 410 and body["error"] == "sandbox_lost" and "host-b" in body["message"], (status, body)
+        status, _ = await a.call("GET", f"/api/sessions/{held['id']}", token=BOB)
+        assert status == 404  # another tenant's lost session is as unknown as any other
+        status, _ = await a.call("DELETE", f"/api/sessions/{held['id']}")  # its tenant clears it
+        assert status == 204 and not rows(url, "SELECT 1 FROM sandboxes WHERE session_id = %s", held["id"])
+        status, _ = await a.call("GET", f"/api/sessions/{held['id']}")
+        assert status == 404
+
+        # The killed host comes back: up again, with no record of the deleted session, so what
+        # was left of its sandbox is reaped at start-up.
         await b.start(*cluster_flags(tmp_path, url, "host-b", b))
         assert rows(url, "SELECT status FROM hosts WHERE host_id = 'host-b'") == [("up",)]
-        status, model = await b.call("GET", f"/api/sessions/{held['id']}")
-        assert status == 200 and model["state"] == "lost" and "host-b" in model["lost_reason"], (status, model)
-        status, body = await b.call("POST", f"/api/sessions/{held['id']}/execute", {"code": "print(x)"})
-        assert status == 410, (status, body)
+        assert not container_ids_of(held["id"])
+        status, _ = await b.call("GET", f"/api/sessions/{held['id']}")
+        assert status == 404
     finally:
         # Without the cluster flags the state dir's own catalog holds nothing, so the clean-up
         # gateway reaps every container of the test's (their owners are gone) and checks that.

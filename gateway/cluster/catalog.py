@@ -53,6 +53,7 @@ HOST_STATUSES = frozenset({"up", "down", "stopping"})
 # next gateway on it adopts them (durable sessions). One that crashed gets only host_down_after.
 RESTART_GRACE_SECONDS = 120.0
 _HOST_COLUMNS = "host_id, url, runtimes, capacity, sessions, free, status, heartbeat_at"
+_S_RECORD_COLUMNS = ", ".join(f"s.{name.strip()}" for name in RECORD_COLUMNS.split(","))
 _H_HOST_COLUMNS = ", ".join(f"h.{name.strip()}" for name in _HOST_COLUMNS.split(","))
 
 
@@ -220,6 +221,28 @@ class ClusterCatalog:
         )
         row = await self._row(sql, (kernel_id, SandboxKind.SESSION.value), what="reading")
         return (HostInfo.from_row(row), row[8], row[9]) if row is not None else None
+
+    async def lost_on_down_host(self, session_id: str, tenant: str) -> SandboxRecord | None:
+        """The tenant's session ``session_id`` if it was lost with a host that is down (no gateway
+        can answer for it but the catalog), else None."""
+        sql = (
+            f"SELECT {_S_RECORD_COLUMNS} FROM sandboxes s JOIN hosts h ON h.host_id = s.host_id "
+            "WHERE s.session_id = %s AND s.tenant = %s AND s.kind = %s AND s.state = %s AND h.status = 'down'"
+        )
+        params = (session_id, tenant, SandboxKind.SESSION.value, SandboxState.LOST.value)
+        rows = await self._all(sql, params, what="reading")
+        return self.store.records(rows)[0] if rows else None
+
+    async def forget_lost(self, session_id: str, tenant: str) -> bool:
+        """Delete the record of the tenant's session lost with a down host (its tenant deleted it:
+        it no longer counts against the limit). True if there was one. The host, if it ever comes
+        back, finds no record and reaps what is left of the sandbox."""
+        sql = (
+            "DELETE FROM sandboxes s USING hosts h WHERE h.host_id = s.host_id AND s.session_id = %s "
+            "AND s.tenant = %s AND s.kind = %s AND s.state = %s AND h.status = 'down' RETURNING s.session_id"
+        )
+        params = (session_id, tenant, SandboxKind.SESSION.value, SandboxState.LOST.value)
+        return bool(await self._all(sql, params, what="deleting a lost session in"))
 
     async def tenant_sessions(self, tenant: str) -> list[SandboxRecord]:
         """The tenant's sessions on every host (every state), oldest first."""

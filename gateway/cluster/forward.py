@@ -38,7 +38,7 @@ from tornado.tcpclient import TCPClient
 from sandkernel.errors import ClusterUnavailableError, SandkernelError
 from sandkernel.gateway.base import MAX_BODY_BYTES
 from sandkernel.gateway.cluster.signing import FORWARDED_HEADER, PLACE_HERE_HEADER, sign, verify
-from sandkernel.gateway.registry import LostSession, PausedSession, _recorded_model
+from sandkernel.gateway.registry import LostSession, PausedSession, recorded_model
 from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 
 if TYPE_CHECKING:
@@ -95,6 +95,14 @@ class OwnerCatalog(Protocol):
 
     async def tenant_sessions(self, tenant: str) -> list[SandboxRecord]: ...
 
+    async def lost_on_down_host(self, session_id: str, tenant: str) -> SandboxRecord | None: ...
+
+    async def forget_lost(self, session_id: str, tenant: str) -> bool: ...
+
+    async def reserve(self, tenant: str, limit: int | None, session_id: str) -> None: ...
+
+    async def release(self, session_id: str) -> None: ...
+
 
 @dataclasses.dataclass
 class ClusterLink:
@@ -142,6 +150,15 @@ class ClusterLink:
         if owner_tenant != tenant or host.host_id == self.host_id:
             return None
         return host
+
+    async def lost_with_its_host(self, tenant: str, session_id: str) -> SandboxRecord | None:
+        """The record of the tenant's session if it was lost with a host that is down: then no
+        gateway holds it and this one answers for it from the catalog (410, the lost model)."""
+        return await self._ask(self.catalog.lost_on_down_host(session_id, tenant), "read the session's record")
+
+    async def forget_lost(self, tenant: str, session_id: str) -> bool:
+        """Delete the tenant's session lost with a down host (DELETE of it, through any gateway)."""
+        return await self._ask(self.catalog.forget_lost(session_id, tenant), "delete the session's record")
 
     async def place(self, runtime: str) -> HostInfo | None:
         """The host a new session of ``runtime`` goes to (most free room), or None: none has room."""
@@ -314,7 +331,7 @@ def record_model(record: SandboxRecord) -> dict[str, Any]:
     if record.state == SandboxState.PAUSED:
         return PausedSession(record).session_model()
     return {
-        **_recorded_model(record, record.kernel.get("kernel_id"), "unknown"),
+        **recorded_model(record, record.kernel.get("kernel_id"), "unknown"),
         "state": SandboxState.RUNNING.value,
     }
 
