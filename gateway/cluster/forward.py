@@ -21,10 +21,12 @@ forwarded (the catalog says whose it is), so no host answers differently for it 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
@@ -82,6 +84,10 @@ UNSENDABLE_CLOSE_CODES = frozenset({1005, 1006, 1015})
 # What a relayed websocket's client gets when the owner's connection drops without a close
 # (RFC 6455 1011, an unexpected condition): Jupyter clients reconnect after it.
 CLOSE_HOST_GONE = 1011
+# How long a session's host, once found in the catalog, is used without asking again, and how
+# many are kept. Short: it bounds how long a moved host URL or a host just marked down is missed.
+OWNER_CACHE_SECONDS = 2.0
+OWNER_CACHE_ENTRIES = 10_000
 
 
 class OwnerCatalog(Protocol):
@@ -114,6 +120,10 @@ class ClusterLink:
     secret: bytes
     host_id: str
     url: str
+    # Where sessions (and kernels) of other hosts were found, briefly: a session never moves to
+    # another host, so a hot session's requests skip the catalog query (most of a hop's cost);
+    # dropped when its host cannot be reached, so a host marked down is asked about again.
+    owners: OwnerCache = dataclasses.field(default_factory=lambda: OwnerCache())
 
     def forwarded_from(self, request: httputil.HTTPServerRequest) -> str | None:
         """The origin host of a request another gateway forwarded (verified: ApiError 401 on a
@@ -140,13 +150,19 @@ class ClusterLink:
     ) -> HostInfo | None:
         """The other host holding the tenant's session (or kernel), or None: serve it here (this
         host holds it, or nobody, or another tenant does: the local 404 is the answer)."""
-        if session_id is not None:
-            found = await self._ask(self.catalog.owner(session_id), "find the session's host")
-        else:
-            found = await self._ask(self.catalog.owner_of_kernel(str(kernel_id)), "find the kernel's host")
+        key = f"s:{session_id}" if session_id is not None else f"k:{kernel_id}"
+        found = self.owners.get(key)
         if found is None:
-            return None
-        host, owner_tenant = found[0], found[1]
+            if session_id is not None:
+                found = await self._ask(self.catalog.owner(session_id), "find the session's host")
+            else:
+                found = await self._ask(self.catalog.owner_of_kernel(str(kernel_id)), "find the kernel's host")
+            if found is None:
+                return None
+            found = (found[0], found[1])
+            if found[0].status == "up":
+                self.owners.put(key, found)
+        host, owner_tenant = found
         if owner_tenant != tenant or host.host_id == self.host_id:
             return None
         return host
@@ -166,6 +182,32 @@ class ClusterLink:
 
     async def tenant_sessions(self, tenant: str) -> list[SandboxRecord]:
         return await self._ask(self.catalog.tenant_sessions(tenant), "list the tenant's sessions")
+
+
+class OwnerCache:
+    """(host, tenant) of other hosts' sessions and kernels for :data:`OWNER_CACHE_SECONDS`, at
+    most :data:`OWNER_CACHE_ENTRIES` (the oldest go first)."""
+
+    def __init__(self) -> None:
+        self._entries: collections.OrderedDict[str, tuple[float, tuple[HostInfo, str]]] = collections.OrderedDict()
+
+    def get(self, key: str) -> tuple[HostInfo, str] | None:
+        entry = self._entries.get(key)
+        if entry is None or entry[0] < time.monotonic():
+            self._entries.pop(key, None)
+            return None
+        return entry[1]
+
+    def put(self, key: str, found: tuple[HostInfo, str]) -> None:
+        self._entries[key] = (time.monotonic() + OWNER_CACHE_SECONDS, found)
+        self._entries.move_to_end(key)
+        while len(self._entries) > OWNER_CACHE_ENTRIES:
+            self._entries.popitem(last=False)
+
+    def forget_host(self, host_id: str) -> None:
+        """Its host could not be reached: ask the catalog again (it may be down, its sessions lost)."""
+        for key in [k for k, (_, (host, _t)) in self._entries.items() if host.host_id == host_id]:
+            del self._entries[key]
 
 
 def cluster_of(registry: object) -> ClusterLink | None:
@@ -304,6 +346,7 @@ async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool
         handler.finish()
         return
     if not relay.started:
+        link.owners.forget_host(host.host_id)
         raise unreachable(host, error)
     log.warning("forwarded response from host %s cut: %s", host.host_id, error)
     if "ndjson" in (relay.headers.get("Content-Type") or ""):
@@ -378,8 +421,10 @@ class ForwardedChannels:
         except HTTPClientError as err:
             if err.code != 599 and err.response is not None:
                 return err.code, err.response.body or b""
+            link.owners.forget_host(host.host_id)
             raise unreachable(host, err) from None
         except (OSError, StreamClosedError, asyncio.TimeoutError) as err:
+            link.owners.forget_host(host.host_id)
             raise unreachable(host, err) from None
         return cls(handler, upstream, host.host_id)
 
