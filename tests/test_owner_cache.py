@@ -8,9 +8,11 @@ from sandkernel.gateway.cluster import forward
 from sandkernel.gateway.cluster.catalog import HostInfo
 from sandkernel.gateway.cluster.forward import OwnerCache
 
+BEAT = dt.datetime(2026, 12, 1, tzinfo=dt.timezone.utc)
+
 
 def host(name: str) -> HostInfo:
-    return HostInfo(name, f"http://{name}:8888", ("runc",), 10, 0, 10, "up", dt.datetime.now(dt.timezone.utc))
+    return HostInfo(name, f"http://{name}:8888", ("runc",), 10, 0, 10, "up", BEAT)
 
 
 def test_an_owner_is_remembered_briefly_then_asked_again(monkeypatch):
