@@ -47,6 +47,8 @@ step "per-cell accounting overhead (${runtimes[*]}): off, on, on without the fan
 python accounting_overhead.py --n "$(n 300 5)" "${runtimes[@]/#/--runtime=}"
 step "production controls on a trivial execute (runc): off, defaults (accounting + audit), + example policy"
 python controls_overhead.py --n "$(n 300 5)"
+step "cluster (runc; 5 gateways on this one machine and engine): forwarding overhead, create through another host, create throughput 1 vs 3 hosts"
+if [ "$quick" = 1 ]; then python cluster.py --quick; else python cluster.py; fi
 step "snapshots (${runtimes[*]}): pause, resume, fork vs cold start + re-running the cells"
 python snapshots.py --repeats "$(n 3 1)" --sizes "$(n 50,200 5)" --forks "$(n 3 2)" "${runtimes[@]/#/--runtime=}"
 step "stateful session vs a fresh process per call (agent, CSV scenario)"

@@ -82,6 +82,37 @@ def density_rows(data: dict) -> list[tuple[str, str, str]]:
     return rows
 
 
+def cluster_rows(data: dict) -> list[tuple[str, str, str]]:
+    """bench/cluster.py: what forwarding adds (execute, NDJSON stream, create) beside the same
+    call straight to the owning host, create throughput 1 vs 3 hosts, the forwarding target."""
+    if not data:
+        return []
+    rows, calls = [], {**data["forwarding"], **data["create"]}
+    for kind in ("execute 1+1", "NDJSON stream execute 1+1", "create"):
+        direct = calls.get(f"{kind}, straight to the owner")
+        forwarded = calls.get(f"{kind}, through another host (forwarded)")
+        if direct and forwarded:
+            rows.append(
+                (
+                    f"cluster: {kind} through another host, p50 ({data['runtime']})",
+                    f"{ms(forwarded['p50_ms'])} ({forwarded['added_p50_ms']:+.2f} ms)",
+                    f"straight to the owning host {ms(direct['p50_ms'])} ({forwarded['ratio_p50']:.2f}x)",
+                )
+            )
+    throughput, burst = data["throughput"], data["burst"]
+    rows.append(
+        (
+            f"cluster: create throughput, burst of {burst} through one endpoint, 3 hosts ({data['runtime']})",
+            f"{throughput['3 hosts']['sessions_per_s']:.2f} sessions/s",
+            f"1 host {throughput['1 host']['sessions_per_s']:.2f}/s ({throughput['3 hosts']['ratio_to_1_host']:.2f}x); "
+            f"all hosts on this one machine ({data['cpus']} cores) and Docker engine",
+        )
+    )
+    for target in data["targets"]:
+        rows.append((f"target: {target['target']}", f"{target['value']:+.2f} ms", "met" if target["met"] else "MISSED"))
+    return rows
+
+
 def main() -> None:
     rows = []
     acquire = load("session_acquire.json")
@@ -166,6 +197,7 @@ def main() -> None:
                     f"{off['p50_ms']:.2f} ms with all off ({row['ratio_to_off'] - 1:+.1%})",
                 )
             )
+    rows += cluster_rows(load("cluster.json"))
     for runtime, sizes in load("snapshots.json").items():
         for size, data in sizes.items():
             fork = next(name for name in data if name.startswith("fork of "))

@@ -52,11 +52,22 @@ def test_bench_suite_runs_and_summarises(tmp_path):
     assert len(tti["targets"]) == 5 and all(isinstance(t["met"], bool) for t in tti["targets"]), tti["targets"]
     density = json.loads((tmp_path / "density.json").read_text())["runc"]
     assert density["sessions"] == 4 and density["random_session"]["n"] > 0, density
+    cluster = json.loads((tmp_path / "cluster.json").read_text())
+    assert cluster["quick"] and len(cluster["forwarding"]) == 4, cluster["forwarding"]
+    assert [row["n"] for row in (cluster["forwarding"] | cluster["create"]).values()] == [5, 5, 5, 5, 1, 1], cluster
+    assert len(cluster["create"]) == 2 and isinstance(cluster["targets"][0]["met"], bool), cluster
+    bursts = {name: setting["bursts"] for name, setting in cluster["throughput"].items()}
+    assert {name: [b["failed"] for b in runs] for name, runs in bursts.items()} == {"1 host": [0], "3 hosts": [0]}
+    # Placement: the pair puts every create on host-a (host-f's room is 1); the trio only on its own hosts.
+    assert bursts["1 host"][0]["spread"] == {"host-a": 4, "host-f": 0}, bursts
+    assert sum(bursts["3 hosts"][0]["spread"].values()) == 4, bursts
     summary = (tmp_path / "SUMMARY.md").read_text()
     assert "idle memory per session, 4 sessions (runc)" in summary
     assert "trivial execute with per-cell accounting (runc, empty workspace)" in summary
     assert "controls defaults (accounting + audit) (runc)" in summary
     assert "pause / resume (replay), 5 MB session (runc)" in summary
+    assert "cluster: execute 1+1 through another host, p50 (runc)" in summary
+    assert "cluster: create throughput, burst of 4 through one endpoint, 3 hosts (runc)" in summary
     assert "time to interactive: create -> pandas read_csv, burst, n=2 (runc)" in summary
     assert "target: warm pool -> first pandas read_csv result" in summary
     assert "acquire -> 1+1, warm pool (runc)" in summary and "| measure | sandkernel | baseline |" in summary
