@@ -51,7 +51,6 @@ import os
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -400,52 +399,26 @@ class Lab:
 
     # ----- images --------------------------------------------------------------------------
     def load_image(self, tag: str, timeout: float = 900.0) -> float:
-        """Copy ``tag`` from the main engine into every lab engine: one ``docker save`` streamed
-        into a ``docker load`` per engine at once (no tar file, and the loads overlap the save);
-        returns the seconds taken (also in :attr:`timings` as ``load <tag>``). LabError, with
-        docker's message, if the save or a load fails or all of it takes over ``timeout`` s."""
+        """Copy ``tag`` from the main engine into every lab engine: ``docker save`` once to a tar
+        on the lab's tmpfs, then a ``docker load`` per engine in parallel, then the tar removed;
+        returns the seconds taken (also in :attr:`timings`: ``save <tag>``, ``load <tag>``).
+        (Streaming one save into the three loads was slower: 12.9 s against 2.3 + 6.5 s for
+        the base image, the loads held in step by the pipes.) LabError with docker's message."""
+        images = self.data_root / "images"
+        images.mkdir(parents=True, exist_ok=True)
+        tar = images / (tag.replace("/", "_").replace(":", "_") + ".tar")
         started = time.monotonic()
-        save = subprocess.Popen(["docker", "save", tag], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        loads = [subprocess.Popen(["docker", "-H", h.docker_host, "load", "-q"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=docker_env())
-                 for h in self.hosts]
-        named = [(f"docker save {tag}", save)] + [
-            (f"docker load into {h.name}", load) for h, load in zip(self.hosts, loads, strict=True)]
-        expired = threading.Event()
-
-        def expire() -> None:
-            expired.set()
-            for _, proc in named:
-                proc.kill()
-
-        watchdog = threading.Timer(timeout, expire)
-        watchdog.start()
-        failures: list[str] = []
         try:
-            assert save.stdout is not None
-            while chunk := save.stdout.read(1 << 20):
-                for load in loads:
-                    with contextlib.suppress(BrokenPipeError):  # a load that died: its stderr says why, below
-                        load.stdin.write(chunk)  # type: ignore[union-attr]
-            for load in loads:
-                with contextlib.suppress(BrokenPipeError):
-                    load.stdin.close()  # type: ignore[union-attr]
-            for name, proc in named:
-                err = proc.stderr.read().decode(errors="replace").strip()  # type: ignore[union-attr]
-                if proc.wait() != 0:
-                    failures.append(f"{name} failed ({proc.returncode}): {err}")
+            run(["docker", "save", "-o", str(tar), tag], timeout=timeout)
+            saved = time.monotonic()
+            with ThreadPoolExecutor(len(self.hosts)) as pool:
+                list(pool.map(lambda h: self.docker(h, "load", "-q", "-i", str(tar), timeout=timeout), self.hosts))
         finally:
-            watchdog.cancel()
-            for _, proc in named:
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
-        if expired.is_set():
-            failures.insert(0, f"copying {tag} took over {timeout} s")
-        if failures:
-            raise LabError("; ".join(failures))
-        self.timings[f"load {tag}"] = time.monotonic() - started
-        return self.timings[f"load {tag}"]
+            tar.unlink(missing_ok=True)
+        done = time.monotonic()
+        self.timings[f"save {tag}"] = saved - started
+        self.timings[f"load {tag}"] = done - saved
+        return done - started
 
     def kill_host(self, host: int | LabHost) -> None:
         """The host dies: every process of its engine (dockerd, containerd, shims, containers)
