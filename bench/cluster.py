@@ -194,7 +194,8 @@ def execute_round_trips(port: int, session_id: str, n: int, stream: bool, warmup
 
 
 async def forwarding(owner: Host, forwarder: Host, n: int, block: int, stream: bool) -> dict[str, Any]:
-    """Per contender: p50/p95 and the CPU both gateways spent per call; the p50 forwarding adds."""
+    """Per contender: p50/p95 and the CPU each gateway (the owner A, the forwarder F) spent per
+    call, warm-ups included; the p50 forwarding adds."""
     status, model = await call(owner.url, "POST", "/api/sessions", {})
     assert status == 201, (status, model)
     session_id = model["id"]
@@ -206,23 +207,25 @@ async def forwarding(owner: Host, forwarder: Host, n: int, block: int, stream: b
         if stream:
             contenders |= {f"{STREAM}, {DIRECT}": (owner, True), f"{STREAM}, {FORWARDED}": (forwarder, True)}
         samples: dict[str, list[float]] = {name: [] for name in contenders}
-        cpu = dict.fromkeys(contenders, 0.0)
+        cpu = {name: [0.0, 0.0] for name in contenders}  # CPU seconds of A, of F
         names = list(contenders)
         round_number = 0
         while min(len(s) for s in samples.values()) < n:
             for name in names[round_number % len(names) :] + names[: round_number % len(names)]:
                 host, streaming = contenders[name]
-                used = owner.cpu_seconds() + forwarder.cpu_seconds()
+                used = owner.cpu_seconds(), forwarder.cpu_seconds()
                 count = min(block, n - len(samples[name])) or 1
                 samples[name] += await asyncio.to_thread(execute_round_trips, host.port, session_id, count, streaming)
-                cpu[name] += owner.cpu_seconds() + forwarder.cpu_seconds() - used
+                cpu[name][0] += owner.cpu_seconds() - used[0]
+                cpu[name][1] += forwarder.cpu_seconds() - used[1]
             round_number += 1
     finally:
         await call(owner.url, "DELETE", f"/api/sessions/{session_id}")
     results: dict[str, Any] = {}
     for name, values in samples.items():
         trips = len(values) + 3 * -(-len(values) // block)  # with the warm-ups
-        results[name] = {**stats(values), "gateways_cpu_ms": 1000 * cpu[name] / trips}
+        owner_ms, forwarder_ms = (1000 * seconds / trips for seconds in cpu[name])
+        results[name] = {**stats(values), "owner_cpu_ms": owner_ms, "forwarder_cpu_ms": forwarder_ms}
     for kind in (EXECUTE, STREAM) if stream else (EXECUTE,):
         direct, forwarded = results[f"{kind}, {DIRECT}"], results[f"{kind}, {FORWARDED}"]
         forwarded["added_p50_ms"] = forwarded["p50_ms"] - direct["p50_ms"]
@@ -438,7 +441,9 @@ async def main() -> None:
 
     print(f"{'':62} {'p50 ms':>9} {'p95 ms':>9}  ({RUNTIME}, {cpus} cores; hosts A and F, F forwards to A)")
     for name, row in {**executes, **create}.items():
-        cpu = f"gateways' CPU {row['gateways_cpu_ms']:.2f} ms/call" if "gateways_cpu_ms" in row else ""
+        cpu = (
+            f"CPU ms/call A {row['owner_cpu_ms']:.2f}, F {row['forwarder_cpu_ms']:.2f}" if "owner_cpu_ms" in row else ""
+        )
         added_text = f"{row['added_p50_ms']:+.2f} ms ({row['ratio_p50']:.2f}x)  " if "added_p50_ms" in row else ""
         print(line(name, row, added_text + cpu))
     print(f"\ntarget: {target['target']}: {added:+.2f} ms: {'met' if target['met'] else 'MISSED'}")
