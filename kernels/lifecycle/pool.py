@@ -195,6 +195,10 @@ class WarmPool:
         if self._closed or asyncio.current_task() in self._doomed:
             await self._remove(session)
             return
+        # Out of the starting set in the same step as into the ready queue: the task's done
+        # callback comes a loop turn later, and meanwhile ``held`` would count this sandbox twice
+        # (seen once as 4 sandboxes held under a ceiling of 3, and it would refuse a session).
+        self._starting.discard(asyncio.current_task())  # type: ignore[arg-type]
         self._ready.append(session)
         log.info(
             "warm pool: %d/%d ready (started in %.2fs)",
