@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import http.client
 import json
@@ -307,7 +308,7 @@ async def burst(endpoint: Host, hosts: list[Host], catalog: Catalog, n: int) -> 
     await catalog.settled(hosts)
     client = AsyncHTTPClient(force_instance=True, max_clients=n)
     times: list[float] = []
-    failures: list[str] = []
+    failures: collections.Counter[str] = collections.Counter()
     made: list[str] = []
 
     async def one() -> None:
@@ -317,7 +318,8 @@ async def burst(endpoint: Host, hosts: list[Host], catalog: Catalog, n: int) -> 
             times.append(time.perf_counter() - began)
             made.append(model["id"])
         else:
-            failures.append(f"{status}: {str(model)[:300]}")
+            message = model.get("message", model) if isinstance(model, dict) else model
+            failures[f"{status} {str(message)[:200]}"] += 1
 
     try:
         began = time.perf_counter()
@@ -335,8 +337,8 @@ async def burst(endpoint: Host, hosts: list[Host], catalog: Catalog, n: int) -> 
         "sessions_per_s": len(made) / wall,
         "create": stats(times) if times else None,
         "spread": spread,
-        "failed": len(failures),
-        "failures": failures[:5],
+        "failed": sum(failures.values()),
+        "failures": dict(failures),
     }
 
 
@@ -452,7 +454,9 @@ async def main() -> None:
         for run in throughput[name]["bursts"]:
             create_p50 = f"create p50 {run['create']['p50_ms']:.0f} ms" if run["create"] else "no create succeeded"
             print(f"  {name:8} {run['sessions_per_s']:6.2f} sessions/s ({run['wall_s']:.1f} s; {create_p50}; "
-                  f"on {run['spread']}; {run['failed']} failed {run['failures']})")  # fmt: skip
+                  f"on {run['spread']}; {run['failed']} failed)")  # fmt: skip
+            for message, count in run["failures"].items():
+                print(f"      {count} x {message}")
     print(f"  median: 1 host {one:.2f}/s, 3 hosts {three:.2f}/s ({throughput['3 hosts']['ratio_to_1_host']:.2f}x)")
     print(f"  NOTE: {note}")
     failed = sum(run["failed"] for r in runs.values() for run in r)
