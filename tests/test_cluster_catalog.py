@@ -388,6 +388,26 @@ async def test_placement_picks_the_most_free_host_that_has_the_runtime(fresh_pos
         await close_all(stores)
 
 
+async def test_concurrent_placements_all_find_the_host_with_room(fresh_postgres_url):
+    """Placements at once wait for each other instead of skipping the locked host (with SKIP
+    LOCKED, 1 to 5 of 8 found "no room" while one host had room for 100); at a host's last
+    place, the one that waited on it goes to the next host."""
+    stores, (a, b) = await open_hosts(fresh_postgres_url, "a", "b")
+    try:
+        await asyncio.gather(*(store.run(lambda conn: conn.execute("SELECT pg_sleep(0.2)")) for store in stores * 8))
+        await a.register("http://a", ["runc"], 100)
+        for _ in range(3):
+            await a.heartbeat(sessions=0, free=100)
+            placed = await asyncio.gather(*(a.place("runc") for _ in range(8)))
+            assert [host.host_id if host else None for host in placed] == ["a"] * 8
+        await a.heartbeat(sessions=97, free=3)
+        await b.register("http://b", ["runc"], 2)
+        placed = await asyncio.gather(*(a.place("runc") for _ in range(8)))
+        assert sorted(host.host_id if host else "-" for host in placed) == ["-"] * 3 + ["a"] * 3 + ["b"] * 2
+    finally:
+        await close_all(stores)
+
+
 async def test_tenant_limits_hold_across_hosts_under_concurrency(fresh_postgres_url):
     stores, (h1, h2) = await open_hosts(fresh_postgres_url, "h1", "h2")
     try:

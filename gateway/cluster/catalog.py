@@ -52,6 +52,9 @@ HOST_STATUSES = frozenset({"up", "down", "stopping"})
 # before it is marked down and its sessions lost: its sandboxes keep running meanwhile, and the
 # next gateway on it adopts them (durable sessions). One that crashed gets only host_down_after.
 RESTART_GRACE_SECONDS = 120.0
+# Placements tried before "no host has room": a placement that waited on a host that filled up
+# meanwhile finds no row and tries again (see ClusterCatalog.place).
+PLACE_ATTEMPTS = 3
 _HOST_COLUMNS = "host_id, url, runtimes, capacity, sessions, free, status, heartbeat_at"
 _S_RECORD_COLUMNS = ", ".join(f"s.{name.strip()}" for name in RECORD_COLUMNS.split(","))
 _H_HOST_COLUMNS = ", ".join(f"h.{name.strip()}" for name in _HOST_COLUMNS.split(","))
@@ -155,15 +158,23 @@ class ClusterCatalog:
 
     async def place(self, runtime: str) -> HostInfo | None:
         """The 'up' host with most free room that has ``runtime`` (ties: fewer sessions, then
-        host id), with one session counted on it at once; None when no host has room."""
+        host id), with one session counted on it at once; None when no host has room.
+
+        Concurrent placements wait for each other's row lock (``SKIP LOCKED`` made a create
+        that came during another's placement skip the only host with room and answer 503). A
+        waiter whose host filled up meanwhile gets no row (PostgreSQL re-checks the locked row,
+        not the ordering), so it asks again: the next host is then chosen."""
         sql = (
             "UPDATE hosts SET free = free - 1, sessions = sessions + 1 WHERE host_id = ("
             "SELECT host_id FROM hosts WHERE status = 'up' AND %s = ANY(runtimes) AND free > 0 "
-            'ORDER BY free DESC, sessions, host_id COLLATE "C" LIMIT 1 FOR UPDATE SKIP LOCKED) '
+            'ORDER BY free DESC, sessions, host_id COLLATE "C" LIMIT 1 FOR UPDATE) '
             f"RETURNING {_HOST_COLUMNS}"
         )
-        row = await self._row(sql, (runtime,), what="placing a session with")
-        return HostInfo.from_row(row) if row is not None else None
+        for _ in range(PLACE_ATTEMPTS):
+            row = await self._row(sql, (runtime,), what="placing a session with")
+            if row is not None:
+                return HostInfo.from_row(row)
+        return None
 
     async def mark_down_stale(self, after_seconds: float) -> list[str]:
         """Mark 'down' every other host whose heartbeat is more than ``after_seconds`` old, and in
