@@ -45,8 +45,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sandkernel import __version__
-from sandkernel.kernels.durable.records import UPDATABLE_FIELDS, SandboxRecord
-from sandkernel.kernels.durable.store import _COLUMNS, StoreError, _column_value, _record, _row
+from sandkernel.kernels.durable.records import SandboxRecord
+from sandkernel.kernels.durable.store import _COLUMNS, StoreError, _record, _row, update_values
 
 try:  # the `cluster` extra: a single-host install imports this module without it
     import psycopg
@@ -276,15 +276,11 @@ class PostgresStore:
         await self.run(work, what="writing")
 
     async def update(self, session_id: str, **fields: Any) -> None:
-        unknown = set(fields) - UPDATABLE_FIELDS
-        if unknown:
-            raise TypeError(f"a catalog update cannot change {sorted(unknown)}; allowed: {sorted(UPDATABLE_FIELDS)}")
-        if not fields:
+        values = update_values(fields)
+        if not values:
             return
-        values = {name: _column_value(name, value) for name, value in fields.items()}
         if "kernel" in fields:
             values["kernel_id"] = kernel_id_of(fields["kernel"])
-        values["updated_at"] = time.time()
         assignments = ", ".join(f"{name} = %s" for name in values)
         sql = f"UPDATE sandboxes SET {assignments} WHERE session_id = %s AND host_id = %s"
         params = (*values.values(), session_id, self.host_id)

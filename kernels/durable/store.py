@@ -176,13 +176,9 @@ class SqliteStore:
         await self._call(self._execute, sql, row)
 
     async def update(self, session_id: str, **fields: Any) -> None:
-        unknown = set(fields) - UPDATABLE_FIELDS
-        if unknown:
-            raise TypeError(f"a catalog update cannot change {sorted(unknown)}; allowed: {sorted(UPDATABLE_FIELDS)}")
-        if not fields:
+        values = update_values(fields)
+        if not values:
             return
-        values = {name: _column_value(name, value) for name, value in fields.items()}
-        values["updated_at"] = time.time()
         assignments = ", ".join(f"{name} = ?" for name in values)
         sql = f"UPDATE sandboxes SET {assignments} WHERE session_id = ?"
         await self._call(self._execute, sql, (*values.values(), session_id))
@@ -453,6 +449,19 @@ def _damaged(path: Path, why: object) -> StoreError:
         "again: the gateway then starts with an empty catalog and treats the sandboxes it listed as unknown "
         "(reaped when their owner is gone); keep the moved file to recover from."
     )
+
+
+def update_values(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The column values of a ``SessionStore.update`` (empty when there is nothing to change):
+    only :data:`UPDATABLE_FIELDS` (TypeError otherwise), encoded as stored, with ``updated_at``."""
+    unknown = set(fields) - UPDATABLE_FIELDS
+    if unknown:
+        raise TypeError(f"a catalog update cannot change {sorted(unknown)}; allowed: {sorted(UPDATABLE_FIELDS)}")
+    if not fields:
+        return {}
+    values = {name: _column_value(name, value) for name, value in fields.items()}
+    values["updated_at"] = time.time()
+    return values
 
 
 def _column_value(name: str, value: Any) -> Any:
