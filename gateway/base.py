@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +25,7 @@ from tornado import web
 from sandkernel.errors import KernelNotFoundError, SandkernelError, SessionClosedError
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.metrics import GatewayMetrics
-from sandkernel.gateway.registry import LostSession, SessionRegistry
+from sandkernel.gateway.registry import LostSession, ManagedSession, SessionRegistry, TooManySessionsError
 from sandkernel.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -205,6 +205,24 @@ class BaseHandler(web.RequestHandler):
             # tornado calls the verb by its name once the body is in: this request's is _forward
             # (an instance attribute, so the handler class and its other requests are untouched).
             setattr(self, (self.request.method or "get").lower(), self._forward)
+
+    async def create_session(
+        self, profile: str | None, limits: Mapping[str, Any], metadata: Mapping[str, Any], origin: str
+    ) -> ManagedSession | None:
+        """Create a session for the caller: what ``POST /api/sessions`` and ``POST /api/kernels``
+        both do. In a cluster it is placed first (gateway/cluster/placement.py): None when it was
+        placed on another host and that host's answer has been relayed (nothing left to write).
+        A refusal at the tenant's limit (429, counted cluster-wide) is counted in the metrics."""
+        if self.cluster is not None:
+            from sandkernel.gateway.cluster.placement import placed_elsewhere
+
+            if await placed_elsewhere(self, profile, limits):
+                return None
+        try:
+            return await self.registry.create(self.tenant, profile, limits, metadata, origin=origin)
+        except TooManySessionsError:
+            self.metrics.limit_hits.labels("sessions").inc()
+            raise
 
     async def _answer_lost(self, *args: Any, **kwargs: Any) -> None:
         """The verb of a request for a session lost with its host (see :meth:`_route`): the

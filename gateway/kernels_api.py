@@ -8,7 +8,8 @@ from typing import Any
 from sandkernel import __version__
 from sandkernel.doors import KERNEL_API
 from sandkernel.gateway.base import ApiError, BaseHandler
-from sandkernel.gateway.registry import ManagedSession
+from sandkernel.gateway.registry import ManagedSession, recorded_model
+from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 from sandkernel.kernels.lifecycle.profiles import Runtime
 from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
 
@@ -50,8 +51,18 @@ class KernelSpecHandler(BaseHandler):
 
 
 class KernelsHandler(BaseHandler):
-    def get(self) -> None:
-        self.write_json([s.kernel_model() for s in self.registry.list(self.tenant)])
+    """GET the tenant's kernels (in a cluster: on every host); POST a new one (in a cluster: placed
+    like a session, on the host with most room that runs its runtime: gateway/cluster/placement.py)."""
+
+    async def get(self) -> None:
+        local = self.registry.list(self.tenant)
+        models = [managed.kernel_model() for managed in local]
+        cluster = self.cluster
+        if cluster is not None and self.forwarded_from is None:
+            here = {managed.id for managed in local}
+            records = await cluster.tenant_sessions(self.tenant)
+            models += [recorded_kernel_model(r) for r in records if r.session_id not in here and is_live(r)]
+        self.write_json(models)
 
     async def post(self) -> None:
         body = self.json_body()
@@ -60,11 +71,26 @@ class KernelsHandler(BaseHandler):
             shown = name[:64] if isinstance(name, str) else name
             raise ApiError(400, f"unknown kernel name {shown!r}; use one of {sorted(KERNEL_NAMES)}", "unknown_kernel")
         limits = {"runtime": KERNEL_NAMES[name]}
-        managed = await self.registry.create(
-            self.tenant, limits=limits, metadata={"name": "kernel"}, origin="kernel_api"
-        )
+        managed = await self.create_session(None, limits, {"name": "kernel"}, origin="kernel_api")
+        if managed is None:  # placed on another host, which answered
+            return
         self.set_header("Location", f"/api/kernels/{managed.session.kernel_id}")
         self.write_json(managed.kernel_model(), status=201)
+
+
+def is_live(record: SandboxRecord) -> bool:
+    """Whether a catalogued session has a kernel to list: running ones only (a lost or paused
+    session has none, as on the host that holds it: registry.list leaves them out)."""
+    return record.state == SandboxState.RUNNING and bool(record.kernel.get("kernel_id"))
+
+
+def recorded_kernel_model(record: SandboxRecord) -> dict[str, Any]:
+    """The Jupyter kernel model of a kernel another host holds, from what its owner recorded in
+    the catalog: its id, kernelspec name and last activity; ``busy`` while the catalog records
+    an execution in flight (the owner writes ``running`` when one starts and clears it when it
+    ends), else ``idle``. ``connections`` is the owner's alone (websockets are not recorded): 0."""
+    state = "busy" if record.running else "idle"
+    return recorded_model(record, record.kernel.get("kernel_id"), state)["kernel"]
 
 
 class KernelScoped(BaseHandler):

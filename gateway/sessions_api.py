@@ -24,11 +24,11 @@ from typing import Any
 from tornado.iostream import StreamClosedError
 
 from sandkernel import doors
-from sandkernel.errors import ClusterUnavailableError, SandkernelError
+from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler, error_reply
 from sandkernel.gateway.budget import OutputBudget, apply_budget
-from sandkernel.gateway.cluster.forward import forward_http, record_model
-from sandkernel.gateway.registry import LostSession, ManagedSession, PausedSession, TooManySessionsError
+from sandkernel.gateway.cluster.forward import record_model
+from sandkernel.gateway.registry import LostSession, ManagedSession, PausedSession
 from sandkernel.gateway.replies import client_door, execution_reply, run_shell
 from sandkernel.kernels.execution.outputs import ExecutionResult
 
@@ -38,7 +38,8 @@ MAX_CODE_BYTES = 1024 * 1024
 
 class SessionsHandler(BaseHandler):
     """GET the tenant's sessions (in a cluster: on every host, from the catalog); POST a new one
-    (in a cluster: on the host with most room that runs its runtime, see :meth:`_placed_elsewhere`)."""
+    (in a cluster: on the host with most room that runs its runtime, see
+    gateway/cluster/placement.py)."""
 
     async def get(self) -> None:
         models = self.registry.models(self.tenant)
@@ -58,34 +59,11 @@ class SessionsHandler(BaseHandler):
             raise ApiError(400, "profile must be a profile name such as 'default', 'small' or 'large'")
         if not isinstance(limits, dict) or not isinstance(metadata, dict):
             raise ApiError(400, "limits and metadata must be JSON objects")
-        if await self._placed_elsewhere(profile, limits):
+        managed = await self.create_session(profile, limits, metadata, origin="session_api")
+        if managed is None:  # placed on another host, which answered
             return
-        try:
-            managed = await self.registry.create(self.tenant, profile, limits, metadata)
-        except TooManySessionsError:
-            self.metrics.limit_hits.labels("sessions").inc()
-            raise
         self.set_header("Location", f"/api/sessions/{managed.id}")
         self.write_json(managed.session_model(), status=201)
-
-    async def _placed_elsewhere(self, profile: str | None, limits: dict[str, Any]) -> bool:
-        """Cluster mode: pass the create to the host the catalog places it on, when that is another
-        one (True: answered). The profile is checked here first (every gateway of a cluster has
-        the same profiles), so a bad one is refused without a hop. A create forwarded to this
-        host is created here (the loop guard: it carries a verified X-Sandkernel-Forwarded)."""
-        cluster = self.cluster
-        if cluster is None or self.forwarded_from is not None:
-            return False
-        runtime = self.registry.catalog.for_tenant(profile, limits).runtime.value
-        host = await cluster.place(runtime)
-        if host is None:
-            raise ClusterUnavailableError(
-                f"no host of the cluster has room for a {runtime} session now (or none runs {runtime}); retry later"
-            )
-        if host.host_id == cluster.host_id:
-            return False
-        await forward_http(self, host, place_here=True)
-        return True
 
 
 class ProfilesHandler(BaseHandler):
