@@ -204,9 +204,10 @@ async def test_migrations_run_in_one_transaction_and_a_foreign_database_is_refus
     store = await PostgresStore.open(fresh_postgres_url, "h1")
     await store.put(record("s1"))
     await store.close()
-    failing = {**MIGRATIONS, 2: ("ALTER TABLE sandboxes ADD COLUMN note TEXT", "THIS IS NOT SQL")}
+    step = SCHEMA_VERSION + 1
+    failing = {**MIGRATIONS, step: ("ALTER TABLE sandboxes ADD COLUMN note TEXT", "THIS IS NOT SQL")}
     with pytest.raises(StoreError, match="rolled back, nothing was changed"):
-        await PostgresStore.open(fresh_postgres_url, "h1", migrations=failing, schema_version=2)
+        await PostgresStore.open(fresh_postgres_url, "h1", migrations=failing, schema_version=step)
     columns = {
         r[0]
         for r in admin(
@@ -214,11 +215,11 @@ async def test_migrations_run_in_one_transaction_and_a_foreign_database_is_refus
         )
     }
     assert "note" not in columns
-    working = {**MIGRATIONS, 2: ("ALTER TABLE sandboxes ADD COLUMN note TEXT",)}
-    store = await PostgresStore.open(fresh_postgres_url, "h1", migrations=working, schema_version=2)
+    working = {**MIGRATIONS, step: ("ALTER TABLE sandboxes ADD COLUMN note TEXT",)}
+    store = await PostgresStore.open(fresh_postgres_url, "h1", migrations=working, schema_version=step)
     assert [r.session_id for r in await store.load()] == ["s1"]
     await store.close()
-    assert admin(fresh_postgres_url, "SELECT value FROM sandkernel_meta WHERE key = 'schema_version'") == [("2",)]
+    assert admin(fresh_postgres_url, "SELECT value FROM sandkernel_meta WHERE key = 'schema_version'") == [(str(step),)]
 
     admin(fresh_postgres_url, "DROP TABLE sandkernel_meta")  # our tables, but not our version table
     with pytest.raises(StoreError, match="not a sandkernel catalog"):
@@ -396,14 +397,54 @@ async def test_concurrent_placements_all_find_the_host_with_room(fresh_postgres_
     try:
         await asyncio.gather(*(store.run(lambda conn: conn.execute("SELECT pg_sleep(0.2)")) for store in stores * 8))
         await a.register("http://a", ["runc"], 100)
-        for _ in range(3):
+        for round_ in range(3):
             await a.heartbeat(sessions=0, free=100)
             placed = await asyncio.gather(*(a.place("runc") for _ in range(8)))
             assert [host.host_id if host else None for host in placed] == ["a"] * 8
+            # Their creates reach the host at once: each lets go of its own placement.
+            await asyncio.gather(*(a.reserve("alice", None, f"s{round_}-{i}") for i in range(8)))
+        assert admin(fresh_postgres_url, "SELECT count(*) FROM placements") == [(0,)]
         await a.heartbeat(sessions=97, free=3)
         await b.register("http://b", ["runc"], 2)
         placed = await asyncio.gather(*(a.place("runc") for _ in range(8)))
         assert sorted(host.host_id if host else "-" for host in placed) == ["-"] * 3 + ["a"] * 3 + ["b"] * 2
+    finally:
+        await close_all(stores)
+
+
+async def room(catalog: ClusterCatalog) -> dict[str, tuple[int, int]]:
+    """Each up host's (sessions, free) as the catalog has them."""
+    return {h.host_id: (h.sessions, h.free) for h in await catalog.hosts()}
+
+
+async def test_a_heartbeat_counts_the_creates_still_on_their_way(fresh_postgres_url):
+    """A heartbeat between a placement and its create's arrival reports a count without that
+    create; the room it reports is taken down by the placements still on their way (it replaced
+    the placements' decrement, and a full host was given a third session)."""
+    stores, (a, b) = await open_hosts(fresh_postgres_url, "a", "b")
+    try:
+        await a.register("http://a", ["runc"], 2)
+        assert [(await a.place("runc")).host_id for _ in range(2)] == ["a", "a"]
+        await a.heartbeat(sessions=0, free=2)  # neither create has reached host a yet
+        assert await room(a) == {"a": (2, 0)}
+        assert await b.place("runc") is None  # a is full: its two sessions are coming
+
+        await b.register("http://b", ["runc"], 5)
+        assert (await a.place("runc")).host_id == "b"
+        await a.reserve("alice", 5, "s1")  # the first create arrives at a and is counted there
+        await a.heartbeat(sessions=1, free=1)
+        assert await room(a) == {"a": (2, 0), "b": (1, 4)}
+        await a.reserve("alice", None, "s2")  # the second (no limit: still an arrival)
+        await a.heartbeat(sessions=2, free=0)
+        assert (await room(a))["a"] == (2, 0)
+        assert admin(fresh_postgres_url, "SELECT host_id FROM placements") == [("b",)]
+
+        await b.heartbeat(sessions=0, free=5)  # b's create never came (its forward failed) ...
+        assert (await room(a))["b"] == (1, 4)
+        admin(fresh_postgres_url, "UPDATE placements SET expires_at = now() - interval '1 second'")
+        await b.heartbeat(sessions=0, free=5)  # ... and once it expired, b has its room back
+        assert (await room(a))["b"] == (0, 5)
+        assert admin(fresh_postgres_url, "SELECT count(*) FROM placements") == [(0,)]
     finally:
         await close_all(stores)
 
@@ -460,6 +501,10 @@ async def test_a_silent_host_is_marked_down_and_its_running_sessions_lost(fresh_
         await s_gone.put(record("g-pool", kind="pool"))
         await s_live.put(record("l-run", tenant="alice"))
         await gone.reserve("alice", 10, "g-starting")
+        admin(
+            fresh_postgres_url,
+            "INSERT INTO placements (host_id, expires_at) VALUES ('gone', now() + interval '1 minute')",
+        )  # a create on its way to it
         # Its heartbeat stopped a minute ago (the server's clock); the others' are fresh.
         admin(fresh_postgres_url, "UPDATE hosts SET heartbeat_at = now() - interval '1 minute' WHERE host_id = 'gone'")
         admin(fresh_postgres_url, "UPDATE hosts SET heartbeat_at = now() - interval '1 minute' WHERE host_id = 'me'")
@@ -481,6 +526,7 @@ async def test_a_silent_host_is_marked_down_and_its_running_sessions_lost(fresh_
         assert records["g-pool"].state is SandboxState.RUNNING  # the pool is the host's own business
         assert [(r.session_id, r.state) for r in await s_live.load()] == [("l-run", SandboxState.RUNNING)]
         assert admin(fresh_postgres_url, "SELECT session_id FROM reservations") == []
+        assert admin(fresh_postgres_url, "SELECT id FROM placements") == []
         assert {h.host_id for h in await me.hosts()} == {"me", "live"}
         assert (await me.place("runc")).host_id != "gone"
 

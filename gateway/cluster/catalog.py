@@ -15,9 +15,12 @@ the same connection pool as this host's :class:`~sandkernel.kernels.durable.post
   gateways doing it at once change nothing twice (the second finds the host already down). A host
   that comes back is 'up' again at its next register or heartbeat; its lost rows stay lost.
 - **Placement** (:meth:`place`): the 'up' host with the most free room that has the runtime. The
-  chosen host's ``free`` is taken down by one at once (its next heartbeat replaces it with its own
-  count), so a burst of creates spreads over the hosts instead of all landing on the one that was
-  most free at the last heartbeat.
+  chosen host's ``free`` is taken down by one at once, so a burst of creates spreads over the
+  hosts instead of all landing on the one that was most free at the last heartbeat. The placement
+  is also recorded (``placements``) until the create reaches that host (its :meth:`reserve`) or
+  :data:`PLACEMENT_SECONDS` pass: a heartbeat in between reports a count without it, so the
+  heartbeat's room is taken down by the placements still on their way (without that, a host near
+  capacity was overbooked by the creates forwarded to it while it beat).
 - **Tenants' limits** (:meth:`reserve`): the tenant's sessions (every state: a lost or paused
   session counts until deleted, as on one host) plus its reservations are counted inside a
   transaction holding ``pg_advisory_xact_lock(hashtext('sk-tenant:' || tenant))``, so concurrent
@@ -47,6 +50,10 @@ log = logging.getLogger(__name__)
 RESERVATION_SECONDS = (
     600.0  # longer than any create takes (image start, adoption); a crashed creator's place comes back
 )
+# How long a placement counts against its host's room while its create is on the way there (a
+# forward: connect within 5 s, then the host's reserve). One that never arrives (the forward
+# failed, the host refused it) gives its room back after this.
+PLACEMENT_SECONDS = 30.0
 HOST_STATUSES = frozenset({"up", "down", "stopping"})
 # A host that said it is stopping (a restart, a rolling upgrade) is given at least this long
 # before it is marked down and its sessions lost: its sandboxes keep running meanwhile, and the
@@ -56,6 +63,12 @@ RESTART_GRACE_SECONDS = 120.0
 # meanwhile finds no row and tries again (see ClusterCatalog.place).
 PLACE_ATTEMPTS = 3
 _HOST_COLUMNS = "host_id, url, runtimes, capacity, sessions, free, status, heartbeat_at"
+# A create reached its host: let go of the oldest placement on the way to it (SKIP LOCKED: two
+# creates arriving at once let go of two).
+_ARRIVED = (
+    "DELETE FROM placements WHERE id = (SELECT id FROM placements WHERE host_id = %s AND expires_at > now() "
+    "ORDER BY id LIMIT 1 FOR UPDATE SKIP LOCKED)"
+)
 _S_RECORD_COLUMNS = ", ".join(f"s.{name.strip()}" for name in RECORD_COLUMNS.split(","))
 _H_HOST_COLUMNS = ", ".join(f"h.{name.strip()}" for name in _HOST_COLUMNS.split(","))
 
@@ -64,7 +77,7 @@ _H_HOST_COLUMNS = ", ".join(f"h.{name.strip()}" for name in _HOST_COLUMNS.split(
 class HostInfo:
     """One gateway of the cluster as the catalog last heard of it. ``heartbeat_at`` is the
     database server's clock; ``free`` is the host's own count at its last heartbeat, less the
-    sessions placed on it since."""
+    sessions placed on it whose create had not reached it by then and those placed since."""
 
     host_id: str
     url: str
@@ -87,13 +100,19 @@ class ClusterCatalog:
     PostgreSQL cannot be reached) and :class:`TooManySessionsError` (429) from :meth:`reserve`."""
 
     def __init__(
-        self, pool_or_store: PostgresStore, host_id: str, *, reservation_seconds: float = RESERVATION_SECONDS
+        self,
+        pool_or_store: PostgresStore,
+        host_id: str,
+        *,
+        reservation_seconds: float = RESERVATION_SECONDS,
+        placement_seconds: float = PLACEMENT_SECONDS,
     ) -> None:
         if not isinstance(pool_or_store, PostgresStore):
             raise TypeError("ClusterCatalog shares an open PostgresStore's pool: pass the store")
         self.store = pool_or_store
         self.host_id = host_id
         self.reservation_seconds = reservation_seconds
+        self.placement_seconds = placement_seconds
 
     # -- this host -----------------------------------------------------------------------------
 
@@ -120,15 +139,24 @@ class ClusterCatalog:
 
     async def heartbeat(self, sessions: int, free: int) -> bool:
         """This host is alive with ``sessions`` sessions and room for ``free`` more (the server's
-        clock times it). A host marked down meanwhile is 'up' again (its lost sessions stay lost):
-        returns True then, so the gateway lets go of the sessions the cluster declared lost.
+        clock times it), less the sessions placed here whose create has not arrived yet (they are
+        in neither count). A host marked down meanwhile is 'up' again (its lost sessions stay
+        lost): returns True then, so the gateway lets go of the sessions the cluster declared lost.
         StoreError if the host is not registered (its row was deleted: register again)."""
         sql = (
-            "UPDATE hosts h SET sessions = %s, free = %s, heartbeat_at = now(), status = 'up' "
-            "FROM (SELECT status FROM hosts WHERE host_id = %s FOR UPDATE) AS before "
-            "WHERE h.host_id = %s RETURNING before.status"
+            "UPDATE hosts h SET sessions = %(sessions)s + p.coming, free = greatest(0, %(free)s - p.coming), "
+            "heartbeat_at = now(), status = 'up' "
+            "FROM (SELECT status FROM hosts WHERE host_id = %(me)s FOR UPDATE) AS before, "
+            "(SELECT count(*)::int AS coming FROM placements WHERE host_id = %(me)s AND expires_at > now()) AS p "
+            "WHERE h.host_id = %(me)s RETURNING before.status"
         )
-        row = await self._row(sql, (sessions, free, self.host_id, self.host_id), what="heartbeating to")
+        params = {"sessions": sessions, "free": free, "me": self.host_id}
+
+        async def work(conn: AsyncConnection) -> tuple[Any, ...] | None:
+            await conn.execute("DELETE FROM placements WHERE host_id = %s AND expires_at <= now()", (self.host_id,))
+            return await (await conn.execute(sql, params)).fetchone()
+
+        row = await self.store.run(work, what="heartbeating to")
         if row is None:
             raise StoreError(f"host {self.host_id!r} is not registered in the cluster catalog: register it again")
         self._note_return(row)
@@ -158,20 +186,25 @@ class ClusterCatalog:
 
     async def place(self, runtime: str) -> HostInfo | None:
         """The 'up' host with most free room that has ``runtime`` (ties: fewer sessions, then
-        host id), with one session counted on it at once; None when no host has room.
+        host id), with one session counted on it at once and the placement recorded until the
+        create reaches that host (:meth:`reserve` there); None when no host has room.
 
         Concurrent placements wait for each other's row lock (``SKIP LOCKED`` made a create
         that came during another's placement skip the only host with room and answer 503). A
         waiter whose host filled up meanwhile gets no row (PostgreSQL re-checks the locked row,
         not the ordering), so it asks again: the next host is then chosen."""
         sql = (
-            "UPDATE hosts SET free = free - 1, sessions = sessions + 1 WHERE host_id = ("
+            "WITH chosen AS (UPDATE hosts SET free = free - 1, sessions = sessions + 1 WHERE host_id = ("
             "SELECT host_id FROM hosts WHERE status = 'up' AND %s = ANY(runtimes) AND free > 0 "
             'ORDER BY free DESC, sessions, host_id COLLATE "C" LIMIT 1 FOR UPDATE) '
-            f"RETURNING {_HOST_COLUMNS}"
+            f"RETURNING {_HOST_COLUMNS}), "
+            "placed AS (INSERT INTO placements (host_id, expires_at) "
+            "SELECT host_id, now() + make_interval(secs => %s) FROM chosen) "
+            f"SELECT {_HOST_COLUMNS} FROM chosen"
         )
+        params = (runtime, float(self.placement_seconds))
         for _ in range(PLACE_ATTEMPTS):
-            row = await self._row(sql, (runtime,), what="placing a session with")
+            row = await self._row(sql, params, what="placing a session with")
             if row is not None:
                 return HostInfo.from_row(row)
         return None
@@ -179,7 +212,7 @@ class ClusterCatalog:
     async def mark_down_stale(self, after_seconds: float) -> list[str]:
         """Mark 'down' every other host whose heartbeat is more than ``after_seconds`` old, and in
         the same statement record its running sessions lost (reason: the host and its last
-        heartbeat, UTC) and drop its reservations. Returns the hosts marked down now."""
+        heartbeat, UTC) and drop its reservations and placements. Returns the hosts marked down now."""
         sql = (
             "WITH down AS ("
             "  UPDATE hosts SET status = 'down' WHERE status <> 'down' AND host_id <> %(me)s"
@@ -194,6 +227,8 @@ class ClusterCatalog:
             "  RETURNING s.session_id"
             "), dropped AS ("
             "  DELETE FROM reservations r USING down d WHERE r.host_id = d.host_id RETURNING r.session_id"
+            "), unplaced AS ("
+            "  DELETE FROM placements p USING down d WHERE p.host_id = d.host_id RETURNING p.id"
             ") SELECT host_id, (SELECT count(*) FROM lost) FROM down ORDER BY host_id"
         )
         params = {
@@ -268,8 +303,13 @@ class ClusterCatalog:
         """Count session ``session_id`` against ``tenant``'s limit across the cluster, or raise
         :class:`TooManySessionsError` (429) if the tenant already has ``limit`` sessions (every
         state) and reservations. Atomic across hosts (the tenant's advisory lock); reserving the
-        same session id again is a no-op. ``limit`` None: no limit, nothing recorded."""
+        same session id again is a no-op. ``limit`` None: no limit, nothing recorded.
+
+        This is where a create placed here arrives: one placement on this host (the oldest) is
+        let go in the same transaction, as this host's own count includes the create from now on
+        (placements are not told apart: any create that arrives stands for one on its way)."""
         if limit is None:
+            await self._execute(_ARRIVED, (self.host_id,), "reserving a session in")
             return
         session = SandboxKind.SESSION.value
 
@@ -298,6 +338,7 @@ class ClusterCatalog:
                 "VALUES (%s, %s, %s, now() + make_interval(secs => %s))",
                 (session_id, tenant, self.host_id, float(self.reservation_seconds)),
             )
+            await conn.execute(_ARRIVED, (self.host_id,))
 
         await self.store.run(work, what="reserving a session in")
 

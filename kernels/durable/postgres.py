@@ -6,7 +6,7 @@ with the same meaning for each call (put inserts or replaces; update changes onl
 a missing record; load is oldest first; close is idempotent and later calls raise StoreError).
 Several gateways share one database; each is one ``host_id`` and reads and writes only its own
 rows of ``sandboxes``, so a gateway restarting on a host adopts exactly what that host ran. The
-cluster's own tables (``hosts``, ``reservations``) are read and written by
+cluster's own tables (``hosts``, ``reservations``, ``placements``) are read and written by
 ``gateway/cluster/catalog.py`` through the same connection pool (:meth:`PostgresStore.run`).
 
 Why each choice:
@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 CONNECT_TIMEOUT = 5.0  # seconds: a login, or a wait for a pooled connection
 # Seconds to wait for a connection once the catalog looked unreachable (the last call failed, or
 # the pooled connection was broken): while PostgreSQL is away each call fails this fast.
@@ -114,6 +114,17 @@ MIGRATIONS: dict[int, Sequence[str]] = {
             expires_at TIMESTAMPTZ NOT NULL
         )""",
         "CREATE INDEX reservations_tenant ON reservations (tenant)",
+    ),
+    # A session placed on a host whose create has not reached that host yet (the forwarded request
+    # is on its way): the host's heartbeat cannot count it, so the catalog subtracts it from the
+    # room the heartbeat reports, until the create arrives (ClusterCatalog.reserve) or it expires.
+    2: (
+        """CREATE TABLE placements (
+            id         BIGSERIAL PRIMARY KEY,
+            host_id    TEXT NOT NULL,
+            expires_at TIMESTAMPTZ NOT NULL
+        )""",
+        "CREATE INDEX placements_host ON placements (host_id, id)",
     ),
 }
 
@@ -455,7 +466,7 @@ async def _schema_version(conn: AsyncConnection, address: CatalogAddress) -> tup
             await conn.execute(
                 "SELECT table_name FROM information_schema.tables WHERE table_schema = current_schema() "
                 "AND table_name = ANY(%s)",
-                (["sandkernel_meta", "sandboxes", "hosts", "reservations"],),
+                (["sandkernel_meta", "sandboxes", "hosts", "reservations", "placements"],),
             )
         ).fetchall()
     }
