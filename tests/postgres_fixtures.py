@@ -109,8 +109,12 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def running_postgres() -> Iterator[PostgresServer]:
-    """Start a throwaway server (see the module docstring); stop it and remove its files after."""
+def running_postgres(also_on: tuple[str, str] | None = None) -> Iterator[PostgresServer]:
+    """Start a throwaway server (see the module docstring); stop it and remove its files after.
+
+    ``also_on``: (address, client network), e.g. ``("10.213.0.254", "10.213.0.0/24")``, for the
+    swarm lab's hosts: the server listens on that address too and takes password logins from that
+    network only. The returned server's ``host`` is then that address."""
     if not (PG_BIN / "initdb").exists():
         pytest.fail(f"PostgreSQL {PG_VERSION} is not installed ({PG_BIN}/initdb is missing): run scripts/host-setup.sh")
     as_user, uid = _run_as()
@@ -141,13 +145,18 @@ def running_postgres() -> Iterator[PostgresServer]:
             as_user=as_user,
         )
         pwfile.unlink()
-        # Only loopback TCP and our own socket; every login needs the password.
-        (data_dir / "pg_hba.conf").write_text("local all all scram-sha-256\nhost all all 127.0.0.1/32 scram-sha-256\n")
+        # Loopback TCP and our own socket (and the lab network when asked); every login needs the password.
+        hba = "local all all scram-sha-256\nhost all all 127.0.0.1/32 scram-sha-256\n"
+        listen = "127.0.0.1"
+        if also_on is not None:
+            hba += f"host all all {also_on[1]} scram-sha-256\n"
+            listen += f",{also_on[0]}"
+        (data_dir / "pg_hba.conf").write_text(hba)
         for attempt in range(START_ATTEMPTS):
             port = _free_port()
             with (data_dir / "postgresql.auto.conf").open("w") as conf:
                 conf.write(
-                    f"listen_addresses = '127.0.0.1'\nport = {port}\nunix_socket_directories = '{socket_dir}'\n"
+                    f"listen_addresses = '{listen}'\nport = {port}\nunix_socket_directories = '{socket_dir}'\n"
                     "fsync = off\nsynchronous_commit = off\nfull_page_writes = off\nmax_connections = 200\n"
                     "password_encryption = 'scram-sha-256'\n"
                 )
@@ -158,7 +167,7 @@ def running_postgres() -> Iterator[PostgresServer]:
             except RuntimeError:
                 if attempt == START_ATTEMPTS - 1:
                     raise
-        yield PostgresServer("127.0.0.1", port, SUPERUSER, password, socket_dir, data_dir)
+        yield PostgresServer(also_on[0] if also_on else "127.0.0.1", port, SUPERUSER, password, socket_dir, data_dir)
     finally:
         try:
             if started:

@@ -71,15 +71,19 @@ RUNSC_LABEL = "sandkernel.runsc"
 BASE_IMAGE = "sandkernel-base:bookworm"
 KERNEL_IMAGE = "sandkernel-kernel:0.1.0"
 MAIN_DAEMON_JSON = Path("/etc/docker/daemon.json")
+HOST_DOCKER_SOCKET = "/run/docker.sock"  # where a host's containers expect their engine (/var/run links here)
 MAX_HOSTS = 20  # host N's docker0 is 10.213.(10+N).1/24, below BRIDGE_POOL
 
 # Run inside the engine's new UTS and mount namespaces (already in its network namespace), as
-# sh -c WRAPPER sh HOSTNAME EXEC_ROOT dockerd ARGS...: its own hostname; a private /etc/docker;
+# sh -c WRAPPER sh HOSTNAME EXEC_ROOT SANDKERNEL_DIR dockerd ARGS...: its own hostname; a private /etc/docker;
 # a private /run/containerd (containerd's shims put their sockets in /run/containerd/s whatever
 # containerd's own paths are, and a SIGKILLed shim leaves its socket there: found the hard way);
 # a sysfs of its own network namespace (what `ip netns exec` does too, but that one drops the
 # cgroup mounts, and dockerd refuses to start without them: "Devices cgroup isn't mounted"), so
-# the cgroup tree is moved over onto the new /sys.
+# the cgroup tree is moved over onto the new /sys. And a sandkernel gateway of its own: the
+# host's /var/lib/sandkernel and /run/sandkernel are private directories of this host (SANDKERNEL_DIR,
+# on the lab's tmpfs), made shared mounts in its namespace so a gateway container can bind them
+# ``rshared`` as on a real host (Docker refuses rshared on a mount that is not shared).
 _DAEMON_WRAPPER = """set -e
 hostname "$1"
 mkdir -p "$2/etc-docker" "$2/run-containerd" "$2/cgroup" /run/containerd
@@ -89,7 +93,12 @@ mount --rbind /sys/fs/cgroup "$2/cgroup"
 umount -l /sys
 mount -t sysfs -o nosuid,nodev,noexec sysfs /sys
 mount --move "$2/cgroup" /sys/fs/cgroup
-shift 2
+mkdir -p "$3/state" "$3/run" /var/lib/sandkernel /run/sandkernel
+mount --bind "$3/state" /var/lib/sandkernel
+mount --make-shared /var/lib/sandkernel
+mount --bind "$3/run" /run/sandkernel
+mount --make-shared /run/sandkernel
+shift 3
 exec "$@"
 """
 
@@ -105,6 +114,12 @@ class LabHost:
     data_root: Path
     exec_root: Path
     runsc: bool
+
+    @property
+    def sandkernel_dir(self) -> Path:
+        """This host's /var/lib/sandkernel (``state``) and /run/sandkernel (``run``), seen from the
+        machine: a gateway running on the host (as a container) keeps its state here."""
+        return self.data_root.with_name(f"{self.name}-sandkernel")
 
     @property
     def docker_host(self) -> str:
@@ -288,7 +303,7 @@ class Lab:
         return [
             "nsenter", f"--net=/run/netns/{h.name}", "--",
             "unshare", "--uts", "--mount", "--propagation", "slave", "--",
-            "sh", "-c", _DAEMON_WRAPPER, "sh", h.name, str(h.exec_root),
+            "sh", "-c", _DAEMON_WRAPPER, "sh", h.name, str(h.exec_root), str(h.sandkernel_dir),
             "dockerd",
             "--data-root", str(h.data_root),
             "--exec-root", str(h.exec_root),
@@ -329,6 +344,13 @@ class Lab:
             wait_for(f"dockerd of {h.name} to answer on {h.socket}", answers, self.start_timeout)
         except LabError as exc:
             raise LabError(f"{exc}:\n{self.log_tail(h)}") from None
+        # In the host's own mount namespace, /run/docker.sock is its engine's socket, as on a real
+        # host: a container that binds /var/run/docker.sock (a gateway) reaches this engine, never
+        # the machine's main one. The bind lives and dies with the namespace.
+        if not Path(HOST_DOCKER_SOCKET).exists():
+            raise LabError(f"{HOST_DOCKER_SOCKET} is missing: the lab expects the main engine to run")
+        run(["nsenter", f"--target={daemon.pid}", "--mount", "--", "mount", "--bind", str(h.socket),
+             HOST_DOCKER_SOCKET])
 
     def log_tail(self, host: int | LabHost, lines: int = 30) -> str:
         """The end of the host's dockerd log (for error messages)."""

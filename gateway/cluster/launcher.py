@@ -1,0 +1,263 @@
+"""The Swarm task that runs a host's gateway: ``sandkernel cluster launch``.
+
+Why a launcher at all: a gateway mounts a small tmpfs per kernel runtime dir and loop-mounts the
+workspace disks, so its container needs ``CAP_SYS_ADMIN``, the loop devices (the host's ``/dev``,
+which is where loop devices made on demand appear, with a device-cgroup rule for loop devices
+only) and no AppArmor mount ban; Swarm's service spec (Docker 20.10) can add the capability but
+has no devices and no device-cgroup rules. So the stack's global service runs this launcher,
+unprivileged, with only the host's ``docker.sock``; it starts the gateway as a sibling container
+on its own engine (:data:`GATEWAY_CONTAINER`) with exactly those grants, and lives exactly as long
+as it does. Not ``--privileged``: it would grant every device and capability, and on a host whose
+own capability bounding set is short (this project's CI machine lacks ``CAP_SYS_RESOURCE``) runc
+cannot even start a privileged container ("unable to apply caps"). Swarm still does what the
+issue asks of the engine: it runs one launcher per node, restarts it when it exits, and rolls
+upgrades through it (``stop-first``).
+
+The lifetime rule, one gateway per host:
+- at start, a gateway left by a launcher that was killed is stopped first (its ``--shutdown-grace``
+  honoured) and removed, so two gateways never share a host id;
+- SIGTERM (Swarm stopping the task) stops the gateway the same way, then the launcher exits 0;
+- the gateway exiting on its own (a crash, a kill) ends the launcher with its exit code, and
+  Swarm's restart policy starts a new launcher, which starts a new gateway that re-adopts the
+  host's sessions (durable sessions).
+
+Secrets: Swarm mounts the stack's secrets into this task only (``/run/secrets``). The launcher
+copies them into the gateway container before it starts (``put_archive``, mode 0400, root), next to
+a generated config file, so the catalog URL with its password is never on a command line or in an
+environment variable. Blocking Docker calls are fine here: this is a one-job process, not the
+gateway's event loop.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import signal
+import socket
+import sys
+import tarfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker
+import docker.errors
+
+log = logging.getLogger(__name__)
+
+GATEWAY_CONTAINER = "sandkernel-gateway"
+ROLE_LABEL = "sandkernel.role"
+CONFIG_DIR = "/etc/sandkernel"  # inside the gateway container: config file and secrets, 0700
+SECRETS_DIR = Path("/run/secrets")  # where Swarm mounts the stack's secrets into the launcher
+# Swarm secret file name -> the gateway setting it feeds (the file's path, or its text for the URL).
+SECRET_SETTINGS = {
+    "catalog_url": "catalog_url",
+    "cluster_secret": "cluster_secret_file",
+    "tokens": "tokens_file",
+}
+REQUIRED_SECRETS = ("catalog_url", "cluster_secret")
+# Host paths the gateway shares with its engine at the same path (dockerd resolves bind sources
+# on the host, so what the gateway mounts under them must propagate back: rshared).
+SHARED_HOST_DIRS = ("/var/lib/sandkernel", "/run/sandkernel")
+DOCKER_SOCKET = "/var/run/docker.sock"
+GATEWAY_CAPABILITIES = ("SYS_ADMIN",)  # mount(2): runtime-dir tmpfs, workspace disks (+ Docker's defaults)
+LOOP_DEVICE_RULES = ("b 7:* rwm", "c 10:237 rwm")  # loop devices and /dev/loop-control, nothing else
+CGROUP_ROOT = "/sys/fs/cgroup"  # the sandboxes' cgroups, read and reset per cell (kernels/sandbox/cgroup.py)
+
+
+class LaunchError(Exception):
+    """The launcher cannot start the gateway; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What the gateway container is started with; built from the node and the secrets."""
+
+    image: str
+    host_id: str
+    advertise_url: str
+    port: int
+    config: dict[str, Any]
+    files: dict[str, bytes] = field(repr=False)  # name under CONFIG_DIR -> content (secrets included)
+    serve_args: tuple[str, ...] = ()
+
+    def command(self) -> list[str]:
+        return ["serve", "--config", f"{CONFIG_DIR}/gateway.json", *self.serve_args]
+
+
+def own_image(client: docker.DockerClient) -> str:
+    """The image this launcher runs from (the gateway runs the same one, so a service update of
+    the image is a gateway upgrade). Swarm names a task's container host after its short id."""
+    try:
+        return client.containers.get(socket.gethostname()).attrs["Image"]
+    except docker.errors.NotFound:
+        raise LaunchError("cannot find the launcher's own container to learn its image; pass --image") from None
+
+
+def node_identity(client: docker.DockerClient) -> tuple[str, str]:
+    """This node's name (the host id: stable across restarts and upgrades) and its Swarm address."""
+    info = client.info()
+    swarm = info.get("Swarm") or {}
+    address = swarm.get("NodeAddr") or ""
+    if swarm.get("LocalNodeState") != "active" or not address:
+        raise LaunchError("this engine is not an active Swarm node (`sandkernel cluster launch` is a Swarm task)")
+    return str(info["Name"]), str(address)
+
+
+def read_secrets(directory: Path) -> dict[str, bytes]:
+    """The stack's secrets this launcher was given; the required ones must be there."""
+    found = {}
+    for name in SECRET_SETTINGS:
+        path = directory / name
+        if path.is_file():
+            found[name] = path.read_bytes()
+    missing = [name for name in REQUIRED_SECRETS if name not in found]
+    if missing:
+        raise LaunchError(
+            f"missing Swarm secret(s) {', '.join(missing)} in {directory}: the stack must give the gateway service "
+            "the secrets catalog_url and cluster_secret (see `sandkernel cluster stack`)"
+        )
+    return found
+
+
+def make_plan(
+    client: docker.DockerClient,
+    *,
+    port: int,
+    image: str | None,
+    secrets_dir: Path,
+    serve_args: tuple[str, ...] = (),
+) -> LaunchPlan:
+    host_id, address = node_identity(client)
+    advertise_url = f"http://{address}:{port}"
+    secrets = read_secrets(secrets_dir)
+    config: dict[str, Any] = {
+        "ip": "0.0.0.0",  # the host's network: reached by clients and by the other gateways
+        "port": port,
+        "host_id": host_id,
+        "advertise_url": advertise_url,
+        "on_exit": "keep",  # a stop or an upgrade keeps the sessions for the next gateway
+        "catalog_url": secrets["catalog_url"].decode().strip(),
+    }
+    files = {}
+    for name, setting in SECRET_SETTINGS.items():
+        if name in secrets and setting != "catalog_url":
+            files[name] = secrets[name]
+            config[setting] = f"{CONFIG_DIR}/{name}"
+    files["gateway.json"] = json.dumps(config, indent=2).encode()
+    return LaunchPlan(image or own_image(client), host_id, advertise_url, port, config, files, serve_args)
+
+
+def _config_archive(files: dict[str, bytes]) -> bytes:
+    """A tar of CONFIG_DIR (0700) holding ``files`` (0400), all root's."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        directory = tarfile.TarInfo(CONFIG_DIR.strip("/"))
+        directory.type, directory.mode = tarfile.DIRTYPE, 0o700
+        tar.addfile(directory)
+        for name, content in files.items():
+            info = tarfile.TarInfo(f"{CONFIG_DIR.strip('/')}/{name}")
+            info.size, info.mode = len(content), 0o400
+            tar.addfile(info, io.BytesIO(content))
+    return buffer.getvalue()
+
+
+def stop_gateway(client: docker.DockerClient, timeout: float) -> None:
+    """Stop and remove this host's gateway container if one is there (SIGTERM, then SIGKILL after
+    ``timeout``: the gateway's own shutdown grace must fit in it)."""
+    try:
+        container = client.containers.get(GATEWAY_CONTAINER)
+    except docker.errors.NotFound:
+        return
+    log.info("stopping the gateway container %s (%s)", container.short_id, container.status)
+    try:
+        container.stop(timeout=int(timeout))
+        container.remove(force=True)
+    except docker.errors.NotFound:
+        pass
+
+
+def start_gateway(client: docker.DockerClient, plan: LaunchPlan) -> Any:
+    """Create the gateway container (host network, the grants above, the host paths it shares
+    with its engine), copy its config and secrets in, start it."""
+    binds = {DOCKER_SOCKET: {"bind": DOCKER_SOCKET, "mode": "rw"}, "/dev": {"bind": "/dev", "mode": "rw"}}
+    binds[CGROUP_ROOT] = {"bind": CGROUP_ROOT, "mode": "rw"}
+    for path in SHARED_HOST_DIRS:
+        binds[path] = {"bind": path, "mode": "rw,rshared"}
+    try:
+        container = client.containers.create(
+            plan.image,
+            plan.command(),
+            name=GATEWAY_CONTAINER,
+            cap_add=list(GATEWAY_CAPABILITIES),
+            device_cgroup_rules=list(LOOP_DEVICE_RULES),
+            security_opt=["apparmor=unconfined"],  # docker-default AppArmor denies mount(2)
+            network_mode="host",
+            volumes=binds,
+            labels={ROLE_LABEL: "gateway", "sandkernel.host-id": plan.host_id},
+            restart_policy={"Name": "no"},
+            log_config={"Type": "json-file", "Config": {"max-size": "20m", "max-file": "3"}},
+        )
+    except docker.errors.APIError as err:
+        raise LaunchError(f"cannot create the gateway container: {err.explanation or err}") from None
+    try:
+        container.put_archive("/", _config_archive(plan.files))
+        container.start()
+    except docker.errors.APIError as err:
+        container.remove(force=True)
+        raise LaunchError(f"cannot start the gateway container: {err.explanation or err}") from None
+    return container
+
+
+def _relay_logs(container: Any) -> None:
+    """The gateway's output on the launcher's, so `docker service logs` shows it."""
+    try:
+        for chunk in container.logs(stream=True, follow=True):
+            sys.stdout.buffer.write(chunk)
+            sys.stdout.buffer.flush()
+    except (docker.errors.APIError, OSError, ValueError):
+        pass
+
+
+def launch(
+    *,
+    port: int,
+    image: str | None = None,
+    secrets_dir: Path = SECRETS_DIR,
+    stop_timeout: float = 45.0,
+    serve_args: tuple[str, ...] = (),
+    client: docker.DockerClient | None = None,
+) -> int:
+    """Run this host's gateway until it exits (its exit code) or the launcher is told to stop (0)."""
+    client = client or docker.from_env(timeout=max(120, int(stop_timeout) + 30))
+    plan = make_plan(client, port=port, image=image, secrets_dir=secrets_dir, serve_args=serve_args)
+    stop_gateway(client, stop_timeout)  # one left by a launcher that was killed
+    stopping = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping the gateway", signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    container = start_gateway(client, plan)
+    log.info("gateway %s started: host %s at %s (%s)", container.short_id, plan.host_id, plan.advertise_url, plan.image)
+    threading.Thread(target=_relay_logs, args=(container,), daemon=True, name="gateway-logs").start()
+    while not stopping.is_set():
+        try:
+            container.reload()
+        except docker.errors.NotFound:
+            log.error("the gateway container was removed by someone else")
+            return 1
+        if container.status in ("exited", "dead"):
+            code = int(container.attrs["State"].get("ExitCode", 1))
+            log.warning("the gateway exited with code %d", code)
+            container.remove(force=True)
+            return code or 1  # a gateway that stopped on its own is restarted by Swarm either way
+        stopping.wait(1.0)
+    stop_gateway(client, stop_timeout)
+    time.sleep(0)  # let the log relay flush its last lines
+    return 0
