@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from sandkernel import __version__
 from sandkernel.kernels.durable.records import SandboxRecord
-from sandkernel.kernels.durable.store import _COLUMNS, StoreError, _record, _row, update_values
+from sandkernel.kernels.durable.store import _COLUMNS, StoreError, _row, records_from_rows, update_values
 
 try:  # the `cluster` extra: a single-host install imports this module without it
     import psycopg
@@ -329,16 +329,7 @@ class PostgresStore:
 
     def records(self, rows: Sequence[Sequence[Any]]) -> list[SandboxRecord]:
         """Rows of ``SELECT <the record's columns>`` as records; StoreError naming a bad row."""
-        records = []
-        for row in rows:
-            try:
-                records.append(_record(row))
-            except (ValueError, TypeError) as err:  # hand-edited: bad JSON, unknown kind or state
-                raise StoreError(
-                    f"the session catalog {self.address.display} has an unreadable record for session {row[0]!r} "
-                    f"({err}); nothing was changed or deleted: fix or delete that row"
-                ) from None
-        return records
+        return records_from_rows(rows, self.address.display, "fix or delete that row")
 
     async def run(self, work: Callable[[AsyncConnection], Awaitable[T]], *, what: str = "using") -> T:
         """Run ``work`` on a pooled connection in one transaction (committed when it returns,

@@ -226,16 +226,7 @@ class SqliteStore:
             rows = cursor.fetchall()
         except sqlite3.Error as err:
             raise StoreError(f"reading the session catalog {self.path} failed: {err}") from err
-        records = []
-        for row in rows:
-            try:
-                records.append(_record(row))
-            except (ValueError, TypeError) as err:  # hand-edited: bad JSON, unknown kind or state
-                raise StoreError(
-                    f"the session catalog {self.path} has an unreadable record for session {row[0]!r} ({err}); "
-                    "nothing was changed or deleted: fix or delete that row, or move the file aside"
-                ) from err
-        return records
+        return records_from_rows(rows, str(self.path), "fix or delete that row, or move the file aside")
 
     def _close_connection(self) -> None:
         if self._conn is not None:
@@ -481,6 +472,24 @@ def _row(record: SandboxRecord, *, updated_at: float) -> tuple[Any, ...]:
     values["updated_at"] = updated_at
     values["kind"] = str(record.kind)
     return tuple(_column_value(name, values[name]) for name in _COLUMNS)
+
+
+def records_from_rows(rows: Sequence[Sequence[Any]], catalog: str, advice: str) -> list[SandboxRecord]:
+    """Rows of ``SELECT <the record's columns>`` (:data:`_COLUMNS`, in order) as records, for
+    both catalogs. A row that does not read (hand-edited: bad JSON, an unknown kind or state) is
+    a StoreError naming ``catalog`` and the session, ending with ``advice`` (what to do about the
+    row): never skipped, or its sandbox would be reaped as an orphan. Raised ``from None``: the
+    message carries the cause, and no driver's text rides along in a logged traceback."""
+    records = []
+    for row in rows:
+        try:
+            records.append(_record(row))
+        except (ValueError, TypeError) as err:
+            raise StoreError(
+                f"the session catalog {catalog} has an unreadable record for session {row[0]!r} ({err}); "
+                f"nothing was changed or deleted: {advice}"
+            ) from None
+    return records
 
 
 def _record(row: Sequence[Any]) -> SandboxRecord:
