@@ -23,11 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from tornado import httputil, web
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.httpserver import HTTPServer
+from tornado.iostream import IOStream
+from tornado.netutil import bind_sockets
 from tornado.websocket import websocket_connect
 
 from sandkernel.errors import ConfigError
 from sandkernel.gateway.base import ApiError
+from sandkernel.gateway.cluster.peer_pool import Hop, PeerPool
 from sandkernel.gateway.cluster.signing import (
     FORWARDED_HEADER,
     MAX_SKEW_SECONDS,
@@ -142,6 +147,218 @@ def test_an_old_header_replayed_is_refused_and_a_fresh_one_is_not() -> None:
 @pytest.mark.parametrize("value", ["", "junk", "host=a;t=now;sig=00", "host=;t=1;sig=00", "host=a;t=1"])
 def test_a_malformed_header_is_refused(value: str) -> None:
     assert "expected host=" in refused({FORWARDED_HEADER: value})
+
+
+# -- the peer pool: kept-alive connections to another gateway (real tornado servers, loopback) ----
+
+
+class Counted(HTTPServer):
+    """A tornado HTTP server that counts the connections it accepted (and lets a test wait for one)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.accepted = 0
+
+    def handle_stream(self, stream: IOStream, address: Any) -> None:
+        self.accepted += 1
+        super().handle_stream(stream, address)
+
+
+class Peer:
+    """An in-process gateway stand-in: /echo answers the method and body; /stream writes one line,
+    then a second once the test says so (``go``)."""
+
+    def __init__(self, idle_seconds: float | None = None) -> None:
+        self.go = asyncio.Event()
+        go = self.go
+
+        class Echo(web.RequestHandler):
+            def post(self) -> None:
+                self.write({"method": "POST", "body": self.request.body.decode()})
+
+            def get(self) -> None:
+                self.write({"method": "GET", "body": ""})
+
+        class Stream(web.RequestHandler):
+            async def get(self) -> None:
+                self.set_header("Content-Type", "application/x-ndjson")
+                self.write('{"n": 1}\n')
+                await self.flush()
+                await asyncio.wait_for(go.wait(), 30)
+                self.write('{"n": 2}\n')
+
+        app = web.Application([("/echo", Echo), ("/stream", Stream)])
+        self.server = Counted(app, idle_connection_timeout=idle_seconds)
+        sockets = bind_sockets(0, "127.0.0.1")
+        self.server.add_sockets(sockets)
+        self.url = f"http://127.0.0.1:{sockets[0].getsockname()[1]}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class Collect(httputil.HTTPMessageDelegate):
+    """A response as the pool hands it over; ``on_chunk`` runs as each chunk arrives."""
+
+    def __init__(self, on_chunk: Any = None) -> None:
+        self.code = 0
+        self.chunks: list[bytes] = []
+        self.on_chunk = on_chunk
+
+    def headers_received(self, start_line: Any, headers: httputil.HTTPHeaders) -> None:
+        self.code = start_line.code
+
+    async def data_received(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        if self.on_chunk is not None:
+            await self.on_chunk(chunk)
+
+    @property
+    def json(self) -> Any:
+        return json.loads(b"".join(self.chunks))
+
+
+def new_pool(**kw: Any) -> PeerPool:
+    return PeerPool(connect_timeout=5, request_timeout=60, max_response_bytes=1 << 20, **kw)
+
+
+async def fetch(pool: PeerPool, url: str, method: str = "POST", path: str = "/echo", body: bytes | None = b"x",
+                delegate: Collect | None = None) -> Collect:  # fmt: skip
+    delegate = delegate or Collect()
+    await pool.fetch(url, method, path, httputil.HTTPHeaders(), body, delegate, Hop())
+    return delegate
+
+
+async def test_forwarded_requests_to_one_peer_share_one_kept_alive_connection():
+    peer, pool = Peer(), new_pool()
+    try:
+        for i in range(5):
+            answer = await fetch(pool, peer.url, body=f"call {i}".encode())
+            assert answer.code == 200 and answer.json == {"method": "POST", "body": f"call {i}"}
+        assert peer.server.accepted == 1 and pool.opened == 1 and pool.reused == 4
+        assert pool.idle_count(peer.url) == 1
+        # Concurrent ones each need a connection; afterwards the pool keeps at most its cap.
+        small = new_pool(max_idle_per_peer=2)
+        answers = await asyncio.gather(*(fetch(small, peer.url) for _ in range(4)))
+        assert all(a.code == 200 for a in answers) and small.opened == 4 and small.idle_count(peer.url) == 2
+        small.close()
+        assert small.idle_count(peer.url) == 0
+    finally:
+        pool.close()
+        peer.stop()
+
+
+async def test_a_kept_connection_the_peer_closed_when_idle_is_not_used_again():
+    peer, pool = Peer(idle_seconds=0.3), new_pool()  # the peer closes idle connections after 0.3 s
+    try:
+        assert (await fetch(pool, peer.url)).code == 200
+        assert pool.idle_count(peer.url) == 1
+        deadline = time.monotonic() + 10
+        while pool.idle_count(peer.url):  # the peer's close reaches the idle stream, which leaves the pool
+            assert time.monotonic() < deadline, "the pool kept a connection its peer closed"
+            await asyncio.sleep(0.05)
+        answer = await fetch(pool, peer.url, body=b"after the close")
+        assert answer.code == 200 and answer.json["body"] == "after the close"
+        assert peer.server.accepted == 2 and pool.opened == 2
+    finally:
+        pool.close()
+        peer.stop()
+
+
+async def test_an_idle_connection_is_closed_by_the_pool_after_its_idle_time():
+    peer, pool = Peer(), new_pool(idle_seconds=0.2)
+    try:
+        assert (await fetch(pool, peer.url)).code == 200
+        deadline = time.monotonic() + 10
+        while pool.idle_count(peer.url):
+            assert time.monotonic() < deadline, "the pool kept an idle connection past its idle time"
+            await asyncio.sleep(0.05)
+        assert (await fetch(pool, peer.url)).code == 200 and peer.server.accepted == 2
+    finally:
+        pool.close()
+        peer.stop()
+
+
+class Dropping:
+    """A scripted peer on a real socket: it answers the first request of each connection (kept
+    alive), and closes the connection on the second without answering, as a peer does when a
+    kept-alive connection's close races a request. ``requests`` counts what it received."""
+
+    ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}"
+
+    def __init__(self) -> None:
+        self.requests: list[bytes] = []
+        self.connections = 0
+
+    async def start(self) -> Dropping:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(httputil.HTTPHeaders.parse(head.decode().split("\r\n", 1)[1])
+                                         .get("Content-Length", "0")))  # fmt: skip
+            self.requests.append(head.split(b" ", 2)[0])
+            writer.write(self.ANSWER)
+            await writer.drain()
+            second = await reader.readuntil(b"\r\n\r\n")
+            self.requests.append(second.split(b" ", 2)[0])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_a_request_lost_on_a_reused_connection_is_resent_once_only_if_idempotent():
+    peer = await Dropping().start()
+    pool = new_pool()
+    try:
+        assert (await fetch(pool, peer.url, "GET", body=None)).code == 200
+        # The kept connection is dropped under the GET: it goes again on a new connection.
+        answer = await fetch(pool, peer.url, "GET", body=None)
+        assert answer.code == 200 and peer.requests == [b"GET", b"GET", b"GET"] and peer.connections == 2
+        # A POST (an execute) that may have reached the peer is never sent twice: the caller's 503.
+        with pytest.raises(ConnectionError):
+            await fetch(pool, peer.url, "POST", body=b"1+1")
+        assert peer.requests == [b"GET", b"GET", b"GET", b"POST"] and peer.connections == 2
+    finally:
+        pool.close()
+        await peer.stop()
+
+
+async def test_a_peer_that_cannot_be_reached_is_a_connection_error_and_nothing_is_kept():
+    pool = new_pool()
+    with pytest.raises(ConnectionError, match="refused"):
+        await fetch(pool, f"http://127.0.0.1:{free_port()}")
+    assert pool.opened == 0
+
+
+async def test_a_streamed_answer_reaches_the_caller_chunk_by_chunk(monkeypatch):
+    peer, pool = Peer(), new_pool()
+
+    async def first_then_release(chunk: bytes) -> None:
+        # The first line is here while the peer still holds the second: nothing was buffered.
+        peer.go.set()
+
+    # An IP-literal peer is connected to as is: no name resolution (getaddrinfo runs in a thread).
+    async def no_resolver(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("an IP-literal peer was resolved")
+
+    monkeypatch.setattr(asyncio.get_running_loop(), "getaddrinfo", no_resolver)
+    try:
+        answer = await asyncio.wait_for(fetch(pool, peer.url, "GET", "/stream", None, Collect(first_then_release)), 30)
+        assert answer.code == 200 and answer.chunks == [b'{"n": 1}\n', b'{"n": 2}\n']
+        assert pool.idle_count(peer.url) == 1  # a chunked answer read to its end leaves the connection reusable
+    finally:
+        pool.close()
+        peer.stop()
 
 
 # -- two real gateways, one catalog ----------------------------------------------------------
@@ -268,6 +485,37 @@ async def test_a_session_is_used_through_the_gateway_that_does_not_hold_it(clust
         assert result["outputs"][0]["text"] == f"{len(data)} 42\n", result
 
 
+def connections_to(port: int) -> set[str]:
+    """The TCP connections on this machine to ``port`` in any state (TIME_WAIT included, on
+    whichever side closed first), each named by its other end's address as /proc/net/tcp{,6}
+    lists it (the listening socket left out)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as rows:
+            for row in list(rows)[1:]:
+                local, remote = row.split()[1:3]
+                local_port, remote_port = (int(end.rsplit(":", 1)[1], 16) for end in (local, remote))
+                if remote_port == port:
+                    found.add(local)
+                elif local_port == port and remote_port:
+                    found.add(remote)
+    return found
+
+
+async def test_forwarded_calls_reuse_one_kept_alive_connection_to_the_owner(cluster, placed):
+    """The forwarding gateway keeps its connection to the owner: five forwarded executes open at
+    most one new TCP connection to it (one per request, each left in TIME_WAIT, before the pool)."""
+    owner = next(host for host in cluster if host.host_id == "host-a")
+    via = other(cluster, "host-a")
+    sid = placed["host-a"]["id"]
+    before = connections_to(owner.serve.port)
+    for i in range(5):
+        status, result, _ = await via.call("POST", f"/api/sessions/{sid}/execute", {"code": f"print({i})"})
+        assert status == 200 and result["outputs"][0]["text"] == f"{i}\n", (status, result)
+    opened = connections_to(owner.serve.port) - before
+    assert len(opened) <= 1, f"forwarding opened {len(opened)} connections to the owner for 5 calls: {opened}"
+
+
 async def test_the_kernel_websocket_is_relayed_to_the_owner(cluster, placed):
     for owner_id, model in placed.items():
         via = other(cluster, owner_id)
@@ -374,7 +622,9 @@ async def test_an_owner_that_is_gone_is_a_503_naming_it_and_the_other_host_keeps
 
     long_cell = {"code": "import time\nfor i in range(600):\n    print(i, flush=True); time.sleep(0.1)"}
     # A streamed execute through host-b, running on host-a.
-    streaming = asyncio.create_task(b.call("POST", f"/api/sessions/{lost}/execute?stream=1", long_cell, streaming_callback=got))
+    streaming = asyncio.create_task(
+        b.call("POST", f"/api/sessions/{lost}/execute?stream=1", long_cell, streaming_callback=got)
+    )
     await asyncio.wait_for(first.wait(), 60)
     a.serve.kill9()
     try:

@@ -33,12 +33,11 @@ from urllib.parse import urlsplit
 
 from tornado import httputil, websocket
 from tornado.httpclient import HTTPClientError, HTTPRequest
-from tornado.iostream import IOStream, StreamClosedError
-from tornado.simple_httpclient import SimpleAsyncHTTPClient
-from tornado.tcpclient import TCPClient
+from tornado.iostream import StreamClosedError
 
 from sandkernel.errors import ClusterUnavailableError, SandkernelError
 from sandkernel.gateway.base import MAX_BODY_BYTES
+from sandkernel.gateway.cluster.peer_pool import Hop, PeerPool
 from sandkernel.gateway.cluster.signing import FORWARDED_HEADER, PLACE_HERE_HEADER, sign, verify
 from sandkernel.gateway.registry import LostSession, PausedSession, recorded_model
 from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
@@ -124,6 +123,9 @@ class ClusterLink:
     # another host, so a hot session's requests skip the catalog query (most of a hop's cost);
     # dropped when its host cannot be reached, so a host marked down is asked about again.
     owners: OwnerCache = dataclasses.field(default_factory=lambda: OwnerCache())
+    # Kept-alive connections to the other hosts for forwarded HTTP requests (a new TCP
+    # connection and a name resolved in a thread per request were most of a hop's cost).
+    peers: PeerPool = dataclasses.field(default_factory=lambda: new_peer_pool())
 
     def forwarded_from(self, request: httputil.HTTPServerRequest) -> str | None:
         """The origin host of a request another gateway forwarded (verified: ApiError 401 on a
@@ -210,6 +212,15 @@ class OwnerCache:
             del self._entries[key]
 
 
+def new_peer_pool() -> PeerPool:
+    """The pool of a gateway's connections to the others, with forwarding's limits."""
+    return PeerPool(
+        connect_timeout=CONNECT_TIMEOUT_SECONDS,
+        request_timeout=REQUEST_TIMEOUT_SECONDS,
+        max_response_bytes=MAX_RESPONSE_BYTES,
+    )
+
+
 def cluster_of(registry: object) -> ClusterLink | None:
     """The registry's cluster link (None on a single host, or before server.py sets one)."""
     return getattr(registry, "cluster", None)
@@ -234,20 +245,9 @@ def _request_headers(request: httputil.HTTPServerRequest) -> httputil.HTTPHeader
     return headers
 
 
-class _OneStream(TCPClient):
-    """A TCPClient that keeps the stream it opened, so a client that goes away can cut the hop
-    at once (the owner then sees its client gone, as it would locally: a streamed execute is
-    interrupted)."""
-
-    stream: IOStream | None = None
-
-    async def connect(self, *args: Any, **kwargs: Any) -> IOStream:  # type: ignore[override]
-        self.stream = await super().connect(*args, **kwargs)
-        return self.stream
-
-
-class _Relay:
-    """One forwarded HTTP exchange: the owner's status and headers, then its body, chunk by chunk."""
+class _Relay(httputil.HTTPMessageDelegate):
+    """One forwarded HTTP exchange, as the peer pool reads it: the owner's status and headers,
+    then its body, chunk by chunk, each written to the client before the next is read."""
 
     def __init__(self, handler: RequestHandler, host: HostInfo) -> None:
         self.handler = handler
@@ -255,19 +255,15 @@ class _Relay:
         self.code = 0
         self.reason = ""
         self.headers = httputil.HTTPHeaders()
-        self.started = False  # the owner's status and headers were passed on
+        self.started = False  # the owner's status and headers were passed on (with the first chunk)
         self.client_gone = False
-        self.tcp = _OneStream()
+        self.hop = Hop()
 
-    def header_line(self, line: str) -> None:
-        """tornado's header_callback: the start line, each header, then an empty line."""
-        if not self.code and line.startswith("HTTP/"):
-            start = httputil.parse_response_start_line(line.strip())
-            self.code, self.reason = start.code, start.reason
-        elif line.strip():
-            self.headers.parse_line(line)
-        else:
-            self.start()
+    def headers_received(
+        self, start_line: httputil.RequestStartLine | httputil.ResponseStartLine, headers: httputil.HTTPHeaders
+    ) -> None:
+        assert isinstance(start_line, httputil.ResponseStartLine)
+        self.code, self.reason, self.headers = start_line.code, start_line.reason, headers
 
     def start(self) -> None:
         """Pass the owner's status and end-to-end headers on (once, before the first chunk)."""
@@ -279,30 +275,29 @@ class _Relay:
                 handler.add_header(name, value)
         self.started = True
 
-    async def chunk(self, data: bytes) -> None:
-        """tornado's streaming_callback, awaited before the next read: each chunk reaches the
-        client before the next is read from the owner."""
+    async def data_received(self, chunk: bytes) -> None:
+        """Awaited by the reader before its next read: each chunk reaches the client before the
+        next is read from the owner. A client gone cuts the hop (the read then fails)."""
         if not self.started:
             self.start()
-        self.handler.write(data)
+        self.handler.write(chunk)
         try:
             await self.handler.flush()
         except StreamClosedError:
-            self.client_gone = True
-            raise  # ends the fetch, which closes the hop
+            self.cut()
 
     def cut(self) -> None:
         """The client went away: close the hop (the owner sees its client gone)."""
         self.client_gone = True
-        if self.tcp.stream is not None:
-            self.tcp.stream.close()
+        self.hop.cut()
 
 
 async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool = False) -> None:
-    """Send the handler's request (its body already read, under its limits) to ``host`` and pass
-    the answer back as it comes. 503 (ClusterUnavailableError) when the host cannot be reached
-    before anything was answered; after that, an NDJSON stream ends with an ``error`` line and
-    any other body is cut (the client sees a short response, never a wrong one)."""
+    """Send the handler's request (its body already read, under its limits) to ``host`` on a
+    kept-alive connection (peer_pool.py) and pass the answer back as it comes. 503
+    (ClusterUnavailableError) when the host cannot be reached before anything was answered;
+    after that, an NDJSON stream ends with an ``error`` line and any other body is cut (the
+    client sees a short response, never a wrong one)."""
     link = cluster_of(handler.registry)
     assert link is not None, "forward_http runs only in cluster mode"
     request = handler.request
@@ -313,31 +308,20 @@ async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool
         headers[PLACE_HERE_HEADER] = "1"
     relay = _Relay(handler, host)
     handler.forwarding = relay
-    client = SimpleAsyncHTTPClient(force_instance=True, max_body_size=MAX_RESPONSE_BYTES)
-    client.tcp_client = relay.tcp  # the hop's stream, to cut it (tornado sets TCP_NODELAY on it)
     body = handler.body
+    error: ConnectionError | None = None
     try:
-        response = await client.fetch(
-            HTTPRequest(
-                host.url + (request.uri or "/"),
-                method=method,
-                headers=headers,
-                body=body if body or method in ("POST", "PUT", "PATCH") else None,
-                connect_timeout=CONNECT_TIMEOUT_SECONDS,
-                request_timeout=REQUEST_TIMEOUT_SECONDS,
-                follow_redirects=False,
-                decompress_response=False,
-                allow_nonstandard_methods=True,
-                header_callback=relay.header_line,
-                streaming_callback=relay.chunk,
-            ),
-            raise_error=False,
+        await link.peers.fetch(
+            host.url,
+            method,
+            request.uri or "/",
+            headers,
+            body if body or method in ("POST", "PUT", "PATCH") else None,
+            relay,
+            relay.hop,
         )
-        error: BaseException | None = response.error if response.code == 599 else None
-    except (OSError, StreamClosedError, HTTPClientError) as err:
+    except ConnectionError as err:
         error = err
-    finally:
-        client.close()
     if relay.client_gone:
         return
     if error is None:
