@@ -5,6 +5,7 @@ sandkernel agent TASK           run a task with Claude in a fresh sandbox (--fil
 sandkernel run CODE             execute code (or - for stdin) in a fresh sandbox and print the result
 sandkernel mcp                  serve MCP on stdin/stdout (Claude Code, Claude Desktop): Python sandboxes as tools
 sandkernel image build          build the kernel image (works with no registry)
+sandkernel cluster ...          many hosts: `cluster image build` builds the gateway image
 sandkernel doctor               check Docker, the image, runc and runsc, and say how to fix
 sandkernel kernelspec install   install the sandkernel-python kernelspecs for Jupyter tools
 sandkernel reap                 remove containers left by crashed sandkernel processes (not recorded ones)
@@ -352,6 +353,10 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--base", default=None, help="base image to build on (default: python:3.11-slim or debootstrap)")
     build.add_argument("--offline", action="store_true", help="do not try to pull; use the debootstrapped base")
     build.set_defaults(func=_cmd_image_build)
+
+    from sandkernel.cluster_cli import add_cluster_parser
+
+    add_cluster_parser(sub)
 
     doctor = sub.add_parser("doctor", help="check Docker, the image, runc and runsc")
     doctor.set_defaults(func=_cmd_doctor)

@@ -73,10 +73,12 @@ def image_dir() -> Path:
     return path
 
 
-def cache_dir() -> Path:
-    """Where an installed package's build context is assembled (XDG cache, per version)."""
+def cache_dir(name: str = "kernel-image") -> Path:
+    """Where an image's build context is assembled when it cannot be built in place (XDG cache,
+    per image ``name`` and version): the kernel image's from an installed package, the gateway
+    image's (gateway/cluster/gateway_image.py) always."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "sandkernel" / f"kernel-image-{__version__}"
+    return Path(base) / "sandkernel" / f"{name}-{__version__}"
 
 
 def build_context(progress: Progress = print) -> Path:
@@ -127,7 +129,7 @@ def choose_base(engine: DockerEngine, progress: Progress, offline: bool = False)
     script = image_dir() / "bootstrap-base.sh"
     if os.geteuid() != 0:
         raise ImageBuildError(f"building the offline base needs root: run `sudo bash {script} {OFFLINE_BASE}`")
-    _run([str(script), OFFLINE_BASE], progress)
+    run_command([str(script), OFFLINE_BASE], progress)
     return OFFLINE_BASE
 
 
@@ -148,13 +150,16 @@ def fill_wheelhouse(progress: Progress, directory: Path | None = None) -> Path:
     cmd += ["--python-version", "3.11", "--implementation", "cp", "--abi", "cp311", "--abi", "abi3", "--abi", "none"]
     for platform in WHEEL_PLATFORMS:
         cmd += ["--platform", platform]
-    _run([*cmd, "-r", str(requirements)], progress)
+    run_command([*cmd, "-r", str(requirements)], progress)
     stamp.write_text(digest)
     return wheelhouse
 
 
-def _run(cmd: list[str], progress: Progress) -> None:
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+def run_command(cmd: list[str], progress: Progress, env: dict[str, str] | None = None) -> None:
+    """Run a build step (debootstrap, pip) in ``env`` (default: this process's), its output
+    lines on ``progress``; a non-zero exit raises ImageBuildError with the last lines, so the
+    CLI prints why in one message."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
         assert proc.stdout is not None
         tail: list[str] = []
         for line in proc.stdout:
@@ -178,6 +183,21 @@ def build_image(
     base = base or choose_base(engine, progress, offline=offline)
     context = build_context(progress)
     fill_wheelhouse(progress, context)
+    return docker_build(engine, context, tag, base, progress)
+
+
+def docker_build(
+    engine: DockerEngine,
+    context: Path,
+    tag: str,
+    base: str,
+    progress: Progress,
+) -> str:
+    """``docker build`` of ``context`` with the classic builder (no buildx needed) on ``base``
+    (the Dockerfile's BASE_IMAGE), labelled with sandkernel's version; returns the image id.
+    The build steps and cache hits are reported on ``progress``; a failed step raises
+    ImageBuildError with the builder's message. Shared by the kernel and gateway images, so
+    both are built, labelled and reported the same way."""
     progress(f"[build] {tag} on {base}")
     image_id = None
     stream = engine.client.api.build(
