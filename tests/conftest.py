@@ -130,7 +130,21 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
     "tests/test_cluster_catalog.py": "*",
     "tests/test_cluster_membership.py": "*",
     "tests/test_forwarding.py": "*",
+    "tests/test_cluster_kernels_api.py": frozenset(
+        {"test_a_kernel_created_through_a_lands_on_the_host_with_more_room_and_is_listed_by_both",
+         "test_code_runs_through_a_websocket_on_the_gateway_that_does_not_hold_the_kernel",
+         "test_busy_shows_cluster_wide_and_interrupt_and_restart_through_a_reach_the_kernel",
+         "test_another_tenant_sees_none_of_it_anywhere", "test_a_kernel_is_deleted_through_the_gateway_that_does_not_hold_it",
+         "test_kernel_creates_count_against_the_tenants_limit_across_the_cluster",
+         "test_bad_kernel_requests_are_400_saying_what_to_send",
+         "test_jupyter_server_pointed_at_one_gateway_uses_a_kernel_placed_on_the_other",
+         "test_a_full_cluster_and_a_lost_catalog_refuse_kernels_and_the_held_one_keeps_working"}
+    ),
     "tests/test_cluster_lab.py": "*",
+    "tests/test_gateway_image.py": frozenset(
+        {"test_the_image_runs_this_checkouts_sandkernel_with_the_disk_tools",
+         "test_doctor_in_the_image_makes_and_mounts_a_disk_workspace"}
+    ),
     "tests/test_cli.py": frozenset(
         {"test_doctor_reports_a_ready_machine", "test_run_prints_the_result_and_json",
          "test_bad_input_gets_a_one_line_error_not_a_traceback",
