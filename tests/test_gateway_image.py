@@ -8,7 +8,7 @@ builds the image for real (cached layers after the first build: about 6 s warm, 
 cold on a fresh machine, most of it downloading and installing the wheelhouse) and runs it:
 ``--version`` says this checkout's version, the tools are on PATH, and ``doctor`` in the
 container, given what a cluster host gives it (SYS_ADMIN, the loop devices, the engine's socket),
-makes, mounts and removes a real disk workspace.
+makes, mounts and removes a real disk workspace, and imports psycopg.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from sandkernel.gateway.cluster.gateway_image import (
     requirements,
     source_checkout,
 )
+from sandkernel.gateway.cluster.launcher import DOCKER_SOCKET, GATEWAY_CAPABILITIES, LOOP_DEVICE_RULES
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
@@ -127,15 +128,14 @@ def test_the_image_runs_this_checkouts_sandkernel_with_the_disk_tools(gateway_im
 
 
 def test_doctor_in_the_image_makes_and_mounts_a_disk_workspace(gateway_image):
-    """What a cluster host gives the gateway's container: root with SYS_ADMIN, the loop devices
-    (block 7:*, loop-control 10:237) and the engine's socket. ``--privileged`` would do as well
-    where the engine may grant every capability."""
+    """With the grants the Swarm launcher gives the gateway's container (gateway/cluster/launcher.py:
+    SYS_ADMIN, the loop devices only, the engine's socket), ``doctor`` passes its disk check."""
     code, output = run_in_image(
         ["doctor"],
-        cap_add=["SYS_ADMIN"],
-        device_cgroup_rules=["b 7:* rwm", "c 10:237 rwm"],
+        cap_add=list(GATEWAY_CAPABILITIES),
+        device_cgroup_rules=list(LOOP_DEVICE_RULES),
         network_mode="host",
-        volumes={"/var/run/docker.sock": {"bind": "/var/run/docker.sock"}, "/dev": {"bind": "/dev"}},
+        volumes={DOCKER_SOCKET: {"bind": DOCKER_SOCKET}, "/dev": {"bind": "/dev"}},
     )
     assert "[ok  ] disk workspaces: root, loop devices, mkfs.ext4 and mount available" in output, output
     assert "[ok  ] docker engine" in output and code == 0, output
