@@ -340,6 +340,20 @@ async def test_a_peer_that_cannot_be_reached_is_a_connection_error_and_nothing_i
     assert pool.opened == 0
 
 
+async def test_a_peer_that_stops_answering_mid_way_is_cut_at_the_request_timeout():
+    peer = Peer()
+    pool = PeerPool(connect_timeout=5, request_timeout=0.5, max_response_bytes=1 << 20)
+    answer = Collect()
+    try:
+        with pytest.raises(ConnectionError, match="timed out"):  # /stream holds its second line
+            await asyncio.wait_for(fetch(pool, peer.url, "GET", "/stream", None, answer), 30)
+        assert answer.chunks == [b'{"n": 1}\n'] and pool.idle_count(peer.url) == 0
+    finally:
+        peer.go.set()
+        pool.close()
+        peer.stop()
+
+
 async def test_a_streamed_answer_reaches_the_caller_chunk_by_chunk(monkeypatch):
     peer, pool = Peer(), new_pool()
 

@@ -11,7 +11,9 @@ kept for the next. The response goes to the caller's :class:`~tornado.httputil.H
 as it is read (``data_received`` awaited before the next read: streaming stays streaming).
 
 Bounds: at most :data:`MAX_IDLE_PER_PEER` idle connections per peer (a connection returned to a
-full pool is closed), each closed after :data:`IDLE_SECONDS` unused. That is below the peer
+full pool is closed); one unused for :data:`IDLE_SECONDS` is no longer lent, and is closed the
+next time the pool is used (no timer per connection: the peer's own idle limit closes one never
+asked for again, and it leaves the pool then). That is below the peer
 gateway's own idle limit (``--header-timeout``, 20 s by default, after which tornado's server
 closes a kept-alive connection), so the peer rarely closes one the pool would still lend. When it
 does (a lower ``--header-timeout``, a restart): an idle stream listens for the close and leaves
@@ -122,7 +124,7 @@ class _Watch(httputil.HTTPMessageDelegate):
 @dataclasses.dataclass
 class _Idle:
     stream: IOStream
-    timer: asyncio.TimerHandle
+    until: float  # time.monotonic() after which it is not lent any more
 
 
 class PeerPool:
@@ -141,15 +143,12 @@ class PeerPool:
         idle_seconds: float = IDLE_SECONDS,
     ) -> None:
         self.connect_timeout = connect_timeout
+        self.request_timeout = request_timeout
         self.max_idle_per_peer = max_idle_per_peer
         self.idle_seconds = idle_seconds
-        # header_timeout / body_timeout: only a bound on a peer that hangs without closing.
+        # No header or body timeout here (each is a timer per read): one timer bounds the exchange.
         self.params = HTTP1ConnectionParameters(
-            max_header_size=MAX_HEADER_BYTES,
-            max_body_size=max_response_bytes,
-            header_timeout=request_timeout,
-            body_timeout=request_timeout,
-            decompress=False,
+            max_header_size=MAX_HEADER_BYTES, max_body_size=max_response_bytes, decompress=False
         )
         self._idle: dict[Peer, collections.deque[_Idle]] = {}
         self._peers: dict[str, Peer] = {}
@@ -192,6 +191,8 @@ class PeerPool:
             sent = False
             failure: BaseException | None = None
             connection = HTTP1Connection(stream, True, self.params)
+            # A peer that hangs without closing: the connection is closed (the read then fails).
+            timer = asyncio.get_running_loop().call_later(self.request_timeout, _expire, stream)
             try:
                 if stream.closed():
                     raise StreamClosedError(stream.error)
@@ -201,6 +202,8 @@ class PeerPool:
                 await connection.read_response(watch)
             except (OSError, httputil.HTTPOutputError) as err:  # StreamClosedError is an OSError
                 failure = err
+            finally:
+                timer.cancel()
             if watch.finished:
                 if watch.keep_alive and not stream.closed():
                     self._check_in(peer, stream)
@@ -226,9 +229,10 @@ class PeerPool:
     async def _check_out(self, peer: Peer, *, fresh: bool) -> tuple[IOStream, bool]:
         """(a connection to ``peer``, whether it was kept from an earlier exchange)."""
         idle = self._idle.get(peer)
+        if idle and not fresh:
+            self._expire_idle(idle)
         while idle and not fresh:
             entry = idle.pop()
-            entry.timer.cancel()
             stream = entry.stream
             stream.set_close_callback(None)
             if _still_open(stream):
@@ -240,37 +244,49 @@ class PeerPool:
     def _check_in(self, peer: Peer, stream: IOStream) -> None:
         """Keep ``stream`` for the next exchange with ``peer`` (closed if the pool is full)."""
         idle = self._idle.setdefault(peer, collections.deque())
+        self._expire_idle(idle)
         if len(idle) >= self.max_idle_per_peer:
             stream.close()
             return
-        loop = asyncio.get_running_loop()
-        entry = _Idle(stream, loop.call_later(self.idle_seconds, self._drop, peer, stream))
-        idle.append(entry)
+        idle.append(_Idle(stream, time.monotonic() + self.idle_seconds))
         # Listening for the peer's close while idle: the entry leaves the pool when it comes.
         stream.set_close_callback(lambda: self._drop(peer, stream))
 
+    @staticmethod
+    def _expire_idle(idle: collections.deque[_Idle]) -> None:
+        """Close the connections idle past :attr:`idle_seconds` (the oldest are on the left).
+        Done as the pool is used, not on a timer per connection: one that is never asked for
+        again is closed by its peer's own idle limit, and leaves the pool then."""
+        now = time.monotonic()
+        while idle and idle[0].until <= now:
+            entry = idle.popleft()
+            entry.stream.set_close_callback(None)
+            entry.stream.close()
+
     def _drop(self, peer: Peer, stream: IOStream) -> None:
-        """An idle connection timed out or was closed by the peer: out of the pool, closed."""
+        """An idle connection the peer closed: out of the pool."""
         idle = self._idle.get(peer)
         if idle:
             for entry in idle:
                 if entry.stream is stream:
                     idle.remove(entry)
-                    entry.timer.cancel()
                     break
         stream.set_close_callback(None)
         stream.close()
 
     def idle_count(self, url: str) -> int:
-        """Idle connections kept for the peer at ``url``."""
-        return len(self._idle.get(Peer.of(url), ()))
+        """Idle connections kept for the peer at ``url`` and not past their idle time."""
+        idle = self._idle.get(Peer.of(url))
+        if idle is None:
+            return 0
+        self._expire_idle(idle)
+        return len(idle)
 
     def close(self) -> None:
         """Close every idle connection (the gateway stops)."""
         for idle in self._idle.values():
             while idle:
                 entry = idle.pop()
-                entry.timer.cancel()
                 entry.stream.set_close_callback(None)
                 entry.stream.close()
 
@@ -327,6 +343,11 @@ class PeerPool:
         if self._tls is None:
             self._tls = ssl.create_default_context()
         return self._tls
+
+
+def _expire(stream: IOStream) -> None:
+    """The exchange's time is up: close its connection (its read fails: the caller's 503)."""
+    stream.close(TimeoutError("no answer within the request timeout"))
 
 
 def _still_open(stream: IOStream) -> bool:
