@@ -33,8 +33,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import re
 import signal
-import socket
 import sys
 import tarfile
 import threading
@@ -47,6 +47,8 @@ import docker
 import docker.errors
 
 log = logging.getLogger(__name__)
+
+_CONTAINER_FILE = re.compile(r"/containers/([0-9a-f]{64})/(?:hostname|hosts|resolv\.conf)\s")
 
 GATEWAY_CONTAINER = "sandkernel-gateway"
 ROLE_LABEL = "sandkernel.role"
@@ -61,7 +63,8 @@ SECRET_SETTINGS = {
 REQUIRED_SECRETS = ("catalog_url", "cluster_secret")
 # Host paths the gateway shares with its engine at the same path (dockerd resolves bind sources
 # on the host, so what the gateway mounts under them must propagate back: rshared).
-SHARED_HOST_DIRS = ("/var/lib/sandkernel", "/run/sandkernel")
+STATE_DIR = "/var/lib/sandkernel"
+SHARED_HOST_DIRS = (STATE_DIR, "/run/sandkernel")
 DOCKER_SOCKET = "/var/run/docker.sock"
 GATEWAY_CAPABILITIES = ("SYS_ADMIN",)  # mount(2): runtime-dir tmpfs, workspace disks (+ Docker's defaults)
 LOOP_DEVICE_RULES = ("b 7:* rwm", "c 10:237 rwm")  # loop devices and /dev/loop-control, nothing else
@@ -88,11 +91,22 @@ class LaunchPlan:
         return ["serve", "--config", f"{CONFIG_DIR}/gateway.json", *self.serve_args]
 
 
+def own_container_id(mountinfo: str) -> str | None:
+    """This process's container id, from the files Docker bind-mounts into every container
+    (``/etc/hostname`` comes from ``.../containers/<id>/hostname``). The host name is no use: on
+    the host network it is the node's."""
+    found = _CONTAINER_FILE.search(mountinfo)
+    return found.group(1) if found else None
+
+
 def own_image(client: docker.DockerClient) -> str:
-    """The image this launcher runs from (the gateway runs the same one, so a service update of
-    the image is a gateway upgrade). Swarm names a task's container host after its short id."""
+    """The image this launcher runs from, by the name the service gave it (the gateway runs the
+    same one, so a service update of the image is a gateway upgrade)."""
+    container_id = own_container_id(Path("/proc/self/mountinfo").read_text())
     try:
-        return client.containers.get(socket.gethostname()).attrs["Image"]
+        if container_id is None:
+            raise docker.errors.NotFound("no container id in /proc/self/mountinfo")
+        return str(client.containers.get(container_id).attrs["Config"]["Image"])
     except docker.errors.NotFound:
         raise LaunchError("cannot find the launcher's own container to learn its image; pass --image") from None
 
@@ -140,6 +154,8 @@ def make_plan(
         "host_id": host_id,
         "advertise_url": advertise_url,
         "on_exit": "keep",  # a stop or an upgrade keeps the sessions for the next gateway
+        "state_dir": STATE_DIR,
+        "notebook_dir": f"{STATE_DIR}/notebooks",  # on the host: transcripts outlive the gateway container
         "catalog_url": secrets["catalog_url"].decode().strip(),
     }
     files = {}
