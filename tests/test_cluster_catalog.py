@@ -392,7 +392,8 @@ async def test_placement_picks_the_most_free_host_that_has_the_runtime(fresh_pos
 async def test_concurrent_placements_all_find_the_host_with_room(fresh_postgres_url):
     """Placements at once wait for each other instead of skipping the locked host (with SKIP
     LOCKED, 1 to 5 of 8 found "no room" while one host had room for 100); at a host's last
-    place, the one that waited on it goes to the next host."""
+    place, the one that waited on it goes to the next host. Repeated: a placement that locked
+    the host's row twice deadlocked in about 1 of 13 such bursts (a 503)."""
     stores, (a, b) = await open_hosts(fresh_postgres_url, "a", "b")
     try:
         await asyncio.gather(*(store.run(lambda conn: conn.execute("SELECT pg_sleep(0.2)")) for store in stores * 8))
@@ -404,10 +405,12 @@ async def test_concurrent_placements_all_find_the_host_with_room(fresh_postgres_
             # Their creates reach the host at once: each lets go of its own placement.
             await asyncio.gather(*(a.reserve("alice", None, f"s{round_}-{i}") for i in range(8)))
         assert admin(fresh_postgres_url, "SELECT count(*) FROM placements") == [(0,)]
-        await a.heartbeat(sessions=97, free=3)
-        await b.register("http://b", ["runc"], 2)
-        placed = await asyncio.gather(*(a.place("runc") for _ in range(8)))
-        assert sorted(host.host_id if host else "-" for host in placed) == ["-"] * 3 + ["a"] * 3 + ["b"] * 2
+        for _ in range(40):
+            admin(fresh_postgres_url, "DELETE FROM placements")  # the last burst's creates arrived
+            await a.heartbeat(sessions=97, free=3)
+            await b.register("http://b", ["runc"], 2)
+            placed = await asyncio.gather(*(a.place("runc") for _ in range(8)))
+            assert sorted(host.host_id if host else "-" for host in placed) == ["-"] * 3 + ["a"] * 3 + ["b"] * 2
     finally:
         await close_all(stores)
 
