@@ -1,6 +1,9 @@
 """``sandkernel cluster``: the commands of a many-host deployment (issue 18).
 
 sandkernel cluster image build    build the gateway's container image (no registry needed)
+sandkernel cluster stack          print the Swarm stack file
+sandkernel cluster up             create the stack's secrets and deploy it (on a Swarm manager)
+sandkernel cluster launch         the stack's task on each node: runs that node's gateway
 
 Kept apart from sandkernel/cli.py so the cluster's commands grow in one place;
 :func:`add_cluster_parser` is the one hook cli.py calls.
@@ -28,9 +31,31 @@ every build (unchanged code reuses every cached layer). From an installed sandke
 --wheel; the build context is kept in ~/.cache/sandkernel/gateway-image-{__version__}/."""
 
 IMAGE_BUILD_EPILOG = f"""\
-run it as a cluster does (root, the engine's socket, /dev for loop devices):
-  docker run --rm --privileged --network host -v /var/run/docker.sock:/var/run/docker.sock \\
-    -v /dev:/dev sandkernel-gateway:{__version__} doctor"""
+check it with the grants a cluster gives the gateway (CAP_SYS_ADMIN and the loop devices only):
+  docker run --rm --cap-add SYS_ADMIN --device-cgroup-rule 'b 7:* rwm' --device-cgroup-rule 'c 10:237 rwm' \\
+    --security-opt apparmor=unconfined -v /var/run/docker.sock:/var/run/docker.sock -v /dev:/dev \\
+    sandkernel-gateway:{__version__} doctor"""
+
+UP_DESCRIPTION = """\
+Deploy sandkernel on the Docker Swarm this engine manages: create the stack's Docker secrets that
+do not exist yet (an existing one is kept), then `docker stack deploy` the shipped stack file. Every
+node then runs one gateway (port 8888 of the node), all sharing the PostgreSQL catalog.
+
+Before: build the gateway image on every node (`sandkernel cluster image build`), have the kernel
+image there (`sandkernel image build`), and a PostgreSQL database the nodes reach. Files given
+here must be chmod 600."""
+
+UP_EPILOG = """\
+example:
+  printf '%s' 'postgresql://sandkernel:PASSWORD@10.0.0.5/sandkernel' > catalog.url; chmod 600 catalog.url
+  sandkernel cluster up --catalog-url-file catalog.url --tokens-file tokens.json"""
+
+LAUNCH_DESCRIPTION = """\
+What the stack's service runs on each node (not for use by hand): start this node's gateway as a
+sibling container on the node's engine (host network, CAP_SYS_ADMIN and the loop devices, the
+host's state and runtime dirs), with the config and secrets Swarm gave this task, and live as long
+as it does. SIGTERM stops the gateway (its sessions stay for the next one). Arguments after `--`
+are passed to `sandkernel serve`."""
 
 
 def _cmd_image_build(args: argparse.Namespace) -> int:
@@ -44,11 +69,49 @@ def _cmd_image_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_stack(args: argparse.Namespace) -> int:
+    from sandkernel.gateway.cluster.deploy import stack_text
+
+    print(stack_text(), end="")
+    return 0
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from sandkernel.gateway.cluster.deploy import DeployError, bring_up
+
+    try:
+        bring_up(
+            stack_name=args.name,
+            catalog_url_file=args.catalog_url_file,
+            tokens_file=args.tokens_file,
+            cluster_secret_file=args.cluster_secret_file,
+            compose_files=tuple(args.compose_file),
+        )
+    except DeployError as err:
+        print(f"sandkernel cluster up: {err}")
+        return 2
+    return 0
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    import logging
+
+    from sandkernel.gateway.cluster.launcher import LaunchError, launch
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s launcher: %(message)s")
+    serve_args = tuple(args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args)
+    try:
+        return launch(port=args.port, image=args.image, stop_timeout=args.stop_timeout, serve_args=serve_args)
+    except LaunchError as err:
+        logging.getLogger("sandkernel.launcher").error("%s", err)
+        return 2
+
+
 def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``sandkernel cluster`` and its commands to the top-level subcommands ``sub``."""
     cluster = sub.add_parser(
         "cluster",
-        help="many hosts (Docker Swarm, PostgreSQL): the gateway image",
+        help="many hosts (Docker Swarm, PostgreSQL): image, stack file, deploy",
         description="Commands for running sandkernel on many hosts (a Docker Swarm with a PostgreSQL catalog).",
     )
     commands = cluster.add_subparsers(dest="cluster_command", metavar="COMMAND", required=True)
@@ -76,3 +139,47 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
         "is installed from a wheel; its version must be this sandkernel's)",
     )
     build.set_defaults(func=_cmd_image_build)
+
+    stack = commands.add_parser("stack", help="print the Docker Swarm stack file")
+    stack.set_defaults(func=_cmd_stack)
+
+    up = commands.add_parser(
+        "up",
+        help="create the secrets and deploy the stack (on a Swarm manager)",
+        description=UP_DESCRIPTION,
+        epilog=UP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    up.add_argument("--catalog-url-file", type=Path, metavar="FILE", help="file holding the postgresql:// URL")
+    up.add_argument("--tokens-file", type=Path, metavar="FILE", help='tenants\' tokens, JSON {"tenant": "token"}')
+    up.add_argument(
+        "--cluster-secret-file", type=Path, metavar="FILE", help="the secret gateways sign with (default: generated)"
+    )
+    up.add_argument(
+        "--compose-file",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="your own compose file merged over the stack file (e.g. gateway flags); may be repeated",
+    )
+    up.add_argument("--name", default="sandkernel", help="stack name (default: sandkernel)")
+    up.set_defaults(func=_cmd_up)
+
+    launch = commands.add_parser(
+        "launch",
+        help="run this node's gateway (the stack's task; not for use by hand)",
+        description=LAUNCH_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    launch.add_argument("--port", type=int, default=8888, help="the gateway's port on the node (default: 8888)")
+    launch.add_argument("--image", default=None, help="gateway image (default: the image this task runs)")
+    launch.add_argument(
+        "--stop-timeout",
+        type=float,
+        default=45.0,
+        metavar="S",
+        help="seconds the gateway gets to stop before SIGKILL (above its --shutdown-grace; default: 45)",
+    )
+    launch.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then flags for `sandkernel serve`")
+    launch.set_defaults(func=_cmd_launch)

@@ -53,7 +53,14 @@ SUBPACKAGES = {
     f"{PACKAGE}.integrations": Layer.AGENT,
 }
 CLI_MODULES = frozenset(
-    {f"{PACKAGE}.cli", f"{PACKAGE}.demo", f"{PACKAGE}.local_gateway", f"{PACKAGE}.mcp_stdio", f"{PACKAGE}.__main__"}
+    {
+        f"{PACKAGE}.cli",
+        f"{PACKAGE}.cluster_cli",
+        f"{PACKAGE}.demo",
+        f"{PACKAGE}.local_gateway",
+        f"{PACKAGE}.mcp_stdio",
+        f"{PACKAGE}.__main__",
+    }
 )
 
 
@@ -157,7 +164,7 @@ def test_layers_only_point_down():
     assert not violations, f"{len(violations)} import(s) point up a layer:\n" + "\n".join(map(str, violations))
 
 
-PLANTED = '''
+PLANTED = """
 from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
@@ -170,7 +177,7 @@ def later():
     from ...notebooks import recorder
     from sandkernel import cli
     return server, recorder, cli
-'''
+"""
 
 
 def test_the_rules_catch_planted_violations():
