@@ -1,7 +1,8 @@
 """The cluster's catalog on a real PostgreSQL 15 (tests/postgres_fixtures.py: a throwaway server on
 127.0.0.1, a fresh database per test), no mocks: PostgresStore keeps the SQLite catalog's meaning
 for each call and scopes every host to its own rows; ClusterCatalog places sessions, holds tenants'
-limits across hosts under concurrency, and turns a silent host's running sessions into lost ones."""
+limits across hosts under concurrency, and turns a silent host's running sessions into lost ones.
+The SessionStore calls both catalogs share are tested over both in tests/test_session_store.py."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 from sandkernel.gateway.cluster.catalog import ClusterCatalog, HostInfo
 from sandkernel.gateway.registry import TooManySessionsError
 from sandkernel.kernels.durable.postgres import MIGRATIONS, SCHEMA_VERSION, CatalogUnavailableError, PostgresStore
-from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 from sandkernel.kernels.durable.store import StoreError
 
 from . import postgres_fixtures
@@ -49,65 +50,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# -- the SessionStore (as tests/test_session_store.py asks of the SQLite one) ------------------
-
-
-async def test_records_round_trip_update_and_remove(fresh_postgres_url):
-    store = await PostgresStore.open(fresh_postgres_url, "h1")
-    try:
-        first = record("a", tenant="alice", gateway={"created": 1.5, "metadata": {"x": [1, 2]}})
-        pooled = record("b", kind="pool")
-        await store.put(first)
-        await store.put(pooled)
-        loaded = {r.session_id: r for r in await store.load()}
-        assert loaded["a"].kernel == first.kernel and loaded["a"].gateway == first.gateway
-        assert (loaded["a"].tenant, loaded["a"].state, loaded["a"].running) == ("alice", SandboxState.RUNNING, None)
-        assert loaded["b"].kind is SandboxKind.POOL and loaded["b"].tenant is None
-        assert loaded["a"].created_at == first.created_at
-
-        running = {"code": "import time; time.sleep(60)", "started_at": 12.5}
-        await store.update("a", running=running, gateway={"last_activity": 9.0})
-        (a,) = [r for r in await store.load() if r.session_id == "a"]
-        assert a.running == running and a.gateway == {"last_activity": 9.0} and a.kernel == first.kernel
-        assert a.updated_at >= a.created_at
-        await store.update("a", state="lost", lost_reason="exit code 137 (OOM killed)", running=None)
-        (a,) = [r for r in await store.load() if r.session_id == "a"]
-        assert (a.state, a.lost_reason, a.running) == (SandboxState.LOST, "exit code 137 (OOM killed)", None)
-
-        await store.put(record("b", kind="session", tenant="bob"))  # a pooled sandbox handed out: replaced
-        (b,) = [r for r in await store.load() if r.session_id == "b"]
-        assert b.kind is SandboxKind.SESSION and b.tenant == "bob"
-
-        await store.remove("a")
-        await store.remove("a")  # already gone: not an error
-        await store.update("a", state="lost")  # a late update never brings a removed record back
-        assert [r.session_id for r in await store.load()] == ["b"]
-        with pytest.raises(TypeError, match="cannot change"):
-            await store.update("b", kind="pool")
-        with pytest.raises(ValueError):
-            await store.update("b", state="zombie")
-    finally:
-        await store.close()
-        await store.close()  # idempotent
-    with pytest.raises(StoreError, match="closed"):
-        await store.load()
-    with pytest.raises(StoreError, match="closed"):
-        await store.put(record("c"))
-    reopened = await PostgresStore.open(fresh_postgres_url, "h1")
-    try:
-        assert [(r.session_id, r.tenant) for r in await reopened.load()] == [("b", "bob")]
-    finally:
-        await reopened.close()
-
-
-async def test_load_is_oldest_first(fresh_postgres_url):
-    store = await PostgresStore.open(fresh_postgres_url, "h1")
-    try:
-        for i, created in enumerate([30.0, 10.0, 20.0, 10.0]):
-            await store.put(record(f"s{i}", created_at=created))
-        assert [r.session_id for r in await store.load()] == ["s1", "s3", "s2", "s0"]
-    finally:
-        await store.close()
+# -- the SessionStore on PostgreSQL: what only it does (the calls both catalogs answer alike are
+# -- tested over both in tests/test_session_store.py) -------------------------------------------
 
 
 async def test_a_host_reads_and_writes_only_its_own_rows(fresh_postgres_url):
@@ -300,28 +244,6 @@ async def test_a_catalog_that_goes_away_fails_fast_and_a_broken_connection_is_re
         assert time.monotonic() - start < 3
     finally:
         await store.close()
-
-
-async def test_catalog_calls_leave_the_event_loop_free(fresh_postgres_url):
-    store = await PostgresStore.open(fresh_postgres_url, "h1")
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
-    try:
-        for i in range(50):
-            await store.put(record(f"s{i}"))
-            await store.update(f"s{i}", state="lost")
-        assert len(await store.load()) == 50
-    finally:
-        task.cancel()
-        await store.close()
-    assert ticks >= 100, "the loop ran other tasks while the catalog wrote"
 
 
 # -- the cluster: hosts, placement, tenants' limits, hosts going down --------------------------

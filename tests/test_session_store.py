@@ -1,7 +1,10 @@
 """The session catalog (kernels/durable/store.py): records survive the process that wrote them,
 the file keeps the kernels' keys to its owner, and a damaged or newer catalog is refused without
-a byte of it changing (pure tier: a real SQLite file and real processes, no Docker). The warm
-pool's records, and a pool closed during a refill, at the end (docker: over the runtimes)."""
+a byte of it changing (pure tier: a real SQLite file and real processes, no Docker). The calls
+every SessionStore answers alike run over both catalogs, the SQLite file and PostgreSQL
+(``backend``: a throwaway server from tests/postgres_fixtures.py, in the docker tier with the
+rest of the cluster's tests; what only PostgreSQL does is in tests/test_cluster_catalog.py). The
+warm pool's records, and a pool closed during a refill, at the end (docker: over the runtimes)."""
 
 from __future__ import annotations
 
@@ -18,14 +21,17 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import docker.errors
 import pytest
 
 from sandkernel.kernels.durable import SCHEMA_VERSION, SandboxRecord, StoreError, open_store
+from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.records import SandboxKind, SandboxState
-from sandkernel.kernels.durable.store import MIGRATIONS, default_catalog_path
+from sandkernel.kernels.durable.store import MIGRATIONS, SessionStore, default_catalog_path
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.profiles import resolve_profile
@@ -64,8 +70,49 @@ async def filled_catalog(path: Path, count: int = 3) -> list[SandboxRecord]:
     return records
 
 
-async def test_records_round_trip_update_and_remove(tmp_path):
-    store = open_store(tmp_path / "catalog.sqlite3")
+@dataclass(frozen=True)
+class Backend:
+    """One SessionStore under the shared tests: ``open`` opens (again) the same catalog; ``edit``
+    runs SQL on it behind the store's back, as a hand edit would."""
+
+    open: Callable[[], Awaitable[SessionStore]]
+    edit: Callable[[str], None]
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.docker)])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Backend:
+    """The SQLite catalog, then PostgreSQL (a fresh database on the run's throwaway server)."""
+    if request.param == "sqlite":
+        path = tmp_path / "catalog.sqlite3"
+
+        async def open_sqlite() -> SessionStore:
+            return open_store(path)
+
+        def edit_sqlite(sql: str) -> None:
+            conn = sqlite3.connect(path)
+            try:
+                conn.execute(sql)
+                conn.commit()
+            finally:
+                conn.close()
+
+        return Backend(open_sqlite, edit_sqlite)
+    import psycopg  # the cluster extra: only this backend needs it
+
+    url = request.getfixturevalue("fresh_postgres_url")
+
+    async def open_postgres() -> SessionStore:
+        return await PostgresStore.open(url, "h1")
+
+    def edit_postgres(sql: str) -> None:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(sql)
+
+    return Backend(open_postgres, edit_postgres)
+
+
+async def test_records_round_trip_update_and_remove(backend):
+    store = await backend.open()
     try:
         first = record("a", tenant="alice", gateway={"created": 1.5, "metadata": {"x": [1, 2]}})
         pooled = record("b", kind="pool")
@@ -73,9 +120,7 @@ async def test_records_round_trip_update_and_remove(tmp_path):
         await store.put(pooled)
         loaded = {r.session_id: r for r in await store.load()}
         assert loaded["a"].kernel == first.kernel and loaded["a"].gateway == first.gateway
-        assert (
-            loaded["a"].tenant == "alice" and loaded["a"].state is SandboxState.RUNNING and loaded["a"].running is None
-        )
+        assert (loaded["a"].tenant, loaded["a"].state, loaded["a"].running) == ("alice", SandboxState.RUNNING, None)
         assert loaded["b"].kind is SandboxKind.POOL and loaded["b"].tenant is None
         assert loaded["a"].created_at == first.created_at
 
@@ -104,13 +149,69 @@ async def test_records_round_trip_update_and_remove(tmp_path):
             SandboxRecord("c", kind="spare", kernel={})
     finally:
         await store.close()
+        await store.close()  # idempotent
     with pytest.raises(StoreError, match="closed"):
         await store.load()
-    reopened = open_store(tmp_path / "catalog.sqlite3")
+    with pytest.raises(StoreError, match="closed"):
+        await store.put(record("c"))
+    reopened = await backend.open()
     try:
         assert [(r.session_id, r.tenant) for r in await reopened.load()] == [("b", "bob")]
     finally:
         await reopened.close()
+
+
+async def test_load_is_oldest_first(backend):
+    store = await backend.open()
+    try:
+        for i, created in enumerate([30.0, 10.0, 20.0, 10.0]):
+            await store.put(record(f"s{i}", created_at=created))
+        assert [r.session_id for r in await store.load()] == ["s1", "s3", "s2", "s0"]
+    finally:
+        await store.close()
+
+
+async def test_a_hand_edited_unreadable_record_is_named_not_skipped(backend):
+    store = await backend.open()
+    try:
+        for i in range(3):
+            await store.put(record(f"s{i}", tenant="alice"))
+    finally:
+        await store.close()
+    backend.edit("UPDATE sandboxes SET kernel = '{not json' WHERE session_id = 's1'")
+    store = await backend.open()
+    try:
+        with pytest.raises(StoreError, match=r"unreadable record for session 's1'.*nothing was changed or deleted"):
+            await store.load()
+    finally:
+        await store.close()
+
+
+async def write_many(store: SessionStore, count: int) -> None:
+    """``count`` puts and as many updates, then a load that finds them all."""
+    for i in range(count):
+        await store.put(record(f"s{i}"))
+        await store.update(f"s{i}", state="lost")
+    assert len(await store.load()) == count
+
+
+async def test_catalog_calls_leave_the_event_loop_free(backend):
+    store = await backend.open()
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(ticker())
+    try:
+        await write_many(store, 50)
+    finally:
+        task.cancel()
+        await store.close()
+    assert ticks >= 100, "the loop ran other tasks while the catalog wrote"
 
 
 async def test_catalog_and_its_journal_are_the_owners_alone(tmp_path):
@@ -151,21 +252,6 @@ async def test_a_catalog_readable_by_others_is_narrowed_and_a_symlink_refused(tm
     with pytest.raises(StoreError, match="not a regular file owned by this user"):
         open_store(link)
     assert target.read_text() == "not yours"
-
-
-async def test_a_hand_edited_unreadable_record_is_named_not_skipped(tmp_path):
-    path = tmp_path / "catalog.sqlite3"
-    await filled_catalog(path)
-    conn = sqlite3.connect(path)
-    conn.execute("UPDATE sandboxes SET kernel = '{not json' WHERE session_id = 's1'")
-    conn.commit()
-    conn.close()
-    store = open_store(path)
-    try:
-        with pytest.raises(StoreError, match=r"unreadable record for session 's1'.*nothing was changed or deleted"):
-            await store.load()
-    finally:
-        await store.close()
 
 
 async def test_one_process_at_a_time_has_the_catalog_open(tmp_path):
@@ -351,32 +437,20 @@ async def test_an_empty_file_is_a_new_catalog(tmp_path):
     assert schema(path)[0] == str(SCHEMA_VERSION)
 
 
-async def test_sqlite_runs_on_one_worker_thread_never_the_loop(tmp_path):
+async def test_sqlite_runs_on_one_worker_thread(tmp_path):
+    """Every SQLite call on the store's one worker thread (a connection is not shared across
+    threads), never the loop's (test_catalog_calls_leave_the_event_loop_free: the loop stays free)."""
     store = open_store(tmp_path / "catalog.sqlite3")
     threads: set[int] = set()
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(
         store._executor, lambda: store._conn.set_trace_callback(lambda _sql: threads.add(threading.get_ident()))
     )
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    task = asyncio.create_task(ticker())
     try:
-        for i in range(100):
-            await store.put(record(f"s{i}"))
-            await store.update(f"s{i}", state="lost")
-        assert len(await store.load()) == 100
+        await write_many(store, 20)
     finally:
-        task.cancel()
         await store.close()
     assert len(threads) == 1 and threading.get_ident() not in threads
-    assert ticks >= 100, "the loop ran other tasks while the catalog wrote"
 
 
 # -- the warm pool in the catalog (docker: parametrised over the runtimes) ---------------------
