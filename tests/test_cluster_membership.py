@@ -45,6 +45,16 @@ def rows(url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         return conn.execute(sql, params).fetchall()
 
 
+async def clean_up_hosts(*held: tuple[Serve, list[str]]) -> None:
+    """Each gateway the test started, in order: reap what it holds and check that the sessions
+    it was given are gone (tests/test_durable_sessions.py's clean_up). Without the cluster flags
+    the state dir's own catalog holds nothing, so the clean-up gateway reaps every container of
+    the test's (their owners are gone). A gateway never started has nothing to reap."""
+    for serve, session_ids in held:
+        if serve.proc is not None:
+            await clean_up(serve, session_ids)
+
+
 async def until(what: str, check: Any, timeout: float = 30.0) -> Any:
     deadline = time.monotonic() + timeout
     while True:
@@ -106,11 +116,7 @@ async def test_a_killed_host_is_marked_down_by_the_others_and_its_sessions_are_l
         status, _ = await b.call("GET", f"/api/sessions/{held['id']}")
         assert status == 404
     finally:
-        # Without the cluster flags the state dir's own catalog holds nothing, so the clean-up
-        # gateway reaps every container of the test's (their owners are gone) and checks that.
-        for serve, mine in ((b, ids[:1]), (a, ids[1:])):
-            if serve.proc is not None:
-                await clean_up(serve, mine)
+        await clean_up_hosts((b, ids[:1]), (a, ids[1:]))
 
 
 async def test_a_gateway_that_stops_says_so_and_keeps_its_sessions_through_a_slow_restart(tmp_path, fresh_postgres_url):
@@ -133,9 +139,7 @@ async def test_a_gateway_that_stops_says_so_and_keeps_its_sessions_through_a_slo
         assert rows(url, "SELECT status FROM hosts WHERE host_id = 'host-a'") == [("up",)]
         assert (await a.execute(session["id"], "print('kept')"))["text"] == "kept\n"
     finally:
-        for serve, mine in ((a, ids), (b, [])):
-            if serve.proc is not None:
-                await clean_up(serve, mine)
+        await clean_up_hosts((a, ids), (b, []))
 
 
 async def test_a_host_that_was_cut_off_lets_go_of_the_sessions_the_cluster_declared_lost(tmp_path, fresh_postgres_url):
@@ -166,9 +170,7 @@ async def test_a_host_that_was_cut_off_lets_go_of_the_sessions_the_cluster_decla
         await b.flushed(held["id"])
         assert "declared it lost" in json.dumps(nbformat.read(held["path"], as_version=4).cells)
     finally:
-        for serve, mine in ((b, ids), (a, [])):
-            if serve.proc is not None:
-                await clean_up(serve, mine)
+        await clean_up_hosts((b, ids), (a, []))
 
 
 async def test_losing_the_catalog_refuses_creates_fast_and_local_sessions_keep_working(tmp_path):
@@ -196,8 +198,7 @@ async def test_losing_the_catalog_refuses_creates_fast_and_local_sessions_keep_w
             assert status == 200 and model["id"] == session["id"], (status, model)
             assert a.proc is not None and a.proc.poll() is None  # the gateway is still up
         finally:
-            if a.proc is not None:
-                await clean_up(a, ids)
+            await clean_up_hosts((a, ids))
 
 
 def stop_postmaster(data_dir: Path) -> None:
