@@ -193,13 +193,14 @@ class Trips:
             assert json.loads(data)["id"] in self.path, data[:500]
             return elapsed
         if self.kind == STREAM:
-            *outputs, last = (json.loads(line) for line in data.splitlines() if line.strip())
-            reply = last["result"]
-            assert last["type"] == "result" and outputs[0]["output"]["data"]["text/plain"] == "2", data[:500]
+            *events, last = (json.loads(line) for line in data.splitlines() if line.strip())
+            assert last["type"] == "result", data[:500]
+            reply, outputs = last["result"], [event["output"] for event in events if event["type"] == "output"]
         else:
             reply = json.loads(data)
-            assert reply["outputs"][0]["data"]["text/plain"] == "2", reply
-        assert reply["status"] == "ok", reply
+            outputs = reply["outputs"]
+        results = [out["data"].get("text/plain") for out in outputs if out.get("output_type") == "execute_result"]
+        assert reply["status"] == "ok" and results == ["2"], data[:1000]
         return elapsed
 
 

@@ -239,8 +239,12 @@ async def test_forwarded_requests_to_one_peer_share_one_kept_alive_connection():
         assert pool.idle_count(peer.url) == 1
         # Concurrent ones each need a connection; afterwards the pool keeps at most its cap.
         small = new_pool(max_idle_per_peer=2)
-        answers = await asyncio.gather(*(fetch(small, peer.url) for _ in range(4)))
-        assert all(a.code == 200 for a in answers) and small.opened == 4 and small.idle_count(peer.url) == 2
+        answers = await asyncio.gather(*(fetch(small, peer.url, body=f"c{i}".encode()) for i in range(4)))
+        assert [a.json["body"] for a in answers] == ["c0", "c1", "c2", "c3"]  # each answer is its own request's
+        assert small.opened == 4 and small.idle_count(peer.url) == 2
+        # Many more, on the two kept connections and new ones: still no answer crosses to another request.
+        answers = await asyncio.gather(*(fetch(small, peer.url, body=f"d{i}".encode()) for i in range(40)))
+        assert [a.json["body"] for a in answers] == [f"d{i}" for i in range(40)] and small.reused >= 2
         small.close()
         assert small.idle_count(peer.url) == 0
     finally:
