@@ -19,6 +19,9 @@
    each and forwards the others' creates). Bursts alternate 1 / 3 hosts (``--bursts`` each);
    sessions/s = successful creates / the burst's wall time; where they landed is counted from
    the catalog.
+4. The hop's client alone, before vs after: POSTs one after another to one tornado server (in a
+   process of its own) through tornado's SimpleAsyncHTTPClient, which forwarding used (a new TCP
+   connection and a resolver thread per request), vs through the peer pool; CPU and wall per call.
 
 Every host here is a ``sandkernel serve`` in cluster mode (--catalog-url, --cluster-secret-file,
 --host-id, --advertise-url; pool size 0, runc, --on-exit delete) on THIS machine: all of them
@@ -258,6 +261,83 @@ async def forwarding(owner: Host, forwarder: Host, n: int, stream: bool, warmup:
     return results
 
 
+def _answer_forever(port: int) -> None:
+    """A tornado server answering a POST with a small JSON body, as an owner answers an execute
+    (a process of its own, so its CPU is not counted with the client's)."""
+    from tornado import web
+    from tornado.httpserver import HTTPServer
+
+    class Answer(web.RequestHandler):
+        def post(self) -> None:
+            self.write({"outputs": [{"output_type": "execute_result", "data": {"text/plain": "2"}}], "status": "ok"})
+
+    async def serve() -> None:
+        HTTPServer(web.Application([("/answer", Answer)])).listen(port, "127.0.0.1")
+        await asyncio.Event().wait()
+
+    asyncio.run(serve())
+
+
+async def client_alone(n: int) -> dict[str, dict[str, float]]:
+    """The hop's client by itself, before vs after, in one run: ``n`` POSTs one after another to
+    one tornado server, through tornado's SimpleAsyncHTTPClient (a new connection and a resolver
+    thread per request: what forwarding used) and through the peer pool (kept-alive); this
+    process's CPU and the wall time per call, in rounds that alternate."""
+    import multiprocessing
+
+    from tornado import httputil
+    from tornado.simple_httpclient import SimpleAsyncHTTPClient
+
+    from sandkernel.gateway.cluster.forward import new_peer_pool
+    from sandkernel.gateway.cluster.peer_pool import Hop
+
+    class Drain(httputil.HTTPMessageDelegate):
+        def data_received(self, chunk: bytes) -> None:
+            pass
+
+    port = free_port()
+    server = multiprocessing.get_context("spawn").Process(target=_answer_forever, args=(port,), daemon=True)
+    server.start()
+    url, body = f"http://127.0.0.1:{port}", json.dumps({"code": "1+1"}).encode()
+    pool = new_peer_pool()
+    headers = {"Authorization": f"token {TOKEN}"}
+
+    async def pooled() -> None:
+        await pool.fetch(url, "POST", "/answer", httputil.HTTPHeaders(headers), body, Drain(), Hop())
+
+    async def simple() -> None:
+        client = SimpleAsyncHTTPClient(force_instance=True)
+        try:
+            await client.fetch(HTTPRequest(url + "/answer", method="POST", body=body, headers=headers))
+        finally:
+            client.close()
+
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                await simple()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.1)
+        totals = {name: [0.0, 0.0] for name in ("SimpleAsyncHTTPClient (before)", "peer pool (now)")}
+        for round_number in range(4):
+            for name, one in zip(totals, (simple, pooled), strict=True):
+                cpu, wall = time.process_time(), time.perf_counter()
+                for _ in range(n // 4):
+                    await one()
+                if round_number:  # the first round warms up
+                    totals[name][0] += time.process_time() - cpu
+                    totals[name][1] += time.perf_counter() - wall
+    finally:
+        pool.close()
+        server.kill()
+    calls = 3 * (n // 4)
+    return {name: {"cpu_ms": 1000 * c / calls, "wall_ms": 1000 * w / calls} for name, (c, w) in totals.items()}
+
+
 # -- 2. session create round trip: on the host that holds it vs forwarded there ----------------------
 
 
@@ -429,11 +509,12 @@ async def main() -> None:
     parser.add_argument("--creates", type=int, default=20, help="creates kept per contender")
     parser.add_argument("--burst", type=int, default=30, help="creates at once in a throughput burst")
     parser.add_argument("--bursts", type=int, default=2, help="bursts of each setting (1 host, 3 hosts), alternated")
+    parser.add_argument("--client-calls", type=int, default=2000, help="POSTs per client in the client-alone part")
     parser.add_argument("--no-stream", action="store_true", help="leave out the NDJSON streaming execute")
     parser.add_argument("--quick", action="store_true", help="a few samples, a burst of 4 (the smoke run)")
     args = parser.parse_args()
     if args.quick:
-        args.n, args.creates, args.burst, args.bursts = 5, 1, 4, 1
+        args.n, args.creates, args.burst, args.bursts, args.client_calls = 5, 1, 4, 1, 40
     capacity = 2 * args.burst + 10
     cpus = os.cpu_count()
     started = time.monotonic()
@@ -459,6 +540,8 @@ async def main() -> None:
                     runs[name].append(await burst(endpoint, members, catalog, args.burst))
             phases["bursts"] = time.monotonic() - started - sum(phases.values())
         phases["stop"] = time.monotonic() - started - sum(phases.values())
+    client = await client_alone(args.client_calls)
+    phases["client alone"] = time.monotonic() - started - sum(phases.values())
     throughput = {name: throughput_summary(r) for name, r in runs.items()}
     one, three = throughput["1 host"]["sessions_per_s"], throughput["3 hosts"]["sessions_per_s"]
     throughput["3 hosts"]["ratio_to_1_host"] = three / one
@@ -481,6 +564,9 @@ async def main() -> None:
     print(f"\ntarget: {target['target']}: {added:+.2f} ms (median of paired differences {paired:+.2f} ms): "
           f"{'met' if target['met'] else 'MISSED'}")  # fmt: skip
     print(f"load average at the end of the forwarding phase: {load_then} ({cpus} cores)")
+    print("\nthe hop's client alone (in process, to one tornado server; CPU of this process):")
+    for name, row in client.items():
+        print(f"  {name:32} CPU {row['cpu_ms']:.3f} ms/call, wall {row['wall_ms']:.3f} ms/call")
     print(f"\ncreate throughput, bursts of {args.burst} at once through one endpoint (pool 0, {RUNTIME}):")
     for name in ("1 host", "3 hosts"):
         for run in throughput[name]["bursts"]:
@@ -497,7 +583,8 @@ async def main() -> None:
     out.write_text(json.dumps({
         "runtime": RUNTIME, "cpus": cpus, "quick": args.quick, "n": args.n, "creates": args.creates,
         "burst": args.burst, "note": note,
-        "load_average_after_forwarding": load_then, "forwarding": executes, "hop": hop, "create": create,
+        "load_average_after_forwarding": load_then, "forwarding": executes, "hop": hop, "client_alone": client,
+        "create": create,
         "throughput": throughput,
         "targets": [target], "phases_s": phases,
     }, indent=2) + "\n")
