@@ -24,6 +24,8 @@ from sandkernel.kernels.sandbox.state_dir import use_state_dir
 from sandkernel.kernels.sandbox.workspace_disk import (
     WorkspaceDisk,
     leftover_session_ids,
+    loop_backing_file,
+    loop_backs,
     mount_source,
     remove_workspace_disk,
     sweep_workspace_disks,
@@ -332,6 +334,37 @@ def test_create_ensure_mounted_remove_are_idempotent(state):
         disk.remove()
         disk.remove()
     assert_gone(disk)
+
+
+@needs_root
+def test_a_disk_set_up_through_a_mount_that_is_gone_is_still_recognised_and_removed(state, tmp_path):
+    """As after a gateway container is replaced (a restart, a rolling upgrade): it had opened the
+    image through its own bind mount of the state dir, which went with it, so the kernel names the
+    loop's backing file from that detached mount ("/<id>.img"). The disk is still the session's:
+    the next gateway must adopt it, and remove it when the session ends."""
+    disk = WorkspaceDisk.create(SID, 16, 1879048200, 10001)
+    view = tmp_path / "old-gateway-view"
+    view.mkdir()
+    try:
+        subprocess.run(["umount", str(disk.mount_point)], check=True)
+        subprocess.run(["mount", "--bind", str(disk.image.parent), str(view)], check=True)
+        subprocess.run(["mount", "-o", "loop,nosuid,nodev", str(view / disk.image.name), str(disk.mount_point)],
+                       check=True)  # fmt: skip
+        subprocess.run(["umount", "-l", str(view)], check=True)
+        device = mount_source(disk.mount_point)
+        assert loop_backing_file(device) != str(disk.image)  # what the old path check compared
+        assert disk.is_mounted()
+    finally:
+        disk.remove()
+    assert_gone(disk)
+
+
+def test_a_loop_device_backed_by_another_file_is_not_taken_for_the_disk(state, tmp_path):
+    other = tmp_path / "other.img"
+    other.write_bytes(b"")
+    assert not loop_backs("/dev/loop0", state / "missing.img")
+    assert not loop_backs("/dev/null", other)  # not a loop device at all
+    assert not loop_backs("/etc/passwd", other)
 
 
 # -- the setting ------------------------------------------------------------------------------

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import os
 import re
 import shutil
 import stat
+import struct
 import subprocess
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -284,10 +286,10 @@ class WorkspaceDisk:
         source = mount_source(self.mount_point)
         if source is None:
             return False
-        backing = loop_backing_file(source)
-        if backing != os.path.realpath(self.image):
+        if not loop_backs(source, self.image):
             raise AdoptionRefusedError(
-                f"{self.mount_point} has {source} mounted (backed by {backing}), not the workspace image"
+                f"{self.mount_point} has {source} mounted (backed by {loop_backing_file(source)}), "
+                "not the workspace image"
             )
         return True
 
@@ -429,6 +431,54 @@ def loop_backing_file(device: str) -> str | None:
         return None
 
 
+# LOOP_GET_STATUS64 (linux/loop.h) fills a struct loop_info64, whose first two fields are the
+# backing file's device (the kernel's new_encode_dev) and inode number.
+LOOP_GET_STATUS64 = 0x4C05
+LOOP_INFO64_SIZE = 232
+
+
+def _new_encode_dev(dev: int) -> int:
+    """The kernel's ``new_encode_dev``: how loop_info64.lo_device encodes a device number."""
+    major, minor = os.major(dev), os.minor(dev)
+    return (minor & 0xFF) | (major << 8) | ((minor & ~0xFF) << 12)
+
+
+def loop_backing_identity(device: str) -> tuple[int, int] | None:
+    """(device, inode) of the file behind a loop device, from the loop driver itself; None if
+    ``device`` is not a loop device or cannot be asked."""
+    if not re.fullmatch(r"/dev/loop[0-9]+", device):
+        return None
+    try:
+        fd = os.open(device, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        info = fcntl.ioctl(fd, LOOP_GET_STATUS64, bytes(LOOP_INFO64_SIZE))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    lo_device, lo_inode = struct.unpack_from("=QQ", info)
+    return lo_device, lo_inode
+
+
+def loop_backs(device: str, image: Path) -> bool:
+    """Whether the loop device's backing file is ``image``: the same inode on the same device.
+
+    Compared by identity, not by ``/sys/block/loopN/loop/backing_file``: that path is the one the
+    file was opened by, in the mount namespace that set the loop up. A gateway in a container
+    opens the image through its bind mount of the state dir; once that container is gone (a
+    restart, a rolling upgrade) the kernel prints the path from the detached mount's root
+    (``/workspaces/<id>.img``), and a path comparison would refuse every session the next
+    gateway adopts."""
+    try:
+        st = os.stat(image, follow_symlinks=False)
+    except OSError:
+        return False
+    identity = loop_backing_identity(device)
+    return identity is not None and identity == (_new_encode_dev(st.st_dev), st.st_ino)
+
+
 def detach_loops(image: Path) -> None:
     """Detach every loop device still backed by ``image`` (mount's autoclear normally did)."""
     try:
@@ -436,12 +486,9 @@ def detach_loops(image: Path) -> None:
     except OSError:
         return
     for backing in devices:
-        try:
-            if backing.read_text().strip() != os.path.realpath(image):
-                continue
-        except OSError:
-            continue
         device = f"/dev/{backing.parent.parent.name}"
+        if not loop_backs(device, image):
+            continue
         try:
             run_tool([tool("losetup"), "-d", device])
         except KernelStartError as err:
