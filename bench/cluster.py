@@ -4,8 +4,8 @@
    contender) on a session host A holds, sent straight to A vs sent to host F, which forwards it
    to A (a catalog look-up, cached briefly, and a signed hop on a kept-alive connection); the
    NDJSON streaming execute and a GET of the session's model (the hop's cost without the
-   kernel's) the same two ways. The contenders take turns call by call, rotating who goes first,
-   so load and drift on this shared machine hit them alike; besides each p50, the median of the
+   kernel's) the same two ways. The contenders take turns call by call, in a new (seeded) order
+   each round, so load and drift on this shared machine hit them alike; besides each p50, the median of the
    paired differences (forwarded minus direct, same round) is printed, the figure least moved by
    other work on the machine. Target printed: forwarding adds <= 1 ms p50.
 2. Session create round trip (POST /api/sessions → 201) straight on A, which places it on itself,
@@ -45,6 +45,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -209,15 +210,20 @@ class Trips:
 
 def interleaved_trips(contenders: dict[str, Trips], hosts: tuple[Host, Host], n: int, warmup: int
                       ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:  # fmt: skip
-    """Round by round, one call of each contender in turn (who goes first rotates), so load and
-    drift on this shared machine hit direct and forwarded calls alike, down to the call. Returns
+    """Round by round, one call of each contender in a shuffled order, so load and drift on this
+    shared machine hit direct and forwarded calls alike, down to the call. Returns
     the kept seconds per contender and the CPU seconds (A, F) spent during each one's calls."""
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     cpu = {name: [0.0, 0.0] for name in contenders}
     names = list(contenders)
+    # A new order each round (seeded): a fixed cycle, even rotated, puts each contender after the
+    # same one every time, and what an execute leaves the owner doing after its answer (the
+    # transcript) would then always fall on the forwarded execute that follows the direct one.
+    order = random.Random(18)
     try:
         for round_number in range(n + warmup):
-            for name in names[round_number % len(names) :] + names[: round_number % len(names)]:
+            order.shuffle(names)
+            for name in names:
                 used = [host.cpu_seconds() for host in hosts]
                 elapsed = contenders[name].once()
                 if round_number >= warmup:
