@@ -141,6 +141,7 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
          "test_a_full_cluster_and_a_lost_catalog_refuse_kernels_and_the_held_one_keeps_working"}
     ),
     "tests/test_cluster_lab.py": "*",
+    "tests/test_cluster_swarm.py": "*",
     "tests/test_gateway_image.py": frozenset(
         {"test_the_image_runs_this_checkouts_sandkernel_with_the_disk_tools",
          "test_doctor_in_the_image_makes_and_mounts_a_disk_workspace"}
