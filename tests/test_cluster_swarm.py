@@ -48,6 +48,7 @@ from .cluster.sandkernel_stack import (
     wait_answering,
     wait_update_done,
 )
+from .conftest import require_runtime
 from .gateway_fixtures import ALICE, BOB
 from .postgres_fixtures import create_database, running_postgres
 from .test_forwarding import execute_request
@@ -234,8 +235,8 @@ async def test_the_tenant_limit_holds_across_the_cluster(cluster: Cluster):
         assert status == 204
 
 
-@pytest.mark.skipif(not HAS_RUNSC, reason="this machine has no gVisor (runsc)")
 async def test_a_gvisor_session_never_lands_on_the_host_without_gvisor(cluster: Cluster):
+    require_runtime("runsc")  # skipped only where gVisor is absent and not required (tests/conftest.py)
     made = []
     for _ in range(3):
         status, model = await cluster.endpoints[2].call(  # through host 3 itself, which has no runsc
