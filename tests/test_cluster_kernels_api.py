@@ -36,9 +36,10 @@ from sandkernel.gateway.cluster.signing import sign
 
 from .conftest import container_ids_of, require_runtime
 from .gateway_fixtures import ALICE, BOB, free_port
+from .kernel_websocket import execute_request, run_cell
 from .postgres_fixtures import create_database, drop_database, postgres_server, running_postgres  # noqa: F401
 from .test_cluster_membership import stop_postmaster
-from .test_forwarding import CLUSTER_SECRET, Host, execute_request, write_secret
+from .test_forwarding import CLUSTER_SECRET, Host, write_secret
 
 KERNEL_FIELDS = {"id", "name", "last_activity", "execution_state", "connections"}
 JUPYTER_TOKEN = "jupyter-cluster-test-token"
@@ -82,30 +83,6 @@ async def channels(host: Host, kernel_id: str, token: str = ALICE) -> WebSocketC
             headers={"Authorization": f"token {token}"},
         )
     )
-
-
-async def run_cell(ws: WebSocketClientConnection, code: str, msg_id: str | None = None) -> tuple[dict[str, Any], str]:
-    """(the execute_reply's content, the stream text) of one cell run over a kernel websocket.
-    With ``msg_id`` the request was sent already: only its replies are read."""
-    if msg_id is None:
-        msg_id = uuid.uuid4().hex
-        await ws.write_message(json.dumps(execute_request(msg_id, code)))
-    texts: list[str] = []
-    reply: dict[str, Any] | None = None
-    idle = False
-    while reply is None or not idle:  # the reply (shell) and idle (iopub) come in either order
-        message = await asyncio.wait_for(ws.read_message(), 60)
-        assert message is not None, f"the websocket closed: {ws.close_code} {ws.close_reason}"
-        msg = json.loads(message)
-        if msg.get("parent_header", {}).get("msg_id") != msg_id:
-            continue
-        if msg["msg_type"] == "stream":
-            texts.append(msg["content"]["text"])
-        elif msg["msg_type"] == "execute_reply":
-            reply = msg["content"]
-        elif msg["msg_type"] == "status":
-            idle = msg["content"]["execution_state"] == "idle"
-    return reply, "".join(texts)
 
 
 async def until(what: str, check: Any, timeout: float = 30.0) -> Any:

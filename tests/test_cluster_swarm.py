@@ -26,7 +26,6 @@ import json
 import os
 import secrets
 import time
-import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -50,8 +49,8 @@ from .cluster.sandkernel_stack import (
 )
 from .conftest import require_runtime
 from .gateway_fixtures import ALICE, BOB
+from .kernel_websocket import run_cell
 from .postgres_fixtures import create_database, running_postgres
-from .test_forwarding import execute_request
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -200,20 +199,8 @@ async def test_streams_websockets_and_files_work_through_a_gateway_that_does_not
             via.url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels",
             headers={"Authorization": f"token {ALICE}"}))  # fmt: skip
         try:
-            msg_id = uuid.uuid4().hex
-            ws.write_message(json.dumps(execute_request(msg_id, "print(value * 2)")))
-            texts: list[str] = []
-            while True:
-                message = await asyncio.wait_for(ws.read_message(), 60)
-                assert message is not None, f"the websocket closed: {ws.close_code} {ws.close_reason}"
-                msg = json.loads(message)
-                if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                    continue
-                if msg["msg_type"] == "stream":
-                    texts.append(msg["content"]["text"])
-                if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                    break
-            assert "".join(texts) == f"{cluster.sessions[sid]['value'] * 2}\n"
+            reply, text = await run_cell(ws, "print(value * 2)")
+            assert reply["status"] == "ok" and text == f"{cluster.sessions[sid]['value'] * 2}\n", (reply, text)
         finally:
             ws.close()
 
