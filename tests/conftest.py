@@ -108,18 +108,8 @@ RUNTIMES = ["runc", "runsc"]
 
 # Fixtures that start a kernel container, or a gateway that starts them (and checks the engine).
 DOCKER_FIXTURES = frozenset(
-    {
-        "session",
-        "arena",
-        "gateway",
-        "client",
-        "stack",
-        "egress_gateway",
-        "fast_ladder",
-        "inspected",
-        "kernelspec_prefix",
-        "nothing_left",
-    }
+    {"session", "arena", "gateway", "client", "stack", "egress_gateway", "fast_ladder", "inspected",
+     "kernelspec_prefix", "nothing_left"}
 )
 # Tests that reach the engine without such a fixture: a whole module ("*") or the named tests
 # (original names, before parametrisation). A pure test wrongly left out fails the pure tier.
@@ -128,13 +118,9 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
     "tests/test_gateway_lifecycle.py": "*",
     "tests/test_snapshots.py": "*",
     "tests/test_client_snapshots.py": frozenset(
-        {
-            "test_pause_then_execute_resumes_with_variables_and_files",
-            "test_fork_copies_the_state_and_the_forks_diverge",
-            "test_rewind_forgets_what_later_cells_made",
-            "test_a_pause_while_code_runs_is_refused_as_busy",
-            "test_the_sync_client_forks_into_sync_sessions",
-        }
+        {"test_pause_then_execute_resumes_with_variables_and_files", "test_fork_copies_the_state_and_the_forks_diverge",
+         "test_rewind_forgets_what_later_cells_made", "test_a_pause_while_code_runs_is_refused_as_busy",
+         "test_the_sync_client_forks_into_sync_sessions"}
     ),
     "tests/test_jupyter_server_gateway.py": "*",
     "tests/test_jupyter_tools.py": "*",
@@ -145,58 +131,39 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
     "tests/test_cluster_membership.py": "*",
     "tests/test_forwarding.py": "*",
     "tests/test_cluster_kernels_api.py": frozenset(
-        {
-            "test_a_kernel_created_through_a_lands_on_the_host_with_more_room_and_is_listed_by_both",
-            "test_code_runs_through_a_websocket_on_the_gateway_that_does_not_hold_the_kernel",
-            "test_busy_shows_cluster_wide_and_interrupt_and_restart_through_a_reach_the_kernel",
-            "test_another_tenant_sees_none_of_it_anywhere",
-            "test_a_kernel_is_deleted_through_the_gateway_that_does_not_hold_it",
-            "test_kernel_creates_count_against_the_tenants_limit_across_the_cluster",
-            "test_bad_kernel_requests_are_400_saying_what_to_send",
-            "test_jupyter_server_pointed_at_one_gateway_uses_a_kernel_placed_on_the_other",
-            "test_a_full_cluster_and_a_lost_catalog_refuse_kernels_and_the_held_one_keeps_working",
-        }
+        {"test_a_kernel_created_through_a_lands_on_the_host_with_more_room_and_is_listed_by_both",
+         "test_code_runs_through_a_websocket_on_the_gateway_that_does_not_hold_the_kernel",
+         "test_busy_shows_cluster_wide_and_interrupt_and_restart_through_a_reach_the_kernel",
+         "test_another_tenant_sees_none_of_it_anywhere", "test_a_kernel_is_deleted_through_the_gateway_that_does_not_hold_it",
+         "test_kernel_creates_count_against_the_tenants_limit_across_the_cluster",
+         "test_bad_kernel_requests_are_400_saying_what_to_send",
+         "test_jupyter_server_pointed_at_one_gateway_uses_a_kernel_placed_on_the_other",
+         "test_a_full_cluster_and_a_lost_catalog_refuse_kernels_and_the_held_one_keeps_working"}
     ),
     "tests/test_cluster_lab.py": "*",
     "tests/test_cluster_swarm.py": "*",
-    "tests/test_cluster_deploy.py": frozenset(
-        {"test_cluster_up_on_an_engine_that_is_not_a_swarm_manager_says_what_to_do"}
-    ),
+    "tests/test_cluster_deploy.py": frozenset({"test_cluster_up_on_an_engine_that_is_not_a_swarm_manager_says_what_to_do"}),
     "tests/test_gateway_image.py": frozenset(
-        {
-            "test_the_image_runs_this_checkouts_sandkernel_with_the_disk_tools",
-            "test_doctor_in_the_image_makes_and_mounts_a_disk_workspace",
-        }
+        {"test_the_image_runs_this_checkouts_sandkernel_with_the_disk_tools",
+         "test_doctor_in_the_image_makes_and_mounts_a_disk_workspace"}
     ),
     "tests/test_cli.py": frozenset(
-        {
-            "test_doctor_reports_a_ready_machine",
-            "test_run_prints_the_result_and_json",
-            "test_bad_input_gets_a_one_line_error_not_a_traceback",
-            "test_demo_runs_the_sales_agent_offline_and_leaves_a_valid_notebook",
-            "test_agent_cli_end_to_end_against_the_scripted_api",
-        }
+        {"test_doctor_reports_a_ready_machine", "test_run_prints_the_result_and_json",
+         "test_bad_input_gets_a_one_line_error_not_a_traceback",
+         "test_demo_runs_the_sales_agent_offline_and_leaves_a_valid_notebook",
+         "test_agent_cli_end_to_end_against_the_scripted_api"}
     ),
     "tests/test_notebooks.py": frozenset(
-        {
-            "test_sigkill_of_the_gateway_leaves_a_valid_notebook",
-            "test_examples_replay_the_same",
-            "test_a_changed_cell_is_reported_with_a_diff",
-            "test_replay_restores_uploads_and_asks_for_files_too_large_to_embed",
-        }
+        {"test_sigkill_of_the_gateway_leaves_a_valid_notebook", "test_examples_replay_the_same",
+         "test_a_changed_cell_is_reported_with_a_diff", "test_replay_restores_uploads_and_asks_for_files_too_large_to_embed"}
     ),
     "tests/test_replay.py": frozenset(
-        {
-            "test_public_notebook_with_odd_metadata_replays_to_a_valid_notebook",
-            "test_an_output_the_schema_rejects_does_not_stop_the_replay",
-            "test_a_cell_that_kills_its_kernel_is_judged_and_the_rest_continue",
-            "test_an_endless_cell_times_out_and_the_replay_goes_on",
-            "test_a_recorded_death_replayed_is_not_a_difference",
-            "test_widget_notebook_replays_the_same",
-            "test_nbformat_3_notebook_is_converted_and_replayed",
-            "test_until_leaves_later_cells_not_run",
-            "test_a_cell_refused_when_recorded_is_not_run",
-        }
+        {"test_public_notebook_with_odd_metadata_replays_to_a_valid_notebook",
+         "test_an_output_the_schema_rejects_does_not_stop_the_replay",
+         "test_a_cell_that_kills_its_kernel_is_judged_and_the_rest_continue",
+         "test_an_endless_cell_times_out_and_the_replay_goes_on", "test_a_recorded_death_replayed_is_not_a_difference",
+         "test_widget_notebook_replays_the_same", "test_nbformat_3_notebook_is_converted_and_replayed",
+         "test_until_leaves_later_cells_not_run", "test_a_cell_refused_when_recorded_is_not_run"}
     ),
     "tests/test_mcp_http.py": frozenset({"test_the_gateway_serves_without_the_mcp_extra"}),
     "tests/test_controls_gateway.py": frozenset({"test_the_operator_can_turn_accounting_off"}),
