@@ -16,13 +16,25 @@ import psycopg
 import pytest
 
 from sandkernel.gateway.cluster.catalog import ClusterCatalog, HostInfo
+from sandkernel.gateway.cluster.membership import ClusterMembership
 from sandkernel.gateway.registry import TooManySessionsError
-from sandkernel.kernels.durable.postgres import MIGRATIONS, SCHEMA_VERSION, CatalogUnavailableError, PostgresStore
+from sandkernel.kernels.durable.postgres import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    CatalogUnavailableError,
+    HostIdInUseError,
+    PostgresStore,
+    application_name,
+    host_lock_key,
+)
 from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 from sandkernel.kernels.durable.store import StoreError
 
 from . import postgres_fixtures
+from .conftest import container_ids_of
 from .postgres_fixtures import PostgresServer, running_postgres
+from .test_cluster_membership import clean_up_hosts, cluster_flags, rows
+from .test_durable_sessions import Serve
 
 # The fixtures, bound here so pytest finds them (an import would read as unused to the linter).
 postgres_server = postgres_fixtures.postgres_server
@@ -218,10 +230,12 @@ async def test_a_catalog_that_goes_away_fails_fast_and_a_broken_connection_is_re
     try:
         await store.put(record("s1"))
         # PostgreSQL restarted under the pool: every connection of ours is cut; the next call retries once.
-        admin(
+        ended = admin(
             fresh_postgres_url,
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = 'sandkernel h1'",
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = %s",
+            (application_name("h1"),),
         )
+        assert len(ended) >= 2, ended  # the pool's connection and the host lock's
         assert [r.session_id for r in await store.load()] == ["s1"]
     finally:
         await store.close()
@@ -478,3 +492,120 @@ async def test_a_tenants_sessions_are_listed_from_every_host(fresh_postgres_url)
         assert await h1.tenant_sessions("carol") == []
     finally:
         await close_all(stores)
+
+
+# -- one gateway per host id: an advisory lock held for the store's lifetime ---------------------
+
+
+def lock_holders(url: str, host_id: str) -> list[tuple[int, str]]:
+    """(backend pid, application_name) of the sessions holding ``host_id``'s lock, as the server sees them."""
+    return admin(
+        url,
+        "SELECT l.pid, a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+        "WHERE l.locktype = 'advisory' AND l.granted AND l.classid = %s::int4::oid AND l.objid = %s::int4::oid "
+        "AND l.objsubid = 2",
+        host_lock_key(host_id),
+    )
+
+
+async def test_a_second_store_with_the_same_host_id_is_refused_naming_the_first(fresh_postgres_url):
+    first = await PostgresStore.open(fresh_postgres_url, "h1")
+    other = None
+    try:
+        await first.put(record("s1"))
+        with pytest.raises(HostIdInUseError) as caught:
+            await PostgresStore.open(fresh_postgres_url, "h1")
+        message = str(caught.value)
+        assert caught.value.status == 503 and caught.value.code == "host_id_in_use"
+        assert "another gateway runs with host id 'h1'" in message and "--host-id" in message, message
+        assert repr(application_name("h1")) in message and "from 127.0.0.1:" in message, message
+        ((pid, name),) = lock_holders(fresh_postgres_url, "h1")  # still the first's, nothing else changed
+        assert name == application_name("h1") and f"backend pid {pid}" in message
+        assert [r.session_id for r in await first.load()] == ["s1"]
+
+        other = await PostgresStore.open(fresh_postgres_url, "h2")  # another host id is its own
+        assert [r.session_id for r in await other.load()] == []
+    finally:
+        await first.close()
+        if other is not None:
+            await other.close()
+    assert lock_holders(fresh_postgres_url, "h1") == []  # let go on close, not when the server notices
+    started = time.monotonic()
+    second = await PostgresStore.open(fresh_postgres_url, "h1")
+    try:
+        assert time.monotonic() - started < 2, "a freed host id was waited for"
+        assert [r.session_id for r in await second.load()] == ["s1"]
+    finally:
+        await second.close()
+
+
+async def test_a_lost_host_lock_is_taken_again_at_the_next_beat_and_one_taken_by_another_fences_the_store(
+    fresh_postgres_url,
+):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    catalog = ClusterCatalog(store, "h1")
+    membership = ClusterMembership(
+        catalog, host_id="h1", url="http://127.0.0.1:1", runtimes=["runc"], capacity=4,
+        load=lambda: (0, 4), interval=60, down_after=60,
+    )  # fmt: skip
+    rival = None
+    try:
+        await catalog.register("http://127.0.0.1:1", ["runc"], 4)
+        ((pid, _),) = lock_holders(fresh_postgres_url, "h1")
+        admin(fresh_postgres_url, "SELECT pg_terminate_backend(%s)", (pid,))  # as a PostgreSQL restart would
+        assert lock_holders(fresh_postgres_url, "h1") == []
+        await membership.beat()
+        ((again, name),) = lock_holders(fresh_postgres_url, "h1")
+        assert again != pid and name == application_name("h1")
+
+        # Lost again, and this time another gateway with this host id takes it before the beat.
+        admin(fresh_postgres_url, "SELECT pg_terminate_backend(%s)", (again,))
+        rival = await psycopg.AsyncConnection.connect(
+            fresh_postgres_url, autocommit=True, application_name="sandkernel h1 4242@elsewhere"
+        )
+        await rival.execute("SELECT pg_try_advisory_lock(%s::int4, %s::int4)", host_lock_key("h1"))
+        (beat_at,) = admin(fresh_postgres_url, "SELECT heartbeat_at FROM hosts WHERE host_id = 'h1'")
+        with pytest.raises(HostIdInUseError) as caught:
+            await membership.beat()
+        message = str(caught.value)
+        assert "another gateway took it" in message and "'sandkernel h1 4242@elsewhere'" in message, message
+        assert "--host-id" in message and store.fenced == message
+        # Fenced: nothing it could overwrite of the other's, and no heartbeat that keeps 'h1' up for it.
+        for call in (store.put(record("s9")), store.load(), catalog.place("runc"), membership.beat()):
+            with pytest.raises(HostIdInUseError):
+                await call
+        assert admin(fresh_postgres_url, "SELECT heartbeat_at FROM hosts WHERE host_id = 'h1'") == [beat_at]
+        assert admin(fresh_postgres_url, "SELECT session_id FROM sandboxes") == []
+    finally:
+        await store.close()
+        if rival is not None:
+            ((_, name),) = lock_holders(fresh_postgres_url, "h1")
+            assert name == "sandkernel h1 4242@elsewhere"  # the fenced store's close left the other's lock alone
+            await rival.close()
+
+
+async def test_a_gateway_started_on_a_host_id_in_use_exits_with_why_and_changes_nothing(tmp_path, fresh_postgres_url):
+    url = fresh_postgres_url
+    a, b = Serve(tmp_path / "a", "runc"), Serve(tmp_path / "b", "runc")
+    ids: list[str] = []
+    try:
+        await a.start(*cluster_flags(tmp_path, url, "host-a", a))
+        session = await a.create()
+        ids.append(session["id"])
+        hosts_before = rows(url, "SELECT host_id, url, status, started_at FROM hosts")
+        sandboxes_before = rows(url, "SELECT session_id, host_id, state, updated_at FROM sandboxes")
+
+        proc = b.launch(*cluster_flags(tmp_path, url, "host-a", b))  # the same --host-id, another gateway
+        returncode = await asyncio.to_thread(proc.wait, 60)
+        assert returncode != 0, b.output
+        assert "another gateway runs with host id 'host-a'" in b.output and "--host-id" in b.output, b.output
+        assert a.proc is not None and f" {a.proc.pid}@" in b.output, b.output  # names the first gateway
+        assert "sandkernel gateway at" not in b.output
+        b.proc = None  # it never ran: nothing of it to clean up
+
+        assert rows(url, "SELECT host_id, url, status, started_at FROM hosts") == hosts_before
+        assert rows(url, "SELECT session_id, host_id, state, updated_at FROM sandboxes") == sandboxes_before
+        assert container_ids_of(session["id"]), "the refused gateway reaped the first one's sandbox"
+        assert (await a.execute(session["id"], "print('still mine')"))["text"] == "still mine\n"
+    finally:
+        await clean_up_hosts((a, ids), (b, []))

@@ -7,6 +7,12 @@ seconds ago (their live sessions become ``lost`` with the reason, in the same tr
 two gateways doing it at once change nothing twice). A catalog that cannot be reached never
 stops this gateway: its own sessions keep working; what needs the catalog (placing a new
 session) is refused at once while :attr:`ClusterMembership.reachable` is false.
+
+Each beat first checks that this gateway still holds its host id in the catalog
+(``PostgresStore.check_host_lock``): the lock goes with its connection, so a PostgreSQL restart
+or a cut network loses it, and the beat takes it again. If another gateway with the same host
+id took it meanwhile, the store refuses every call from then on (it logged why, as an error):
+the beats fail, this host stops being ``reachable``, and no session is placed through it.
 """
 
 from __future__ import annotations
@@ -27,8 +33,17 @@ log = logging.getLogger(__name__)
 BEAT_TIMEOUT_SECONDS = 5.0
 
 
+class HostLock(Protocol):
+    """What membership needs of the store under the catalog (kernels/durable/postgres.py)."""
+
+    async def check_host_lock(self) -> None: ...
+
+
 class MembershipCatalog(Protocol):
     """What membership needs of gateway/cluster/catalog.py's ClusterCatalog."""
+
+    @property
+    def store(self) -> HostLock: ...
 
     async def register(self, url: str, runtimes: Sequence[str], capacity: int) -> None: ...
 
@@ -87,7 +102,10 @@ class ClusterMembership:
         self._task = asyncio.create_task(self._beat_forever(), name="sandkernel-heartbeat")
 
     async def beat(self) -> list[str]:
-        """One heartbeat and one look for hosts gone quiet; returns the hosts marked down now."""
+        """Check the host id's lock (taken again if it was lost), then one heartbeat and one look
+        for hosts gone quiet; returns the hosts marked down now. Raises what the catalog raises
+        (HostIdInUseError once another gateway holds this host id)."""
+        await asyncio.wait_for(self.catalog.store.check_host_lock(), BEAT_TIMEOUT_SECONDS)
         sessions, free = self.load()
         was_down = await asyncio.wait_for(self.catalog.heartbeat(sessions, free), BEAT_TIMEOUT_SECONDS)
         self.last_beat = time.monotonic()

@@ -34,14 +34,35 @@ Why each choice:
   :data:`MIGRATIONS` run in one transaction holding an advisory lock, so gateways starting
   together migrate once, and a failing step changes nothing. A database a newer sandkernel
   migrated is refused (nothing changed): an older gateway must not write rows it cannot read.
+- **One gateway per host id.** Two gateways with the same ``host_id`` (two machines with the same
+  host name, a copy-pasted ``--host-id``) would both claim, adopt and reap the same rows. The
+  SQLite catalog is guarded by a file lock on the state dir; here :meth:`PostgresStore.open`
+  takes a session-level advisory lock on the host id (:data:`HOST_LOCK_CLASS`, :func:`host_lock_key`)
+  on a connection of its own, held until :meth:`PostgresStore.close`, and refuses to open
+  (:class:`HostIdInUseError`, naming the holder from ``pg_stat_activity``) when another session
+  holds it. Every connection's ``application_name`` names the gateway (``sandkernel <host id>
+  <pid>@<machine>``) so the refusal can say which one. The lock dies with its connection (a
+  PostgreSQL restart, a cut network, a DBA's ``pg_terminate_backend``): the membership heartbeat
+  calls :meth:`PostgresStore.check_host_lock`, which notices and takes it again. If another
+  gateway took it meanwhile, this store is *fenced*: it logs an error and refuses every further
+  call (:class:`HostIdInUseError`, 503), so this gateway creates nothing, heartbeats nothing and
+  writes no row the other now owns; its sessions still run locally. It stays fenced until it is
+  restarted: the rows under this host id were the other's to adopt, and this gateway's view of
+  them can no longer be trusted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import hashlib
 import logging
+import os
+import socket
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sandkernel import __version__
@@ -70,6 +91,18 @@ UNREACHABLE_WAIT = 1.0
 STATEMENT_TIMEOUT_MS = 15_000  # no statement (an advisory lock wait included) holds a caller longer
 POOL_MAX = 8  # connections per gateway: its writes, the heartbeat, the catalog's look-ups
 SCHEMA_LOCK = "sk-schema"  # pg_advisory_xact_lock(hashtext(...)) while migrating
+# The first key of the two-key advisory lock a gateway holds on its host id ("skhi"): the
+# two-key form has a key space of its own, apart from the one-key schema and tenant locks.
+HOST_LOCK_CLASS = 0x736B6869
+# Seconds the host lock's check may take before its connection counts as broken (under the
+# heartbeat's BEAT_TIMEOUT_SECONDS, so a hung check never costs a beat by itself).
+LOCK_CHECK_TIMEOUT = 3.0
+# Seconds an open waits for a host id's lock before refusing: the session of a gateway with this
+# host id that just stopped or died ends a moment after its socket closes.
+HOST_LOCK_WAIT = 3.0
+# The server drops a vanished lock holder's session (and so its lock) within about
+# idle + interval * count seconds: a gateway cut off for good frees its host id in ~11 s.
+_SERVER_KEEPALIVES = "-c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 -c tcp_keepalives_count=3"
 
 # Each version's SQL statements, run in order inside the open's transaction. Version 1 creates the
 # tables; ``sandboxes`` has one column per SandboxRecord field (as the SQLite catalog) + host_id,
@@ -139,6 +172,32 @@ class CatalogUnavailableError(StoreError):
     status = 503
 
 
+class HostIdInUseError(StoreError):
+    """Another gateway holds this host id in the shared catalog: two gateways on one host id would
+    claim, adopt and reap the same sessions. At start-up nothing was done; later (the lock was lost
+    and another gateway took it) this store refuses every call until the gateway is restarted."""
+
+    status = 503
+    code = "host_id_in_use"
+
+
+def host_lock_key(host_id: str) -> tuple[int, int]:
+    """The two int4 keys of ``pg_try_advisory_lock(int, int)`` for ``host_id``: the class of
+    sandkernel host locks, and 31 bits of the host id's SHA-256 (non-negative, so the key reads
+    the same in ``pg_locks.objid``, an oid)."""
+    digest = hashlib.sha256(host_id.encode("utf-8", "surrogatepass")).digest()
+    return HOST_LOCK_CLASS, int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+def application_name(host_id: str) -> str:
+    """``sandkernel <host id> <pid>@<machine>`` in PostgreSQL's 63 bytes (the host id is cut
+    first): what pg_stat_activity shows of this gateway, and what a refusal names."""
+    tail = f" {os.getpid()}@{socket.gethostname()[:24]}"
+    room = 63 - len(b"sandkernel ") - len(tail.encode())
+    head = host_id.encode()[:room].decode(errors="ignore")
+    return f"sandkernel {head}{tail}"
+
+
 def kernel_id_of(kernel: Mapping[str, Any]) -> str | None:
     """The kernel id a record's ``kernel`` JSON names (``KernelSession.durable_state()`` writes
     ``kernel_id``; a paused session has none: no kernel runs)."""
@@ -199,11 +258,20 @@ class PostgresStore:
     Open it with :meth:`open` (never the constructor); :meth:`run` lends its pool to the cluster
     catalog (``gateway/cluster/catalog.py``)."""
 
-    def __init__(self, address: CatalogAddress, host_id: str, pool: psycopg_pool.AsyncConnectionPool) -> None:
+    def __init__(
+        self,
+        address: CatalogAddress,
+        host_id: str,
+        pool: psycopg_pool.AsyncConnectionPool,
+        lock: AsyncConnection,
+    ) -> None:
         self.address = address
         self.host_id = host_id
         self._pool: psycopg_pool.AsyncConnectionPool | None = pool
         self._unreachable = False  # the last call could not reach PostgreSQL: wait only UNREACHABLE_WAIT
+        self._lock: AsyncConnection | None = lock  # holds the host id's advisory lock (None: lost with it)
+        self._lock_guard = asyncio.Lock()  # one check or re-take of the host lock at a time
+        self._fenced: str | None = None  # another gateway took this host id: why every call is refused
 
     @classmethod
     async def open(
@@ -214,12 +282,14 @@ class PostgresStore:
         migrations: Mapping[int, Sequence[str]] | None = None,
         schema_version: int = SCHEMA_VERSION,
     ) -> PostgresStore:
-        """Connect to the catalog at ``url`` as host ``host_id``, creating or migrating its schema.
+        """Connect to the catalog at ``url`` as host ``host_id``: take the host id's lock (held
+        until :meth:`close`), create or migrate the schema, open the connection pool.
 
-        Raises :class:`CatalogUnavailableError` when PostgreSQL cannot be reached or refuses the
-        login, :class:`StoreError` for a bad URL or host id, a database from a newer sandkernel,
-        or a failed migration (nothing changed). ``migrations``/``schema_version`` replace the
-        built-in ones (tests of the migration runner)."""
+        Raises :class:`HostIdInUseError` naming the holder when another gateway runs with this
+        host id (nothing was done), :class:`CatalogUnavailableError` when PostgreSQL cannot be
+        reached or refuses the login, :class:`StoreError` for a bad URL or host id, a database
+        from a newer sandkernel, or a failed migration (nothing changed). ``migrations`` /
+        ``schema_version`` replace the built-in ones (tests of the migration runner)."""
         if psycopg is None or psycopg_pool is None:
             raise StoreError("a PostgreSQL catalog needs psycopg 3 and psycopg-pool: pip install 'sandkernel[cluster]'")
         _check_host_id(host_id)
@@ -231,33 +301,45 @@ class PostgresStore:
             raise StoreError(
                 f"the catalog URL {address.display} is not a valid PostgreSQL URL (libpq cannot parse it)"
             ) from None
+        # A holder that is going away (a gateway of this host id that just stopped or died: its
+        # server session ends a moment after its socket closes) is waited for, briefly.
+        deadline = time.monotonic() + HOST_LOCK_WAIT
+        while True:
+            lock, holder = await _take_host_lock(url, address, host_id, kwargs)
+            if lock is not None or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.2)
+        if lock is None:
+            raise HostIdInUseError(
+                f"another gateway runs with host id {host_id!r} on the session catalog {address.display} "
+                f"({_describe(holder)}): two gateways with one host id would claim, adopt and reap each other's "
+                "sessions, so this one did not start and changed nothing. Stop the other gateway, or give this "
+                "one another --host-id"
+            )
         try:
-            conn = await psycopg.AsyncConnection.connect(url, **kwargs)
-        except psycopg.Error as err:
-            raise _unreachable(address, err) from None
-        try:
-            await _migrate(conn, address, MIGRATIONS if migrations is None else migrations, schema_version)
-        finally:
-            await conn.close()
-        pool = psycopg_pool.AsyncConnectionPool(
-            url,
-            min_size=1,
-            max_size=POOL_MAX,
-            kwargs=kwargs,
-            open=False,
-            timeout=CONNECT_TIMEOUT,
-            name=f"sandkernel-catalog-{host_id}",
-        )
-        try:
-            await pool.open(wait=True, timeout=CONNECT_TIMEOUT)
-        except psycopg_pool.PoolTimeout:
-            await pool.close()
-            raise CatalogUnavailableError(
-                f"the session catalog {address.display} did not accept the connection pool within "
-                f"{CONNECT_TIMEOUT:g} s; check that PostgreSQL is up and its max_connections has room"
-            ) from None
+            await _migrate(lock, address, MIGRATIONS if migrations is None else migrations, schema_version)
+            pool = psycopg_pool.AsyncConnectionPool(
+                url,
+                min_size=1,
+                max_size=POOL_MAX,
+                kwargs=kwargs,
+                open=False,
+                timeout=CONNECT_TIMEOUT,
+                name=f"sandkernel-catalog-{host_id}",
+            )
+            try:
+                await pool.open(wait=True, timeout=CONNECT_TIMEOUT)
+            except psycopg_pool.PoolTimeout:
+                await pool.close()
+                raise CatalogUnavailableError(
+                    f"the session catalog {address.display} did not accept the connection pool within "
+                    f"{CONNECT_TIMEOUT:g} s; check that PostgreSQL is up and its max_connections has room"
+                ) from None
+        except BaseException:
+            await _release_host_lock(lock, host_id)
+            raise
         log.info("session catalog opened", extra={"catalog": address.display, "host": host_id})
-        return cls(address, host_id, pool)
+        return cls(address, host_id, pool, lock)
 
     # -- the five calls ----------------------------------------------------------------------
 
@@ -317,9 +399,70 @@ class PostgresStore:
         return self.records(await self.run(work, what="reading"))
 
     async def close(self) -> None:
+        """Close the pool and let go of the host id (unlocked before the connection closes, so a
+        gateway started right after this one finds it free)."""
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
+        async with self._lock_guard:
+            lock, self._lock = self._lock, None
+        if lock is not None:
+            await _release_host_lock(lock, self.host_id)
+
+    # -- the host id's lock --------------------------------------------------------------------
+
+    @property
+    def fenced(self) -> str | None:
+        """Why this store refuses every call (another gateway took its host id), or None."""
+        return self._fenced
+
+    async def check_host_lock(self) -> None:
+        """Confirm this gateway still holds its host id; take it again if its connection broke.
+
+        Called at each beat by the membership heartbeat (gateway/cluster/membership.py): one
+        query on the lock's own connection. A lock lost with its connection (PostgreSQL
+        restarted, the network was cut) is taken again on a new one. Raises
+        :class:`CatalogUnavailableError` when PostgreSQL cannot be reached to take it again (the
+        next check tries again), :class:`HostIdInUseError` when another gateway took it meanwhile:
+        then the store is fenced (logged once as an error) and refuses every later call."""
+        async with self._lock_guard:
+            if self._pool is None:
+                raise StoreError(f"the session catalog {self.address.display} is closed")
+            if self._fenced is not None:
+                raise HostIdInUseError(self._fenced)
+            if self._lock is not None:
+                if await _holds_host_lock(self._lock, self.host_id):
+                    return
+                lost, self._lock = self._lock, None
+                await _close_quietly(lost)
+                log.warning(
+                    "the session catalog connection that held this host id broke, and the lock with it; "
+                    "taking it again",
+                    extra={"host": self.host_id},
+                )
+            lock, holder = await _take_host_lock(
+                self.address.url, self.address, self.host_id, _connection_kwargs(self.host_id)
+            )
+            if lock is not None:
+                self._lock = lock
+                log.warning("host id lock taken again", extra={"host": self.host_id})
+                return
+            if holder is None or holder.application_name == application_name(self.host_id):
+                # Released as we looked, or still held by this process's own broken session,
+                # which the server ends within seconds (its keepalives): try again next time.
+                raise CatalogUnavailableError(
+                    f"the lock on host id {self.host_id!r} in the session catalog {self.address.display} is still "
+                    "held by this gateway's previous, broken connection; it is taken again at the next check"
+                )
+            self._fenced = (
+                f"this gateway lost its hold on host id {self.host_id!r} in the session catalog "
+                f"{self.address.display} (its connection broke) and another gateway took it ({_describe(holder)}): "
+                "two gateways run with one host id. This one now refuses every catalog call (no creates, no "
+                "heartbeats, no records) so it cannot overwrite what the other owns; its sessions keep running "
+                "here. Stop one of the two gateways, or give one another --host-id, then restart this one"
+            )
+            log.error("%s", self._fenced, extra={"host": self.host_id, "holder": holder.application_name})
+            raise HostIdInUseError(self._fenced)
 
     # -- shared with the cluster catalog -----------------------------------------------------
 
@@ -342,6 +485,8 @@ class PostgresStore:
             pool = self._pool
             if pool is None:
                 raise StoreError(f"the session catalog {self.address.display} is closed")
+            if self._fenced is not None:
+                raise HostIdInUseError(self._fenced)
             wait = UNREACHABLE_WAIT if self._unreachable or attempt == 2 else CONNECT_TIMEOUT
             used: AsyncConnection | None = None
             try:
@@ -392,9 +537,103 @@ def _connection_kwargs(host_id: str) -> dict[str, Any]:
         "keepalives_interval": 2,
         "keepalives_count": 3,
         "tcp_user_timeout": int(CONNECT_TIMEOUT * 2000),
-        "application_name": f"sandkernel {host_id}"[:63],
-        "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS}",
+        "application_name": application_name(host_id),
+        "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS} {_SERVER_KEEPALIVES}",
     }
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """The server session holding a host id's lock, as pg_stat_activity shows it (what a
+    refusal names; fields another role's session hides are None)."""
+
+    backend_pid: int
+    application_name: str | None
+    client_addr: str | None
+    client_port: int | None
+
+
+def _describe(holder: LockHolder | None) -> str:
+    if holder is None:
+        return "its holder ended as this one looked"
+    if holder.client_addr:
+        where = f"{holder.client_addr}:{holder.client_port}"
+    elif holder.client_port == -1:  # pg_stat_activity's mark of a unix socket
+        where = "a local socket"
+    else:
+        where = "an address this database user may not see"
+    name = repr(holder.application_name) if holder.application_name else "a session with no application_name"
+    return f"held by {name} connected from {where}, PostgreSQL backend pid {holder.backend_pid}"
+
+
+async def _take_host_lock(
+    url: str, address: CatalogAddress, host_id: str, kwargs: Mapping[str, Any]
+) -> tuple[AsyncConnection | None, LockHolder | None]:
+    """A new connection holding ``host_id``'s lock, (conn, None); or (None, the holder) when
+    another session holds it (None when it ended as we looked). CatalogUnavailableError when
+    PostgreSQL cannot be reached, StoreError for another refusal."""
+    try:
+        conn = await psycopg.AsyncConnection.connect(url, autocommit=True, **kwargs)
+    except psycopg.Error as err:
+        raise _unreachable(address, err) from None
+    key = host_lock_key(host_id)
+    try:
+        try:
+            row = await (await conn.execute("SELECT pg_try_advisory_lock(%s::int4, %s::int4)", key)).fetchone()
+            if row is not None and row[0]:
+                return conn, None
+            found = await (
+                await conn.execute(
+                    "SELECT l.pid, a.application_name, host(a.client_addr), a.client_port FROM pg_locks l "
+                    "LEFT JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+                    "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+                    "AND l.classid = %s::int4::oid AND l.objid = %s::int4::oid AND l.objsubid = 2",
+                    key,
+                )
+            ).fetchone()
+        except psycopg.OperationalError as err:
+            raise _unreachable(address, err) from None
+        except psycopg.Error as err:
+            raise StoreError(
+                f"taking the lock on host id {host_id!r} in the session catalog {address.display} failed: "
+                f"{address.scrub(str(err))}"
+            ) from None
+    except BaseException:
+        await _close_quietly(conn)
+        raise
+    await _close_quietly(conn)
+    return None, (LockHolder(*found) if found is not None else None)
+
+
+async def _holds_host_lock(conn: AsyncConnection, host_id: str) -> bool:
+    """This connection is alive and its session holds ``host_id``'s lock (within LOCK_CHECK_TIMEOUT)."""
+    sql = (
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = pg_backend_pid() AND locktype = 'advisory' AND granted "
+        "AND classid = %s::int4::oid AND objid = %s::int4::oid AND objsubid = 2)"
+    )
+
+    async def ask() -> bool:
+        row = await (await conn.execute(sql, host_lock_key(host_id))).fetchone()
+        return bool(row and row[0])
+
+    try:
+        return await asyncio.wait_for(ask(), LOCK_CHECK_TIMEOUT)
+    except (psycopg.Error, asyncio.TimeoutError):
+        return False
+
+
+async def _release_host_lock(conn: AsyncConnection, host_id: str) -> None:
+    """Unlock (quietly: a broken connection holds nothing) and close the lock's connection."""
+    with contextlib.suppress(psycopg.Error, asyncio.TimeoutError):
+        await asyncio.wait_for(
+            conn.execute("SELECT pg_advisory_unlock(%s::int4, %s::int4)", host_lock_key(host_id)), LOCK_CHECK_TIMEOUT
+        )
+    await _close_quietly(conn)
+
+
+async def _close_quietly(conn: AsyncConnection) -> None:
+    with contextlib.suppress(psycopg.Error, asyncio.TimeoutError, OSError):
+        await asyncio.wait_for(conn.close(), LOCK_CHECK_TIMEOUT)
 
 
 def _unreachable(address: CatalogAddress, err: Exception) -> CatalogUnavailableError:
