@@ -639,14 +639,18 @@ class SessionRegistry:
             for record in await self.store.load()
             if record.state == SandboxState.LOST and record.session_id in self._sessions
         ]
+        # Every one is lost in one step, before any await: a request arriving while the sandboxes
+        # are let go gets the 410 that says why, never a 404 for a session it just used.
+        letting_go: list[tuple[ManagedSession, str]] = []
         for record in declared:
-            managed = self._sessions.pop(record.session_id)
             reason = record.lost_reason or "the cluster declared it lost"
+            letting_go.append((self._sessions.pop(record.session_id), reason))
+            self.add_lost(LostSession(record, reason))
+        for managed, reason in letting_go:
             with contextlib.suppress(Exception):
                 await managed.session.note(f"**session lost:** {reason}; the cluster declared it lost")
             await managed.session.shutdown()
-            self.add_lost(LostSession(record, reason))
-            log.warning("session declared lost by the cluster", extra={"session": record.session_id})
+            log.warning("session declared lost by the cluster", extra={"session": managed.id})
         return len(declared)
 
     async def _remove(self, managed: ManagedSession) -> None:

@@ -7,6 +7,7 @@ The SessionStore calls both catalogs share are tested over both in tests/test_se
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import socket
 import time
@@ -15,9 +16,11 @@ import traceback
 import psycopg
 import pytest
 
+from sandkernel.errors import SandboxLostError
 from sandkernel.gateway.cluster.catalog import ClusterCatalog, HostInfo
 from sandkernel.gateway.cluster.membership import ClusterMembership
-from sandkernel.gateway.registry import TooManySessionsError
+from sandkernel.gateway.registry import SessionRegistry, TooManySessionsError
+from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.postgres import (
     MIGRATIONS,
     SCHEMA_VERSION,
@@ -609,3 +612,31 @@ async def test_a_gateway_started_on_a_host_id_in_use_exits_with_why_and_changes_
         assert (await a.execute(session["id"], "print('still mine')"))["text"] == "still mine\n"
     finally:
         await clean_up_hosts((a, ids), (b, []))
+
+
+# -- the registry: a session the cluster declared lost ------------------------------------------
+
+
+async def test_a_session_declared_lost_answers_lost_from_the_moment_it_stops_being_live(tmp_path, fresh_postgres_url):
+    store = await PostgresStore.open(fresh_postgres_url, "h1")
+    registry = SessionRegistry(GatewaySettings(notebook_dir=tmp_path / "notebooks"), store=store)
+    letting_go: asyncio.Task[int] | None = None
+    try:
+        managed = await registry.create("alice")
+        reason = "host h1 stopped answering at 2026-12-01T20:00:00.000Z"
+        await store.update(managed.id, state=SandboxState.LOST.value, lost_reason=reason)  # what mark_down_stale does
+        letting_go = asyncio.create_task(registry.declare_lost())
+        while managed.id in registry.live_ids():  # each turn of the loop: what a request in between sees
+            await asyncio.sleep(0)
+        assert not letting_go.done(), "the sandbox was let go before a request could look"
+        with pytest.raises(SandboxLostError, match="stopped answering"):  # 410, never a 404 in between
+            registry.get("alice", managed.id)
+        assert await letting_go == 1
+        assert registry.find("alice", managed.id).session_model()["state"] == "lost"
+        assert not container_ids_of(managed.id)
+    finally:
+        if letting_go is not None:  # a failed check must not leave the sandbox it is removing
+            with contextlib.suppress(Exception):
+                await letting_go
+        await registry.shutdown_all()
+        await store.close()
