@@ -17,7 +17,6 @@ import hmac
 import json
 import os
 import time
-import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ from sandkernel.gateway.cluster.signing import (
 
 from .conftest import container_ids_of, require_runtime
 from .gateway_fixtures import ALICE, BOB, free_port
+from .kernel_websocket import run_cell
 from .postgres_fixtures import create_database, drop_database, postgres_server  # noqa: F401 (pytest finds it here)
 from .test_durable_sessions import Serve
 
@@ -547,22 +547,8 @@ async def test_the_kernel_websocket_is_relayed_to_the_owner(cluster, placed):
             )
         )
         try:
-            msg_id = uuid.uuid4().hex
-            ws.write_message(json.dumps(execute_request(msg_id, "print(40 + 3)")))
-            texts, reply, idle = [], None, False
-            while reply is None or not idle:  # the reply (shell) and idle (iopub) come in either order
-                message = await asyncio.wait_for(ws.read_message(), 60)
-                assert message is not None, f"the websocket closed: {ws.close_code} {ws.close_reason}"
-                msg = json.loads(message)
-                if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                    continue
-                if msg["msg_type"] == "stream":
-                    texts.append(msg["content"]["text"])
-                elif msg["msg_type"] == "execute_reply":
-                    reply = msg["content"]
-                elif msg["msg_type"] == "status":
-                    idle = msg["content"]["execution_state"] == "idle"
-            assert reply["status"] == "ok" and "".join(texts) == "43\n", (reply, texts)
+            reply, text = await run_cell(ws, "print(40 + 3)")
+            assert reply["status"] == "ok" and text == "43\n", (reply, text)
         finally:
             ws.close()
 
@@ -666,10 +652,3 @@ async def test_an_owner_that_is_gone_is_a_503_naming_it_and_the_other_host_keeps
         await a.serve.start(*a.flags)
         assert await a.serve.term() == 0, a.serve.output[-4000:]
         assert not container_ids_of(lost)
-
-
-def execute_request(msg_id: str, code: str) -> dict[str, Any]:
-    header = {"msg_id": msg_id, "msg_type": "execute_request", "username": "t", "session": "s", "date": "",
-              "version": "5.3"}  # fmt: skip
-    content = {"code": code, "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False}
-    return {"header": header, "parent_header": {}, "metadata": {}, "content": content, "channel": "shell"}
