@@ -358,6 +358,8 @@ class Gateway:
         finally:
             if self.membership is not None:  # 'stopping': no new sessions are placed here
                 await self.membership.stop()
+            if self.registry.cluster is not None:  # idle kept-alive connections to the other hosts
+                self.registry.cluster.peers.close()
             if self.mcp is not None:  # after the sessions' fate: an MCP session's end deletes nothing now
                 await self.mcp.stop()
             if self.registry.controls is not None:
