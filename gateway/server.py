@@ -63,7 +63,7 @@ from sandkernel.gateway.snapshots import SnapshotManager
 from sandkernel.gateway.snapshots_api import SnapshotActionHandler
 from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.records import SandboxState
-from sandkernel.kernels.durable.store import SessionStore, open_store
+from sandkernel.kernels.durable.store import SessionStore, mark_remote_catalog, open_store
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_runtime
 from sandkernel.kernels.lifecycle.pool import WarmPool
@@ -306,7 +306,9 @@ class Gateway:
             # Sandboxes another state dir's catalog records are spared by the reaper itself.
             # A paused session has no sandbox: a container of one (a crash mid-resume) goes.
             paused = {record.session_id for record in records if record.state == SandboxState.PAUSED}
-            reaped = await reap(keep={record.session_id for record in records} - paused, sessions=paused)
+            reaped = await reap(
+                keep={record.session_id for record in records} - paused, sessions=paused, authoritative=state_dir()
+            )
             if reaped.removed:
                 log.info("reaped orphaned containers", extra={"count": len(reaped.removed)})
             mcp = await McpHttp.start(registry, settings)  # None without the mcp extra
@@ -404,7 +406,11 @@ async def _open_store(settings: GatewaySettings) -> SessionStore:
     """The session catalog: the cluster's PostgreSQL (this host's rows) with ``catalog_url``,
     else the SQLite file in the state dir."""
     if settings.catalog_url is not None:
-        return await PostgresStore.open(settings.catalog_url, settings.cluster_host_id)
+        store = await PostgresStore.open(settings.catalog_url, settings.cluster_host_id)
+        # So a reaper on this engine (another process, `sandkernel reap`) keeps this host's
+        # sandboxes while this gateway restarts: their records are not in a SQLite file here.
+        await asyncio.to_thread(mark_remote_catalog)
+        return store
     return await asyncio.to_thread(open_store)
 
 

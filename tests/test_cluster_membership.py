@@ -20,6 +20,8 @@ from typing import Any
 import nbformat
 import psycopg
 
+from sandkernel.kernels.lifecycle.reaper import reap_sync
+
 from .conftest import container_ids_of
 from .gateway_fixtures import BOB
 from .postgres_fixtures import create_database, running_postgres
@@ -135,6 +137,10 @@ async def test_a_gateway_that_stops_says_so_and_keeps_its_sessions_through_a_slo
         await asyncio.sleep(float(DOWN_AFTER) + 3 * float(HEARTBEAT) + 1)
         assert rows(url, "SELECT status FROM hosts WHERE host_id = 'host-a'") == [("stopping",)]
         assert rows(url, "SELECT state FROM sandboxes WHERE session_id = %s", session["id"]) == [("running",)]
+        # Any other reaper on the engine meanwhile (`sandkernel reap`, another gateway starting)
+        # finds the sandbox's owner dead and no SQLite record of it: it must still keep it.
+        await asyncio.to_thread(reap_sync)
+        assert container_ids_of(session["id"]), "a reaper removed a stopped cluster gateway's sandbox"
         await a.start(*cluster_flags(tmp_path, url, "host-a", a))  # durable sessions: adopted back
         assert rows(url, "SELECT status FROM hosts WHERE host_id = 'host-a'") == [("up",)]
         assert (await a.execute(session["id"], "print('kept')"))["text"] == "kept\n"

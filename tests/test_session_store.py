@@ -31,19 +31,26 @@ import pytest
 from sandkernel.kernels.durable import SCHEMA_VERSION, SandboxRecord, StoreError, open_store
 from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.records import SandboxKind, SandboxState
-from sandkernel.kernels.durable.store import MIGRATIONS, SessionStore, default_catalog_path
+from sandkernel.kernels.durable.store import (
+    MIGRATIONS,
+    REMOTE_CATALOG_MARK,
+    SessionStore,
+    default_catalog_path,
+    mark_remote_catalog,
+)
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.profiles import resolve_profile
 from sandkernel.kernels.lifecycle.reaper import (
     OWNER_LABEL,
     SESSION_LABEL,
+    RecordedElsewhere,
     catalogued_session_ids,
     owner_label,
     reap_sync,
 )
 from sandkernel.kernels.sandbox.docker_engine import default_engine
-from sandkernel.kernels.sandbox.state_dir import use_state_dir
+from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, use_state_dir
 
 from .conftest import RUNTIMES, container_ids_of, require_runtime
 
@@ -581,6 +588,25 @@ async def test_catalogued_ids_come_from_the_catalog_and_an_unreadable_one_stops_
         conn.close()
         with pytest.raises(StoreError, match="cannot read it"):  # a newer catalog: its ids are not guessed
             catalogued_session_ids()
+    finally:
+        use_state_dir(None)
+
+
+def test_a_cluster_gateways_state_dir_is_never_taken_for_an_empty_catalog(tmp_path):
+    """Its records are in PostgreSQL, not in a SQLite file there: a reaper that read "no catalog,
+    nothing durable" would remove its sandboxes while it restarts. Its own gateway, which reads
+    PostgreSQL, still decides for its own state dir."""
+    state = tmp_path / "state"
+    use_state_dir(state)
+    try:
+        assert catalogued_session_ids() == set()
+        mark_remote_catalog()
+        assert stat.S_IMODE((state / REMOTE_CATALOG_MARK).stat().st_mode) == 0o600
+        with pytest.raises(StoreError, match="PostgreSQL"):
+            catalogued_session_ids()  # `sandkernel reap` stops before removing anything
+        labels = {SESSION_LABEL: "s1", STATE_DIR_LABEL: str(state)}
+        assert RecordedElsewhere()(labels) is True  # any other reaper keeps it
+        assert RecordedElsewhere(state)(labels) is False  # its gateway judges by the keep it read itself
     finally:
         use_state_dir(None)
 

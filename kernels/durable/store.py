@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 CATALOG_NAME = "catalog.sqlite3"
+# In the state dir of a gateway whose catalog is a cluster's PostgreSQL: says so to any reader of
+# the state dir (the reaper, `sandkernel reap`), which then cannot know which of its sandboxes
+# are durable and must keep them all (:func:`read_session_ids`).
+REMOTE_CATALOG_MARK = "catalog.remote"
 SCHEMA_VERSION = 1
 BUSY_TIMEOUT_SECONDS = 5.0  # another process reading the file (``sandkernel reap``) holds a lock briefly
 
@@ -123,6 +127,17 @@ class SessionStore(Protocol):
 
     async def close(self) -> None:
         """Let go of the backend (idempotent); later calls raise StoreError."""
+
+
+def mark_remote_catalog(directory: Path | None = None) -> None:
+    """Mark ``directory`` (default: the state dir) as one whose catalog is a cluster's PostgreSQL,
+    so a reaper on this engine keeps the sandboxes labelled with it while its gateway is away
+    (blocking: a few bytes, once at start-up). Idempotent."""
+    mark = (directory or state_dir()) / REMOTE_CATALOG_MARK
+    text = "the session catalog of this state dir is a cluster's PostgreSQL catalog (sandkernel serve --catalog-url)\n"
+    fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def default_catalog_path() -> Path:
@@ -321,12 +336,18 @@ class SqliteStore:
 def read_session_ids(path: str | os.PathLike[str] | None = None) -> set[str]:
     """The session ids recorded in the catalog at ``path`` (default :func:`default_catalog_path`),
     read without writing it (blocking: for the reaper and the CLI). A missing file records
-    nothing. A damaged file, or one a newer sandkernel wrote, raises :class:`StoreError`: the
-    caller cannot tell which sandboxes are durable, so it must not remove any."""
+    nothing, unless the state dir is marked as a cluster gateway's (:func:`mark_remote_catalog`).
+    That, a damaged file, or one a newer sandkernel wrote raises :class:`StoreError`: the caller
+    cannot tell which sandboxes are durable, so it must not remove any."""
     catalog = Path(path) if path is not None else default_catalog_path()
     try:
         st = os.lstat(catalog)
     except FileNotFoundError:
+        if os.path.lexists(catalog.parent / REMOTE_CATALOG_MARK):
+            raise StoreError(
+                f"the sessions of the state dir {catalog.parent} are recorded in a cluster's PostgreSQL catalog, "
+                "which this command does not read; nothing was removed (stop or reap through that host's gateway)"
+            ) from None
         return set()
     if not stat.S_ISREG(st.st_mode):
         raise StoreError(f"the session catalog {catalog} is not a regular file; nothing was changed")

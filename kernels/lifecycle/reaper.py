@@ -117,6 +117,7 @@ def reap_sync(
     everything: bool = False,
     keep: Collection[str] = (),
     sessions: Collection[str] = (),
+    authoritative: Path | None = None,
 ) -> ReapReport:
     """Remove orphaned sandkernel containers (blocking; call from a thread or the CLI).
 
@@ -125,13 +126,16 @@ def reap_sync(
     ``keep``: session ids never removed, whichever of these applies (the catalogued ones).
     ``sessions``: session ids whose containers are removed whoever owns them (paused sessions
     have none: one left by a crash mid-resume would otherwise run unmanaged).
+    ``authoritative``: the caller's own state dir, whose sessions ``keep`` already lists in full
+    (a gateway at start-up, from its catalog, SQLite or PostgreSQL): its containers are judged by
+    ``keep`` alone, not by reading the state dir's catalog again.
     """
     keep = frozenset(keep)
     sessions = frozenset(sessions)
     engine = engine or default_engine()
     removed: list[str] = []
     kept = 0
-    recorded = RecordedElsewhere()
+    recorded = RecordedElsewhere(authoritative)
     containers = listed_containers(engine)
     for container in containers:
         labels = container.labels
@@ -196,15 +200,20 @@ class RecordedElsewhere:
     """Whether a container is recorded in the catalog of the state dir it is labelled with, so a
     stopped gateway's next start will adopt it (``sandkernel reap`` or a gateway on another state
     dir must leave it). A catalog that cannot be read counts as recording it: a reaper that
-    cannot tell must not destroy tenants' work. Each catalog is read once per reap."""
+    cannot tell must not destroy tenants' work; so does a state dir whose catalog is a cluster's
+    PostgreSQL (a gateway restarting on this engine will adopt them). Each catalog is read once
+    per reap."""
 
-    def __init__(self) -> None:
+    def __init__(self, authoritative: Path | None = None) -> None:
         self._ids: dict[str, set[str] | None] = {}
+        self._authoritative = str(authoritative) if authoritative is not None else None
 
     def __call__(self, labels: dict[str, str]) -> bool:
         directory = labels.get(STATE_DIR_LABEL, "")
         if not directory or not os.path.isabs(directory) or os.path.normpath(directory) != directory:
             return False
+        if directory == self._authoritative:
+            return False  # the caller's own: its ``keep`` is the whole answer
         if directory not in self._ids:
             try:
                 self._ids[directory] = read_session_ids(Path(directory) / CATALOG_NAME)
