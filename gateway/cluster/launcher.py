@@ -38,7 +38,6 @@ import signal
 import sys
 import tarfile
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -275,5 +274,4 @@ def launch(
             return code or 1  # a gateway that stopped on its own is restarted by Swarm either way
         stopping.wait(1.0)
     stop_gateway(client, stop_timeout)
-    time.sleep(0)  # let the log relay flush its last lines
     return 0

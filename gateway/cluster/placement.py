@@ -54,13 +54,11 @@ async def placed_elsewhere(handler: BaseHandler, profile: str | None, limits: Ma
 async def _why_no_host(cluster: ClusterLink, runtime: str) -> str:
     """The sentence of the 503 for a create no host took: from the up hosts the catalog lists
     (a best effort: the generic sentence when it cannot be read now)."""
-    list_hosts = getattr(cluster.catalog, "hosts", None)  # ClusterCatalog.hosts (not in forwarding's protocol)
-    hosts: Sequence[HostInfo] | None = None
-    if list_hosts is not None:
-        try:
-            hosts = await asyncio.wait_for(list_hosts(up_only=True), CATALOG_TIMEOUT_SECONDS)
-        except (SandkernelError, OSError, asyncio.TimeoutError):
-            hosts = None
+    hosts: Sequence[HostInfo] | None
+    try:
+        hosts = await asyncio.wait_for(cluster.catalog.hosts(up_only=True), CATALOG_TIMEOUT_SECONDS)
+    except (SandkernelError, OSError, asyncio.TimeoutError):
+        hosts = None
     return no_host_reason(runtime, hosts)
 
 
