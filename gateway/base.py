@@ -200,6 +200,10 @@ class BaseHandler(web.RequestHandler):
                 self.lost_elsewhere = LostSession(lost, lost.lost_reason or f"its host {host.host_id} is down")
                 setattr(self, (self.request.method or "get").lower(), self._answer_lost)
                 return
+            from sandkernel.gateway.cluster.takeover import take_over_paused
+
+            if await take_over_paused(self.registry, cluster, self.tenant, session_id):
+                return  # paused here now (its snapshot is in the dir the hosts share): served here
         if host is not None:
             self.forward_to = host
             # tornado calls the verb by its name once the body is in: this request's is _forward

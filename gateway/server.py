@@ -429,6 +429,7 @@ async def _join(cluster: ClusterCatalog, settings: GatewaySettings, registry: Se
         interval=settings.heartbeat_seconds,
         down_after=settings.host_down_after,
         on_return=registry.declare_lost,
+        snapshot_store=registry.snapshots.store.store_id if registry.snapshots is not None else None,
     )
     await membership.start()
     return membership

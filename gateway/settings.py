@@ -226,6 +226,13 @@ class GatewaySettings:
     notebook_dir: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
         None, "where transcripts go", metavar="DIR", shown_default="~/.local/share/sandkernel/notebooks"
     )
+    snapshot_dir: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None,
+        "where paused sessions' snapshots go (0700, with the key that signs them); in a cluster, one directory on "
+        "storage every host mounts (NFS) lets a paused session of a host that died resume on another",
+        metavar="DIR",
+        shown_default="snapshots/ in the state dir",
+    )
 
     # -- many hosts: a cluster of gateways sharing one catalog (docs/scale-out.md) ------------
     catalog_url: str | None = _setting(

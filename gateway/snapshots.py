@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import time
 import uuid
@@ -31,7 +32,14 @@ from typing import Any
 
 import nbformat
 
-from sandkernel.errors import ConfigError, SessionBusyError, SnapshotError, SnapshotQuotaError
+from sandkernel.atomic import write_atomic
+from sandkernel.errors import (
+    ConfigError,
+    SessionBusyError,
+    SnapshotError,
+    SnapshotQuotaError,
+    SnapshotRejectedError,
+)
 from sandkernel.gateway.adoption import managed_from_record
 from sandkernel.gateway.checkpoints import CellCheckpoints
 from sandkernel.gateway.registry import ManagedSession, PausedSession, SessionRegistry, _now, seconds_since
@@ -53,6 +61,8 @@ MiB = 1024 * 1024
 MAX_FORKS = 10  # per request: each fork is a cold start plus a replay
 FORKS_AT_ONCE = 4  # started concurrently: the engine and 2 cores do not gain from more
 FILES = "files"  # the archive part of a snapshot
+TRANSCRIPT = "transcript"  # a pause's copy of the session's transcript (the cells to replay elsewhere)
+PAUSE = "pause"  # the kind of a pause's snapshot
 CELL = "cell"  # the kind of a per-cell checkpoint
 
 
@@ -64,7 +74,7 @@ class SnapshotManager:
     ) -> None:
         self.registry = registry
         self.settings = settings
-        self.store = store or SnapshotStore()
+        self.store = store or SnapshotStore(settings.snapshot_dir)
         self._locks: dict[str, asyncio.Lock] = {}
         self._owners: dict[str, str] = {}  # session id -> tenant, for every lock made
         registry.snapshots = self
@@ -88,7 +98,7 @@ class SnapshotManager:
         """Archive the session's files, record it paused and remove its container."""
         async with self._lock(managed.id, managed.tenant):
             started = time.monotonic()
-            paused = await self._pause_locked(managed, "pause")
+            paused = await self._pause_locked(managed, PAUSE)
             managed.audit_record("session_paused", door=door, snapshot=paused.snapshot)
             self.registry.metrics.snapshot_ops.labels("pause").inc()
             return {
@@ -148,6 +158,12 @@ class SnapshotManager:
         try:
             part = await capture_files(session.container, draft.part_path(FILES), quota - used)
             notebook = await _notebook_of(managed)
+            parts = {FILES: part}
+            if kind == PAUSE and managed.recorder is not None:
+                # The transcript goes with the pause: another host resuming it (a shared snapshot
+                # dir, its host down) replays its cells from this copy (gateway/cluster/takeover.py).
+                text = nbformat.writes(notebook).encode()
+                parts[TRANSCRIPT] = await asyncio.to_thread(self.store.write_part, draft, TRANSCRIPT, text)
             manifest = SnapshotManifest(
                 snapshot_id=draft.snapshot_id,
                 session_id=managed.id,
@@ -158,7 +174,7 @@ class SnapshotManager:
                 cells=len(code_cells(notebook)),
                 replay_from=0,
                 cell=len(code_cells(notebook)) if kind == CELL else None,
-                parts={FILES: part},
+                parts=parts,
                 extra={"cells_in_memory": cells_in_memory(notebook, lost_since=session.state_lost_pending)},
             )
             return await asyncio.to_thread(self.store.commit, draft, manifest)
@@ -250,6 +266,47 @@ class SnapshotManager:
                 return list(manifest.extra.get("cells_in_memory") or []), self._files(manifest), "checkpoint"
         return cells_in_memory(notebook, after=cell), None, "replay"
 
+    # -- a paused session of another host (a shared snapshot dir) ------------------------------
+
+    async def check_movable(self, record: SandboxRecord) -> SnapshotManifest:
+        """The verified snapshot of a paused session another host paused, before this host takes
+        it over: SnapshotRejectedError when this store cannot resume it (not there, signed with
+        another key, no transcript copy where the session keeps one)."""
+        snapshot_id = str(PausedSession(record).snapshot.get("id", ""))
+        manifest = await asyncio.to_thread(self.store.load, record.session_id, snapshot_id, record.tenant or "")
+        if record.gateway.get("transcript") and TRANSCRIPT not in manifest.parts:
+            raise SnapshotRejectedError(
+                f"snapshot {snapshot_id} of session {record.session_id} has no copy of its transcript (taken by an "
+                "older sandkernel); it can only be resumed on the host that paused it"
+            )
+        return manifest
+
+    async def moved_here(self, record: SandboxRecord, manifest: SnapshotManifest, from_host: str) -> PausedSession:
+        """Take in a paused session this host now holds (taken over from a host that is down):
+        its transcript from the snapshot into this host's notebook dir, the record saying so;
+        from then on it is paused here like one of this host's own."""
+        gateway = {**record.gateway, "moved_from": from_host}  # for the operator reading the catalog
+        if TRANSCRIPT in manifest.parts:
+            path = notebook_path_for(record.session_id, self.settings.notebook_dir)
+            try:
+                data = await asyncio.to_thread(self.store.read_part, manifest, TRANSCRIPT)
+                await asyncio.to_thread(write_atomic, path, data)
+                gateway["transcript"] = str(path)
+            except (OSError, SnapshotError) as err:  # the resume then says it cannot replay
+                log.error("the transcript of a taken-over session could not be restored: %s", err)
+        record = dataclasses.replace(record, gateway=gateway)
+        paused = PausedSession(record)
+        self.registry.add_paused(paused)  # the catalog already says it is this host's: serve it
+        try:
+            await self._update(record.session_id, gateway=gateway)
+        except Exception as err:  # its resume records it whole again
+            log.warning("the record of a taken-over session was not updated: %s", err)
+        log.info(
+            "paused session taken over from a host that is down",
+            extra={"session": record.session_id, "tenant": record.tenant, "from_host": from_host},
+        )
+        return paused
+
     # -- per-cell checkpoints ------------------------------------------------------------------
 
     def watch(self, managed: ManagedSession) -> None:
@@ -277,7 +334,7 @@ class SnapshotManager:
         async with self._lock(managed.id, managed.tenant):
             notebook = await _notebook_of(managed)
             _check_cell(cell, len(code_cells(notebook)))
-            paused = await self._pause_locked(managed, "pause")
+            paused = await self._pause_locked(managed, PAUSE)
             _, restored = await self._resume_locked(paused, door, rewind_to=cell)
             return {"id": managed.id, "state": SandboxState.RUNNING.value, "rewound_to": cell, **restored.to_dict()}
 
@@ -387,6 +444,16 @@ class SnapshotManager:
         deleted by hand): run at start-up, after adoption."""
         known = {p.id for p in self.registry.paused_sessions()} | self.registry.live_ids()
         orphans = [sid for sid in await asyncio.to_thread(self.store.sessions) if sid not in known]
+        cluster = self.registry.cluster
+        if cluster is not None and orphans:
+            # A snapshot dir the hosts share holds the others' paused sessions too: only the
+            # snapshots of sessions no host records go (a catalog that cannot say: none go).
+            try:
+                recorded = await cluster.catalog.known_sessions(orphans)
+            except Exception as err:
+                log.warning("snapshots not swept: the cluster catalog could not say whose they are: %s", err)
+                return []
+            orphans = [sid for sid in orphans if sid not in recorded]
         for session_id in orphans:
             await asyncio.to_thread(self.store.remove, session_id)
         return orphans

@@ -116,9 +116,12 @@ class ClusterCatalog:
 
     # -- this host -----------------------------------------------------------------------------
 
-    async def register(self, url: str, runtimes: Sequence[str], capacity: int) -> None:
+    async def register(
+        self, url: str, runtimes: Sequence[str], capacity: int, snapshot_store: str | None = None
+    ) -> None:
         """Record this host as 'up' at ``url`` (its advertised URL) with the runtimes its engine
-        has and its capacity (max sessions in all); a host already there (a restart) is updated."""
+        has, its capacity (max sessions in all) and its snapshot store's id (hosts with the same
+        one share their snapshots); a host already there (a restart) is updated."""
         runtimes = list(runtimes)
         if not runtimes or not all(isinstance(r, str) and r for r in runtimes):
             raise ValueError(f"a host needs at least one runtime, not {runtimes!r}")
@@ -128,12 +131,13 @@ class ClusterCatalog:
 
         sql = (
             "INSERT INTO hosts (host_id, url, runtimes, capacity, sessions, free, status, started_at, heartbeat_at, "
-            "version) VALUES (%s, %s, %s, %s, 0, %s, 'up', now(), now(), %s) ON CONFLICT (host_id) DO UPDATE SET "
+            "version, snapshot_store) VALUES (%s, %s, %s, %s, 0, %s, 'up', now(), now(), %s, %s) "
+            "ON CONFLICT (host_id) DO UPDATE SET "
             "url = EXCLUDED.url, runtimes = EXCLUDED.runtimes, capacity = EXCLUDED.capacity, free = EXCLUDED.free, "
-            "sessions = 0, status = 'up', started_at = now(), heartbeat_at = now(), version = EXCLUDED.version "
-            "RETURNING (SELECT status FROM hosts WHERE host_id = %s)"
+            "sessions = 0, status = 'up', started_at = now(), heartbeat_at = now(), version = EXCLUDED.version, "
+            "snapshot_store = EXCLUDED.snapshot_store RETURNING (SELECT status FROM hosts WHERE host_id = %s)"
         )
-        params = (self.host_id, url, runtimes, capacity, capacity, __version__, self.host_id)
+        params = (self.host_id, url, runtimes, capacity, capacity, __version__, snapshot_store, self.host_id)
         previous = await self._row(sql, params, what="registering this host in")
         self._note_return(previous)
 
@@ -298,6 +302,57 @@ class ClusterCatalog:
         )
         params = (session_id, tenant, SandboxKind.SESSION.value, SandboxState.LOST.value)
         return bool(await self._all(sql, params, what="deleting a lost session in"))
+
+    async def paused_on_down_host(
+        self, session_id: str, tenant: str, snapshot_store: str
+    ) -> tuple[SandboxRecord, str] | None:
+        """(the record, its host) of the tenant's session ``session_id`` if it is paused on a host
+        that is down and wrote its snapshots to the store ``snapshot_store`` (this host's: the
+        snapshot is readable here); else None."""
+        sql = (
+            f"SELECT {_S_RECORD_COLUMNS}, s.host_id FROM sandboxes s JOIN hosts h ON h.host_id = s.host_id "
+            "WHERE s.session_id = %s AND s.tenant = %s AND s.kind = %s AND s.state = %s AND h.status = 'down' "
+            "AND h.snapshot_store = %s AND h.host_id <> %s"
+        )
+        params = (
+            session_id,
+            tenant,
+            SandboxKind.SESSION.value,
+            SandboxState.PAUSED.value,
+            snapshot_store,
+            self.host_id,
+        )
+        row = await self._row(sql, params, what="reading")
+        return (self.store.records([row[:-1]])[0], row[-1]) if row is not None else None
+
+    async def take_over_paused(self, session_id: str, tenant: str, from_host: str) -> SandboxRecord | None:
+        """Make this host the holder of the tenant's paused session, if it is still paused on
+        ``from_host`` and that host is still down: one conditional statement, so of the gateways
+        that try at once exactly one gets it (the record), the others None. A host that comes
+        back later no longer finds it among its records."""
+        sql = (
+            "UPDATE sandboxes s SET host_id = %(me)s, updated_at = extract(epoch FROM clock_timestamp()) "
+            "FROM hosts h WHERE h.host_id = s.host_id AND s.session_id = %(id)s AND s.tenant = %(tenant)s "
+            "AND s.kind = %(session)s AND s.state = %(paused)s AND s.host_id = %(from)s AND h.status = 'down' "
+            f"RETURNING {_S_RECORD_COLUMNS}"
+        )
+        params = {
+            "me": self.host_id,
+            "id": session_id,
+            "tenant": tenant,
+            "session": SandboxKind.SESSION.value,
+            "paused": SandboxState.PAUSED.value,
+            "from": from_host,
+        }
+        row = await self._row(sql, params, what="taking over a paused session in")
+        return self.store.records([row])[0] if row is not None else None
+
+    async def known_sessions(self, session_ids: list[str]) -> set[str]:
+        """Which of ``session_ids`` any host records (whatever their state)."""
+        rows = await self._all(
+            "SELECT session_id FROM sandboxes WHERE session_id = ANY(%s)", (list(session_ids),), what="reading"
+        )
+        return {row[0] for row in rows}
 
     async def tenant_sessions(self, tenant: str) -> list[SandboxRecord]:
         """The tenant's sessions on every host (every state), oldest first."""

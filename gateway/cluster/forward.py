@@ -110,6 +110,14 @@ class OwnerCatalog(Protocol):
 
     async def release(self, session_id: str) -> None: ...
 
+    async def known_sessions(self, session_ids: list[str]) -> set[str]: ...
+
+    async def paused_on_down_host(
+        self, session_id: str, tenant: str, snapshot_store: str
+    ) -> tuple[SandboxRecord, str] | None: ...
+
+    async def take_over_paused(self, session_id: str, tenant: str, from_host: str) -> SandboxRecord | None: ...
+
 
 @dataclasses.dataclass
 class ClusterLink:
@@ -128,6 +136,9 @@ class ClusterLink:
     # Kept-alive connections to the other hosts for forwarded HTTP requests (a new TCP
     # connection and a name resolved in a thread per request were most of a hop's cost).
     peers: PeerPool = dataclasses.field(default_factory=lambda: new_peer_pool())
+    # Take-overs of paused sessions of down hosts under way here (gateway/cluster/takeover.py):
+    # a session's concurrent requests wait for the one take-over.
+    takeovers: dict[str, asyncio.Future[bool]] = dataclasses.field(default_factory=dict)
 
     def forwarded_from(self, request: httputil.HTTPServerRequest) -> str | None:
         """The origin host of a request another gateway forwarded (verified: ApiError 401 on a
@@ -138,7 +149,7 @@ class ClusterLink:
             return None
         return verify(self.secret, request.headers, request.method or "", request.uri or "")
 
-    async def _ask(self, call: Awaitable[Any], what: str) -> Any:
+    async def ask(self, call: Awaitable[Any], what: str) -> Any:
         """A catalog call, bounded: a catalog that cannot answer is a 503, never a hung request."""
         try:
             return await asyncio.wait_for(call, CATALOG_TIMEOUT_SECONDS)
@@ -158,9 +169,9 @@ class ClusterLink:
         found = self.owners.get(key)
         if found is None:
             if session_id is not None:
-                found = await self._ask(self.catalog.owner(session_id), "find the session's host")
+                found = await self.ask(self.catalog.owner(session_id), "find the session's host")
             else:
-                found = await self._ask(self.catalog.owner_of_kernel(str(kernel_id)), "find the kernel's host")
+                found = await self.ask(self.catalog.owner_of_kernel(str(kernel_id)), "find the kernel's host")
             if found is None:
                 return None
             found = (found[0], found[1])
@@ -174,18 +185,18 @@ class ClusterLink:
     async def lost_with_its_host(self, tenant: str, session_id: str) -> SandboxRecord | None:
         """The record of the tenant's session if it was lost with a host that is down: then no
         gateway holds it and this one answers for it from the catalog (410, the lost model)."""
-        return await self._ask(self.catalog.lost_on_down_host(session_id, tenant), "read the session's record")
+        return await self.ask(self.catalog.lost_on_down_host(session_id, tenant), "read the session's record")
 
     async def forget_lost(self, tenant: str, session_id: str) -> bool:
         """Delete the tenant's session lost with a down host (DELETE of it, through any gateway)."""
-        return await self._ask(self.catalog.forget_lost(session_id, tenant), "delete the session's record")
+        return await self.ask(self.catalog.forget_lost(session_id, tenant), "delete the session's record")
 
     async def place(self, runtime: str) -> HostInfo | None:
         """The host a new session of ``runtime`` goes to (most free room), or None: none has room."""
-        return await self._ask(self.catalog.place(runtime), "place the session")
+        return await self.ask(self.catalog.place(runtime), "place the session")
 
     async def tenant_sessions(self, tenant: str) -> list[SandboxRecord]:
-        return await self._ask(self.catalog.tenant_sessions(tenant), "list the tenant's sessions")
+        return await self.ask(self.catalog.tenant_sessions(tenant), "list the tenant's sessions")
 
 
 class OwnerCache:

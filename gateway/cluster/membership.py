@@ -45,7 +45,9 @@ class MembershipCatalog(Protocol):
     @property
     def store(self) -> HostLock: ...
 
-    async def register(self, url: str, runtimes: Sequence[str], capacity: int) -> None: ...
+    async def register(
+        self, url: str, runtimes: Sequence[str], capacity: int, snapshot_store: str | None = None
+    ) -> None: ...
 
     async def heartbeat(self, sessions: int, free: int) -> bool: ...
 
@@ -71,6 +73,7 @@ class ClusterMembership:
         interval: float,
         down_after: float,
         on_return: Callable[[], Awaitable[int]] | None = None,
+        snapshot_store: str | None = None,
     ) -> None:
         self.catalog = catalog
         self.host_id = host_id
@@ -80,6 +83,7 @@ class ClusterMembership:
         self.load = load
         self.interval = interval
         self.down_after = down_after
+        self.snapshot_store = snapshot_store  # hosts with the same one resume each other's paused sessions
         self.on_return = on_return  # after this host was marked down: let go of what was declared lost
         self.last_beat = 0.0  # time.monotonic() of the last beat the catalog took
         self._task: asyncio.Task[None] | None = None
@@ -93,7 +97,9 @@ class ClusterMembership:
     async def start(self) -> None:
         """Register (a catalog that cannot be reached now fails the start: the operator asked for
         a cluster), then beat in the background."""
-        await asyncio.wait_for(self.catalog.register(self.url, self.runtimes, self.capacity), BEAT_TIMEOUT_SECONDS)
+        await asyncio.wait_for(
+            self.catalog.register(self.url, self.runtimes, self.capacity, self.snapshot_store), BEAT_TIMEOUT_SECONDS
+        )
         self.last_beat = time.monotonic()
         log.info(
             "joined the cluster",

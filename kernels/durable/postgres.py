@@ -83,7 +83,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 CONNECT_TIMEOUT = 5.0  # seconds: a login, or a wait for a pooled connection
 # Seconds to wait for a connection once the catalog looked unreachable (the last call failed, or
 # the pooled connection was broken): while PostgreSQL is away each call fails this fast.
@@ -159,6 +159,9 @@ MIGRATIONS: dict[int, Sequence[str]] = {
         )""",
         "CREATE INDEX placements_host ON placements (host_id, id)",
     ),
+    # Which snapshot store each host writes to (SnapshotStore.store_id; NULL: none said): hosts
+    # with the same one share a snapshot dir, so a host resumes what a down host paused.
+    3: ("ALTER TABLE hosts ADD COLUMN snapshot_store TEXT",),
 }
 
 _TABLE_COLUMNS = (*_COLUMNS, "host_id", "kernel_id")

@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 SNAPSHOTS = "snapshots"  # state_dir(SNAPSHOTS): 0700, the operator's only
 KEY_FILE = "snapshot.key"
 KEY_BYTES = 32
+STORE_ID_TEXT = b"sandkernel snapshot store"  # what store_id signs
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1  # the layout of manifest.json; a newer one is refused, not guessed at
 MAX_MANIFEST_BYTES = 1 << 20  # a manifest is a few KB (the profile is the biggest field)
@@ -172,6 +173,14 @@ class SnapshotStore:
         with self._root_fd() as root_fd:
             self._key = _load_or_make_key(root_fd, self.root / KEY_FILE)
 
+    @property
+    def store_id(self) -> str:
+        """What tells two stores apart without showing their key: an HMAC of a fixed text under
+        the key. Gateways whose stores have the same id read the same snapshots (one directory
+        on shared storage: the key is in it), so each can resume what another paused; the
+        cluster catalog compares them (gateway/cluster/takeover.py)."""
+        return hmac.new(self._key, STORE_ID_TEXT, hashlib.sha256).hexdigest()[:32]
+
     # -- writing -------------------------------------------------------------------------------
 
     def draft(self, session_id: str) -> SnapshotDraft:
@@ -215,6 +224,37 @@ class SnapshotStore:
                 raise SnapshotError(f"{where}: writing its manifest failed ({err.strerror or err})") from err
         log.info("snapshot committed", extra={"session": draft.session_id, "snapshot": draft.snapshot_id})
         return manifest
+
+    def write_part(self, draft: SnapshotDraft, name: str, data: bytes) -> ArchivePart:
+        """Write a part the gateway made itself (not an archive from the sandbox: the session's
+        transcript) into the draft, 0600, never through a link; its size and SHA-256 for the
+        manifest."""
+        _check_id(PART_NAME, name, "part name", SnapshotError)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        with self._snapshot_fd(draft.session_id, draft.snapshot_id, SnapshotError) as fd:
+            part_fd = os.open(_part_file(name), flags, 0o600, dir_fd=fd)
+            with os.fdopen(part_fd, "wb") as handle:
+                handle.write(data)
+        return ArchivePart(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+
+    def read_part(self, manifest: SnapshotManifest, name: str) -> bytes:
+        """The whole part ``name`` of a loaded snapshot, checked against the size and SHA-256 its
+        signed manifest records (SnapshotRejectedError otherwise). For the small parts the
+        gateway wrote (:meth:`write_part`); archives are streamed by restore_files instead."""
+        part = manifest.parts.get(name)
+        where = _where(manifest.session_id, manifest.snapshot_id)
+        if part is None:
+            raise SnapshotRejectedError(f"{where} has no part {name!r}; it was taken by an older sandkernel")
+        with self._snapshot_fd(manifest.session_id, manifest.snapshot_id, SnapshotRejectedError) as fd:
+            _check_part(fd, where, name, part, SnapshotRejectedError)
+            part_fd = os.open(_part_file(name), _READ_FLAGS, dir_fd=fd)
+            try:
+                data = _read_all(part_fd, part.bytes + 1)
+            finally:
+                os.close(part_fd)
+        if len(data) != part.bytes or not hmac.compare_digest(hashlib.sha256(data).hexdigest(), part.sha256):
+            raise SnapshotRejectedError(f"{where}: its part {name!r} does not match its manifest (altered); not used")
+        return data
 
     def discard(self, draft: SnapshotDraft) -> None:
         """Remove a draft and whatever was written into it (a failed capture, or a commit the

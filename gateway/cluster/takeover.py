@@ -1,0 +1,76 @@
+"""A paused session of a host that is down, resumed on this one (a snapshot dir the hosts share).
+
+A host that dies takes its live sessions with it (they are ``lost``), but a *paused* session has
+nothing on that host but its catalog row: its files and transcript are in its snapshot. When
+the hosts share one snapshot dir (NFS mounted on each; the key that signs the snapshots is in
+it, so each host's store has the same ``store_id``, which each registers in the catalog), any
+other gateway asked for such a session takes it over and serves it as its own paused session:
+the request that asked (an execute, a file call, a resume) then resumes it here by replay, as on
+the host that paused it.
+
+Taking over is decided in the catalog, never guessed: the row must be paused, its tenant the
+caller, its host ``down`` and registered with this host's snapshot store; the snapshot must load
+here (signed with the shared key, of this session and tenant) before anything changes; then one
+conditional UPDATE moves the row to this host, so of the gateways that try at once exactly one
+gets it. The others, and this one's concurrent requests for the same session, wait for that one
+and are then forwarded to it (or served here) as usual. A host that comes back later no longer
+finds the session among its records; its snapshot sweep keeps what any host records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from sandkernel.errors import SnapshotRejectedError
+
+if TYPE_CHECKING:
+    from sandkernel.gateway.cluster.forward import ClusterLink
+    from sandkernel.gateway.registry import SessionRegistry
+
+log = logging.getLogger(__name__)
+
+
+async def take_over_paused(registry: SessionRegistry, link: ClusterLink, tenant: str, session_id: str) -> bool:
+    """Take over the tenant's session ``session_id`` if it is paused on a down host whose
+    snapshots this host can read; True when this host now holds it (serve the request here).
+    Concurrent calls for one session share the first one's outcome."""
+    pending = link.takeovers.get(session_id)
+    if pending is not None:
+        return await asyncio.shield(pending)
+    task = asyncio.ensure_future(_take_over(registry, link, tenant, session_id))
+    link.takeovers[session_id] = task
+    try:
+        return await asyncio.shield(task)
+    finally:
+        if task.done():
+            link.takeovers.pop(session_id, None)
+        else:  # this request went away: the take-over still ends (and is forgotten then)
+            task.add_done_callback(lambda _: link.takeovers.pop(session_id, None))
+
+
+async def _take_over(registry: SessionRegistry, link: ClusterLink, tenant: str, session_id: str) -> bool:
+    snapshots = registry.snapshots
+    if snapshots is None:
+        return False
+    found = await link.ask(
+        link.catalog.paused_on_down_host(session_id, tenant, snapshots.store.store_id), "read the session's record"
+    )
+    if found is None:
+        return False
+    record, from_host = found
+    try:
+        manifest = await snapshots.check_movable(record)
+    except SnapshotRejectedError as err:  # not readable here: it waits for its host (503 naming it)
+        log.warning(
+            "a paused session of a down host cannot be resumed here: %s",
+            err,
+            extra={"session": session_id, "from_host": from_host},
+        )
+        return False
+    taken = await link.ask(link.catalog.take_over_paused(session_id, tenant, from_host), "take over the paused session")
+    if taken is None:  # another gateway took it first, or its host came back
+        return False
+    await registry.finish(snapshots.moved_here(taken, manifest, from_host))
+    return True
