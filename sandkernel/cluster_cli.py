@@ -1,6 +1,7 @@
 """``sandkernel cluster``: the commands of a many-host deployment (issue 18).
 
-sandkernel cluster image build    build the gateway's container image (no registry needed)
+sandkernel cluster image build    build the gateway's container image, and with --catalog the
+                                  catalog's (PostgreSQL) too (no registry needed)
 sandkernel cluster stack          print the Swarm stack file
 sandkernel cluster up             create the stack's secrets and deploy it (on a Swarm manager)
 sandkernel cluster launch         the stack's task on each node: runs that node's gateway
@@ -28,7 +29,11 @@ sandkernel-base:bookworm (as for `sandkernel image build`); the Python packages 
 on this host into a cached wheelhouse (again only when pyproject.toml's dependencies change)
 and installed with --no-index. sandkernel's own wheel is built from this source checkout on
 every build (unchanged code reuses every cached layer). From an installed sandkernel, pass
---wheel; the build context is kept in ~/.cache/sandkernel/gateway-image-{__version__}/."""
+--wheel; the build context is kept in ~/.cache/sandkernel/gateway-image-{__version__}/.
+
+--catalog also builds sandkernel-catalog:{__version__}, the stack's PostgreSQL 15 (from Debian's
+packages through apt, on the same base), needed only on the node that runs the catalog
+(`sandkernel cluster up --catalog-node NODE`)."""
 
 IMAGE_BUILD_EPILOG = f"""\
 check it with the grants a cluster gives the gateway (CAP_SYS_ADMIN and the loop devices only):
@@ -41,12 +46,20 @@ Deploy sandkernel on the Docker Swarm this engine manages: create the stack's Do
 do not exist yet (an existing one is kept), then `docker stack deploy` the shipped stack file. Every
 node then runs one gateway (port 8888 of the node), all sharing the PostgreSQL catalog.
 
-Before: build the gateway image on every node (`sandkernel cluster image build`), have the kernel
-image there (`sandkernel image build`), and a PostgreSQL database the nodes reach. Files given
-here must be chmod 600."""
+The catalog, either way:
+  --catalog-node NODE     the stack's own PostgreSQL runs on NODE (labelled sandkernel.catalog=true,
+                          its data in a volume there, port 5432 of NODE's address); its password and
+                          URL secrets are generated. It is the one place creates go through: back
+                          its volume up. Give the same NODE on every later `up`.
+  --catalog-url-file FILE your own PostgreSQL (its postgresql:// URL); the catalog service is left out.
+
+Before: build the gateway image on every node (`sandkernel cluster image build`; on the catalog
+node `sandkernel cluster image build --catalog`), have the kernel image there (`sandkernel image
+build`). Files given here must be chmod 600."""
 
 UP_EPILOG = """\
-example:
+examples:
+  sandkernel cluster up --catalog-node node-1 --tokens-file tokens.json
   printf '%s' 'postgresql://sandkernel:PASSWORD@10.0.0.5/sandkernel' > catalog.url; chmod 600 catalog.url
   sandkernel cluster up --catalog-url-file catalog.url --tokens-file tokens.json"""
 
@@ -59,6 +72,7 @@ are passed to `sandkernel serve`."""
 
 
 def _cmd_image_build(args: argparse.Namespace) -> int:
+    from sandkernel.gateway.cluster.catalog_image import CATALOG_IMAGE, build_catalog_image
     from sandkernel.gateway.cluster.gateway_image import GATEWAY_IMAGE, build_gateway_image
 
     started = time.monotonic()
@@ -66,13 +80,17 @@ def _cmd_image_build(args: argparse.Namespace) -> int:
         tag=args.tag or GATEWAY_IMAGE, base=args.base, offline=args.offline, wheel=args.wheel, progress=print
     )
     print(f"[build] took {time.monotonic() - started:.1f} s")
+    if args.catalog:
+        started = time.monotonic()
+        build_catalog_image(tag=CATALOG_IMAGE, base=args.base, offline=args.offline, progress=print)
+        print(f"[build] took {time.monotonic() - started:.1f} s")
     return 0
 
 
 def _cmd_stack(args: argparse.Namespace) -> int:
     from sandkernel.gateway.cluster.deploy import stack_text
 
-    print(stack_text(), end="")
+    print(stack_text(catalog=not args.no_catalog), end="")
     return 0
 
 
@@ -85,6 +103,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
             catalog_url_file=args.catalog_url_file,
             tokens_file=args.tokens_file,
             cluster_secret_file=args.cluster_secret_file,
+            catalog_node=args.catalog_node,
             compose_files=tuple(args.compose_file),
         )
     except DeployError as err:
@@ -138,9 +157,17 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
         help="install this sandkernel wheel instead of building one from the checkout (needed when sandkernel "
         "is installed from a wheel; its version must be this sandkernel's)",
     )
+    build.add_argument(
+        "--catalog",
+        action="store_true",
+        help=f"also build sandkernel-catalog:{__version__} (PostgreSQL 15), for the node that runs the catalog",
+    )
     build.set_defaults(func=_cmd_image_build)
 
     stack = commands.add_parser("stack", help="print the Docker Swarm stack file")
+    stack.add_argument(
+        "--no-catalog", action="store_true", help="without the catalog service (for your own PostgreSQL)"
+    )
     stack.set_defaults(func=_cmd_stack)
 
     up = commands.add_parser(
@@ -150,7 +177,12 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
         epilog=UP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    up.add_argument("--catalog-url-file", type=Path, metavar="FILE", help="file holding the postgresql:// URL")
+    up.add_argument(
+        "--catalog-node",
+        metavar="NODE",
+        help="run the stack's PostgreSQL on this node (name or id; password and URL secrets generated)",
+    )
+    up.add_argument("--catalog-url-file", type=Path, metavar="FILE", help="your own PostgreSQL: a file with its URL")
     up.add_argument("--tokens-file", type=Path, metavar="FILE", help='tenants\' tokens, JSON {"tenant": "token"}')
     up.add_argument(
         "--cluster-secret-file", type=Path, metavar="FILE", help="the secret gateways sign with (default: generated)"

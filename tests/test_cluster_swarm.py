@@ -2,11 +2,12 @@
 
 The swarm lab (tests/cluster/, docs/cluster-lab.md) is three Docker engines on this machine, each
 in its own network namespace, joined in a Swarm; hosts 1 and 2 have gVisor (when this machine
-has it), host 3 does not. PostgreSQL is Debian's, on the lab's side of the machine
-(10.213.0.254). The gateway image is built offline and loaded into the three engines; the
-shipped stack file is deployed with `docker stack deploy` and Docker secrets, so each host runs
-`sandkernel cluster launch`, which runs that host's gateway. Clients reach every gateway at
-``10.213.0.N:8888``. Nothing leaves the machine.
+has it), host 3 does not. The gateway and catalog images are built offline and loaded into the
+three engines; `sandkernel cluster up --catalog-node sklab-h1` deploys the shipped stack file
+with `docker stack deploy` and Docker secrets, so each host runs `sandkernel cluster launch`,
+which runs that host's gateway, and host 1 runs the stack's PostgreSQL (its port 5432 published
+in host mode on 10.213.0.1; the gateways converge once it answers). Clients reach every gateway
+at ``10.213.0.N:8888``. Nothing leaves the machine.
 
 The tests share one cluster and run in order (each asserts its own outcome):
 1. 60 sessions created through the three gateways land on all three hosts by free room, each
@@ -35,14 +36,18 @@ import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.websocket import websocket_connect
 
+from sandkernel.gateway.cluster.catalog_image import CATALOG_IMAGE, build_catalog_image
 from sandkernel.gateway.cluster.gateway_image import GATEWAY_IMAGE, build_gateway_image
 
 from .cluster.commands import wait_for
 from .cluster.lab import KERNEL_IMAGE, Lab, main_runtimes, running_lab
 from .cluster.sandkernel_stack import (
+    CATALOG_HOST,
     SERVICE,
     Endpoint,
+    catalog_container,
     deploy,
+    deployed_catalog_url,
     gateway_container,
     wait_answering,
     wait_update_done,
@@ -50,7 +55,6 @@ from .cluster.sandkernel_stack import (
 from .conftest import require_runtime
 from .gateway_fixtures import ALICE, BOB
 from .kernel_websocket import run_cell
-from .postgres_fixtures import create_database, running_postgres
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -100,30 +104,42 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def lab() -> Iterator[Lab]:
-    """The gateway image built (cached after the first build), then the lab with the three images."""
+    """The gateway and catalog images built (cached after the first build), then the lab with
+    the kernel, gateway and catalog images in every engine."""
     started = time.monotonic()
     build_gateway_image(tag=GATEWAY_IMAGE, progress=lambda line: None)
-    print(f"[swarm] gateway image ready in {time.monotonic() - started:.1f} s")
+    build_catalog_image(tag=CATALOG_IMAGE, progress=lambda line: None)
+    print(f"[swarm] gateway and catalog images ready in {time.monotonic() - started:.1f} s")
     runsc_hosts = (1, 2) if HAS_RUNSC else ()
-    with running_lab(images=(KERNEL_IMAGE, GATEWAY_IMAGE), runsc_hosts=runsc_hosts) as lab:
+    with running_lab(images=(KERNEL_IMAGE, GATEWAY_IMAGE, CATALOG_IMAGE), runsc_hosts=runsc_hosts) as lab:
         print(f"[swarm] lab up: {json.dumps({k: round(v, 1) for k, v in lab.timings.items()})}")
         yield lab
 
 
 @pytest.fixture(scope="module")
 async def cluster(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
-    """PostgreSQL on the lab network, the secrets, the stack deployed, three gateways answering."""
+    """The stack deployed with its own PostgreSQL on host 1, three gateways answering."""
     workdir = tmp_path_factory.mktemp("swarm")
-    with running_postgres(also_on=(lab.root_ip, "10.213.0.0/24")) as server:
-        catalog_url = create_database(server.url())
-        started = time.monotonic()
-        deploy(lab, workdir, catalog_url=catalog_url, cluster_secret=secrets.token_hex(32),
-               tokens={"alice": ALICE, "bob": BOB}, serve_args=SERVE_ARGS)  # fmt: skip
-        deployed = Cluster(lab, catalog_url)
-        await wait_answering(deployed.endpoints, ALICE)
-        wait_for("three hosts up in the catalog", lambda: sorted(deployed.host_states().values()) == ["up"] * 3, 60)
-        print(f"[swarm] stack deployed, 3 gateways answering in {time.monotonic() - started:.1f} s")
-        yield deployed
+    started = time.monotonic()
+    output = deploy(lab, workdir, cluster_secret=secrets.token_hex(32), tokens={"alice": ALICE, "bob": BOB},
+                    serve_args=SERVE_ARGS)  # fmt: skip
+    assert "sandkernel_catalog_password: created (generated)" in output, output
+    endpoints = [Endpoint(h.index, h.ip) for h in lab.hosts]
+    await wait_answering(endpoints, ALICE, timeout=180)  # the gateways restart until the catalog answers
+
+    def healthy() -> dict[str, Any] | None:
+        found = catalog_container(lab)  # the image's healthcheck (pg_isready) as Swarm runs it
+        return found if found is not None and found["State"].get("Health", {}).get("Status") == "healthy" else None
+
+    catalog = wait_for(f"the catalog on host {CATALOG_HOST} healthy", healthy, 60, 1.0)
+    assert catalog["Config"]["User"] == "postgres:postgres"
+    assert [m["Type"] for m in catalog["Mounts"] if m["Destination"] == "/var/lib/postgresql/data"] == ["volume"]
+    assert not any("PASSWORD" in e.upper() and "FILE" not in e.upper() for e in catalog["Config"]["Env"])
+    deployed = Cluster(lab, deployed_catalog_url(lab))
+    assert f"@{lab.ip_of(CATALOG_HOST)}:5432/" in deployed.catalog_url  # host 1's own address, host-mode port
+    wait_for("three hosts up in the catalog", lambda: sorted(deployed.host_states().values()) == ["up"] * 3, 60)
+    print(f"[swarm] stack deployed, catalog and 3 gateways answering in {time.monotonic() - started:.1f} s")
+    yield deployed
 
 
 async def execute(endpoint: Endpoint, sid: str, code: str, token: str = ALICE) -> str:
@@ -294,6 +310,7 @@ async def test_a_killed_gateway_comes_back_with_its_sessions_and_the_others_keep
 async def test_a_dead_host_loses_its_sessions_and_the_cluster_goes_on_without_it(cluster: Cluster):
     lab = cluster.lab
     dead = lab.hosts[2]
+    assert dead.index != CATALOG_HOST  # the catalog (one PostgreSQL) is not what this test loses
     lab.kill_host(dead.index)
     survivors = [e for e in cluster.endpoints if e.host != dead.index]
     lost = [sid for sid, info in cluster.sessions.items() if info["host"] == dead.name]

@@ -9,19 +9,36 @@ cold on a fresh machine, most of it downloading and installing the wheelhouse) a
 ``--version`` says this checkout's version, the tools are on PATH, and ``doctor`` in the
 container, given what a cluster host gives it (SYS_ADMIN, the loop devices, the engine's socket),
 makes, mounts and removes a real disk workspace, and imports psycopg.
+
+The catalog image (the stack's PostgreSQL, gateway/cluster/catalog_image.py) is built the same
+way and run as the stack runs it: the password as a secret file of the postgres uid (0400), the
+data in a named volume. It makes its cluster and database on the first start, takes the right
+password and refuses a wrong one, keeps its data across a restart, and refuses to start
+without the password file, saying which secret is missing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+import secrets
+import time
 import zipfile
 from pathlib import Path
 
 import docker.errors
+import psycopg
 import pytest
 
 from sandkernel import __version__
 from sandkernel.errors import ImageBuildError
+from sandkernel.gateway.cluster.catalog_image import (
+    CATALOG_IMAGE,
+    CATALOG_PORT,
+    POSTGRES_UID,
+    build_catalog_image,
+    catalog_url,
+)
 from sandkernel.gateway.cluster.gateway_image import (
     GATEWAY_IMAGE,
     build_context,
@@ -139,3 +156,85 @@ def test_doctor_in_the_image_makes_and_mounts_a_disk_workspace(gateway_image):
     )
     assert "[ok  ] disk workspaces: root, loop devices, mkfs.ext4 and mount available" in output, output
     assert "[ok  ] docker engine" in output and code == 0, output
+
+
+PASSWORD_TARGET = "/run/secrets/catalog_password"  # where the stack mounts the secret
+
+
+def wait_healthy(container, timeout: float = 60) -> str:
+    """The container's health once the image's healthcheck (pg_isready) says healthy; the state
+    it stopped in (``exited``) if it stops first. Docker has no event to wait on here that the
+    SDK gives without a stream, so this polls, bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        container.reload()
+        health = container.attrs["State"].get("Health", {}).get("Status")
+        if health == "healthy" or container.status in ("exited", "dead"):
+            return health if health == "healthy" else container.status
+        assert time.monotonic() < deadline, (container.status, health, container.logs().decode()[-2000:])
+        time.sleep(0.5)
+
+
+@pytest.mark.docker
+def test_the_catalog_image_makes_its_database_on_first_start_and_keeps_it(tmp_path):
+    started = time.monotonic()
+    lines: list[str] = []
+    image_id = build_catalog_image(progress=lines.append)
+    assert lines[-1].startswith(f"[build] done: {CATALOG_IMAGE}"), lines[-5:]
+    image = default_engine().client.images.get(CATALOG_IMAGE)
+    assert image.id == image_id and image.labels["sandkernel.image"] == "catalog"
+    print(f"[catalog image] built in {time.monotonic() - started:.1f} s, {image.attrs['Size'] / 1e6:.0f} MB")
+    password = secrets.token_hex(24)
+    secret = tmp_path / "catalog_password"
+    secret.write_text(password)
+    os.chown(secret, POSTGRES_UID, POSTGRES_UID)
+    secret.chmod(0o400)
+    client = default_engine().client
+    volumes = [client.volumes.create(labels={OWNER_LABEL: owner_label()}) for _ in range(2)]
+    containers = []
+
+    def run(with_secret: bool = True, volume=volumes[0]):
+        mounts = {volume.name: {"bind": "/var/lib/postgresql/data", "mode": "rw"}}
+        if with_secret:
+            mounts[str(secret)] = {"bind": PASSWORD_TARGET, "mode": "ro"}
+        container = client.containers.run(CATALOG_IMAGE, detach=True, volumes=mounts, labels={OWNER_LABEL: owner_label()},
+                                          ports={f"{CATALOG_PORT}/tcp": ("127.0.0.1", None)})  # fmt: skip
+        containers.append(container)
+        return container
+
+    def url(container, password: str = password) -> str:
+        container.reload()
+        port = container.attrs["NetworkSettings"]["Ports"][f"{CATALOG_PORT}/tcp"][0]["HostPort"]
+        return catalog_url("127.0.0.1", password, int(port))
+
+    try:
+        first = run()
+        assert wait_healthy(first) == "healthy"
+        with psycopg.connect(url(first), connect_timeout=10) as conn:
+            who = conn.execute("SELECT current_user, current_database(), current_setting('server_version_num')")
+            assert who.fetchone()[:2] == ("sandkernel", "sandkernel")
+            conn.execute("CREATE TABLE kept (n int)")
+            conn.execute("INSERT INTO kept VALUES (42)")
+            method = conn.execute("SELECT rolpassword FROM pg_authid WHERE rolname = 'sandkernel'").fetchone()[0]
+            assert method.startswith("SCRAM-SHA-256$")
+        with pytest.raises(psycopg.OperationalError, match="password authentication failed"):
+            psycopg.connect(url(first, "not-" + password), connect_timeout=10).close()
+        top = first.top(ps_args="-o pid,uid")["Processes"]
+        assert top and all(uid == str(POSTGRES_UID) for _, uid in top), top  # never root
+        first.stop(timeout=30)  # SIGINT, fast shutdown
+        assert first.wait(timeout=5)["StatusCode"] == 0
+        again = run(with_secret=False)  # the volume's cluster is used as it is: no initdb, no password file
+        assert wait_healthy(again) == "healthy"
+        with psycopg.connect(url(again), connect_timeout=10) as conn:
+            assert conn.execute("SELECT n FROM kept").fetchall() == [(42,)]
+        again.stop(timeout=30)
+        bare = run(with_secret=False, volume=volumes[1])  # a first start without the secret: refused, saying why
+        assert wait_healthy(bare) == "exited" and bare.attrs["State"]["ExitCode"] == 2
+        assert "sandkernel_catalog_password" in bare.logs().decode()
+    finally:
+        for container in containers:
+            with contextlib.suppress(docker.errors.NotFound):
+                container.remove(force=True)
+        for volume in volumes:
+            with contextlib.suppress(docker.errors.NotFound):
+                volume.remove(force=True)

@@ -2,9 +2,11 @@
 `docker stack deploy`, one gateway per host (tests/test_cluster_swarm.py).
 
 Only test plumbing lives here: the cluster is brought up with the product's own command
-(``sandkernel cluster up``: secrets, the shipped stack file, the gateway image); the test's one
-override file changes the gateway's flags (fast heartbeats, no warm pool, a tenant limit) and the
-update monitor, the knobs an operator would turn the same way (``--compose-file``).
+(``sandkernel cluster up --catalog-node``: secrets, the shipped stack file with its PostgreSQL
+service, the gateway and catalog images); the test's one override file changes the gateway's
+flags (fast heartbeats, no warm pool, a tenant limit) and the update monitor, the knobs an
+operator would turn the same way (``--compose-file``). The catalog's URL (its password generated
+by ``cluster up``) is read back from where Swarm put it, a gateway task's secret file.
 """
 
 from __future__ import annotations
@@ -19,13 +21,15 @@ from typing import Any
 import yaml
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
-from sandkernel.gateway.cluster.deploy import STACK_SERVICE
+from sandkernel.gateway.cluster.deploy import CATALOG_SERVICE, STACK_SERVICE
 
 from .commands import LabError, run, wait_for
 from .lab import Lab, docker_env
 
 STACK = "sk"
 SERVICE = f"{STACK}_{STACK_SERVICE}"
+CATALOG = f"{STACK}_{CATALOG_SERVICE}"
+CATALOG_HOST = 1  # the node the catalog runs on: not the one test_cluster_swarm.py kills (host 3)
 PORT = 8888
 
 
@@ -72,11 +76,12 @@ def override(serve_args: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def deploy(lab: Lab, workdir: Path, *, catalog_url: str, cluster_secret: str, tokens: dict[str, str],
+def deploy(lab: Lab, workdir: Path, *, cluster_secret: str, tokens: dict[str, str],
            serve_args: Sequence[str]) -> str:  # fmt: skip
-    """``sandkernel cluster up`` against host 1's engine, as an operator runs it: the secrets from
-    chmod-600 files, the shipped stack file plus the test's override. Its output."""
-    files = {"catalog.url": catalog_url, "cluster.secret": cluster_secret, "tokens.json": json.dumps(tokens)}
+    """``sandkernel cluster up`` against host 1's engine, as an operator runs it: the catalog on
+    host :data:`CATALOG_HOST` (``--catalog-node``), the other secrets from chmod-600 files, the
+    shipped stack file plus the test's override. Its output."""
+    files = {"cluster.secret": cluster_secret, "tokens.json": json.dumps(tokens)}
     for name, text in files.items():
         (workdir / name).write_text(text)
         (workdir / name).chmod(0o600)
@@ -84,10 +89,29 @@ def deploy(lab: Lab, workdir: Path, *, catalog_url: str, cluster_secret: str, to
     override_file.write_text(yaml.safe_dump(override(serve_args)))
     env = {**docker_env(), "DOCKER_HOST": lab.host(1).docker_host}
     result = run([str(Path(sys.executable).with_name("sandkernel")), "cluster", "up", "--name", STACK,
-                  "--catalog-url-file", str(workdir / "catalog.url"), "--tokens-file", str(workdir / "tokens.json"),
+                  "--catalog-node", lab.host(CATALOG_HOST).name, "--tokens-file", str(workdir / "tokens.json"),
                   "--cluster-secret-file", str(workdir / "cluster.secret"), "--compose-file", str(override_file)],
                  env=env, timeout=300)  # fmt: skip
     return result.stdout
+
+
+def deployed_catalog_url(lab: Lab, host: int = 1) -> str:
+    """The catalog URL ``cluster up`` made, read from the secret file Swarm mounted into the
+    gateway service's task on ``host`` (the launcher; root may read it)."""
+    found = lab.docker(host, "ps", "-q", "--filter", f"label=com.docker.swarm.service.name={SERVICE}").stdout.split()
+    if not found:
+        raise LabError(f"no running task of {SERVICE} on host {host}")
+    return lab.docker(host, "exec", found[0], "cat", "/run/secrets/catalog_url").stdout.strip()
+
+
+def catalog_container(lab: Lab) -> dict[str, Any] | None:
+    """The catalog service's running container (on :data:`CATALOG_HOST`), inspected; None if none."""
+    out = lab.docker(CATALOG_HOST, "ps", "-q", "--filter", f"label=com.docker.swarm.service.name={CATALOG}",
+                     check=False).stdout.split()  # fmt: skip
+    if not out:
+        return None
+    found = lab.docker(CATALOG_HOST, "inspect", out[0], check=False)
+    return json.loads(found.stdout)[0] if found.returncode == 0 else None
 
 
 def gateway_container(lab: Lab, host: int) -> dict[str, Any] | None:
