@@ -26,9 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import docker.errors
+import psycopg
 import pytest
 
 from sandkernel.kernels.durable import SCHEMA_VERSION, SandboxRecord, StoreError, open_store
+from sandkernel.kernels.durable.pg_errors import CatalogAddress, CatalogUnavailableError, catalog_error
 from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.records import SandboxKind, SandboxState
 from sandkernel.kernels.durable.store import (
@@ -609,6 +611,27 @@ def test_a_cluster_gateways_state_dir_is_never_taken_for_an_empty_catalog(tmp_pa
         assert RecordedElsewhere(state)(labels) is False  # its gateway judges by the keep it read itself
     finally:
         use_state_dir(None)
+
+
+def test_postgresql_driver_errors_become_the_catalogs_own_without_the_password():
+    """One translation (kernels/durable/pg_errors.py's catalog_error) for the store's calls, the
+    host-id lock and the migration: a connection-level error is 503 (try again), a refused
+    statement a StoreError, and neither quotes the password libpq echoed."""
+    address = CatalogAddress("postgresql://sk:s%3Ecret@db.example:5433/catalog")
+    said = 'connection to server failed: FATAL: password "s>cret" and "s%3Ecret" refused'
+    failed = f"writing the session catalog {address.display} failed"
+
+    down = catalog_error(address, psycopg.OperationalError(said), failed)
+    assert type(down) is CatalogUnavailableError and down.status == 503
+    assert str(down).startswith("writing the session catalog postgresql://sk@db.example:5433/catalog failed: ")
+    opening = catalog_error(address, psycopg.OperationalError(said), failed, opening=True)
+    assert type(opening) is CatalogUnavailableError and "Check --catalog-url" in str(opening)
+    refused = catalog_error(address, psycopg.errors.UndefinedTable('relation "hosts" does not exist'), failed)
+    assert type(refused) is StoreError and str(refused).endswith('failed: relation "hosts" does not exist')
+    silent = catalog_error(address, psycopg.DataError(""), failed)
+    assert str(silent).endswith("failed: DataError")
+    for error in (down, opening):
+        assert "cret" not in str(error) and "***" in str(error), error
 
 
 @pytest.mark.docker

@@ -4,6 +4,9 @@ Shared by :mod:`.postgres` (the store), :mod:`.pg_host_lock` and :mod:`.pg_schem
 them names the catalog the same way: ``postgresql://user@host:port/db``, never the password.
 Every message has the password scrubbed out of whatever libpq said (:meth:`CatalogAddress.scrub`),
 and callers raise these ``from None`` so a logged traceback carries no raw driver message either.
+A psycopg error becomes ours in one place, :func:`catalog_error`: the connection-level ones
+(``OperationalError``) are :class:`CatalogUnavailableError` (503, try again), the rest
+:class:`StoreError`.
 """
 
 from __future__ import annotations
@@ -11,6 +14,11 @@ from __future__ import annotations
 import urllib.parse
 
 from sandkernel.kernels.durable.store import StoreError
+
+try:  # the `cluster` extra; PostgresStore.open refuses before anything here runs without it
+    import psycopg
+except ImportError:  # pragma: no cover - exercised only without the extra
+    psycopg = None  # type: ignore[assignment]
 
 
 class CatalogUnavailableError(StoreError):
@@ -76,11 +84,27 @@ def _password_forms(url: str) -> list[str]:
     return sorted(forms, key=len, reverse=True)  # longest first: a form inside another is replaced after it
 
 
+def catalog_error(address: CatalogAddress, err: Exception, failed: str, *, opening: bool = False) -> StoreError:
+    """The psycopg error ``err`` as ours, for ``raise ... from None``: ``"<failed>: <what libpq
+    said, the password scrubbed>"``. A ``psycopg.OperationalError`` (the server is down or
+    unreachable, refused the login, or the connection broke) is :class:`CatalogUnavailableError`;
+    with ``opening`` (while a gateway opens the catalog) it says what to check instead
+    (:func:`unreachable`). Any other error (a refused statement) is :class:`StoreError`.
+    ``failed`` names the step and the catalog: ``"writing the session catalog postgresql://… failed"``."""
+    if isinstance(err, psycopg.OperationalError):
+        return unreachable(address, err) if opening else CatalogUnavailableError(f"{failed}: {_why(address, err)}")
+    return StoreError(f"{failed}: {_why(address, err)}")
+
+
 def unreachable(address: CatalogAddress, err: Exception) -> CatalogUnavailableError:
     """The error of an open that could not reach PostgreSQL (or was refused), with what to check."""
-    why = address.scrub(str(err)).strip() or type(err).__name__
     return CatalogUnavailableError(
-        f"cannot open the session catalog {address.display}: {why}. Check --catalog-url (host, port, database, "
-        "user and password), that PostgreSQL is running and reachable from this host, and that its pg_hba.conf "
-        "lets this user in"
+        f"cannot open the session catalog {address.display}: {_why(address, err)}. Check --catalog-url (host, port, "
+        "database, user and password), that PostgreSQL is running and reachable from this host, and that its "
+        "pg_hba.conf lets this user in"
     )
+
+
+def _why(address: CatalogAddress, err: Exception) -> str:
+    """What the driver said, without the password (its type when it said nothing)."""
+    return address.scrub(str(err)).strip() or type(err).__name__

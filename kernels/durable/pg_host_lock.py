@@ -25,8 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sandkernel.kernels.durable.pg_errors import CatalogAddress, HostIdInUseError, unreachable
-from sandkernel.kernels.durable.store import StoreError
+from sandkernel.kernels.durable.pg_errors import CatalogAddress, HostIdInUseError, catalog_error, unreachable
 
 try:  # the `cluster` extra; PostgresStore.open refuses before anything here runs without it
     import psycopg
@@ -128,13 +127,9 @@ async def take_host_lock(
                     key,
                 )
             ).fetchone()
-        except psycopg.OperationalError as err:
-            raise unreachable(address, err) from None
         except psycopg.Error as err:
-            raise StoreError(
-                f"taking the lock on host id {host_id!r} in the session catalog {address.display} failed: "
-                f"{address.scrub(str(err))}"
-            ) from None
+            failed = f"taking the lock on host id {host_id!r} in the session catalog {address.display} failed"
+            raise catalog_error(address, err, failed, opening=True) from None
     except BaseException:
         await close_quietly(conn)
         raise

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from sandkernel import __version__
-from sandkernel.kernels.durable.pg_errors import CatalogAddress, unreachable
+from sandkernel.kernels.durable.pg_errors import CatalogAddress, catalog_error
 from sandkernel.kernels.durable.store import StoreError
 
 try:  # the `cluster` extra; PostgresStore.open refuses before anything here runs without it
@@ -124,15 +124,9 @@ async def migrate(
                     (key, value),
                 )
         log.info("session catalog schema migrated", extra={"catalog": address.display, "from": version, "to": target})
-    except StoreError:
-        raise
-    except psycopg.OperationalError as err:
-        raise unreachable(address, err) from None
     except psycopg.Error as err:
-        raise StoreError(
-            f"migrating the session catalog {address.display} failed and was rolled back, nothing was changed: "
-            f"{address.scrub(str(err))}"
-        ) from None
+        failed = f"migrating the session catalog {address.display} failed and was rolled back, nothing was changed"
+        raise catalog_error(address, err, failed, opening=True) from None
 
 
 async def schema_version(conn: AsyncConnection, address: CatalogAddress) -> tuple[int, str]:

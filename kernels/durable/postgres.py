@@ -57,7 +57,12 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sandkernel.kernels.durable.pg_errors import CatalogAddress, CatalogUnavailableError, HostIdInUseError
+from sandkernel.kernels.durable.pg_errors import (
+    CatalogAddress,
+    CatalogUnavailableError,
+    HostIdInUseError,
+    catalog_error,
+)
 from sandkernel.kernels.durable.pg_host_lock import (
     HOST_LOCK_CLASS,
     acquire_host_lock,
@@ -354,18 +359,14 @@ class PostgresStore:
                 ) from None
             except psycopg_pool.PoolClosed:
                 raise StoreError(f"the session catalog {self.address.display} is closed") from None
-            except psycopg.OperationalError as err:
-                if used is not None and used.closed:
+            except psycopg.Error as err:
+                if isinstance(err, psycopg.OperationalError) and used is not None and used.closed:
                     if attempt == 1:
                         log.info("catalog connection was broken; retrying once", extra={"host": self.host_id})
                         continue
                     self._unreachable = True
-                raise CatalogUnavailableError(
-                    f"{what} the session catalog {self.address.display} failed: {self.address.scrub(str(err))}"
-                ) from None
-            except psycopg.Error as err:
-                raise StoreError(
-                    f"{what} the session catalog {self.address.display} failed: {self.address.scrub(str(err))}"
+                raise catalog_error(
+                    self.address, err, f"{what} the session catalog {self.address.display} failed"
                 ) from None
         raise AssertionError("unreachable")  # pragma: no cover
 
