@@ -30,9 +30,11 @@ gateway's event loop.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
+import queue
 import re
 import signal
 import sys
@@ -44,6 +46,8 @@ from typing import Any
 
 import docker
 import docker.errors
+
+from sandkernel.kernels.sandbox.docker_engine import CONNECTION_ERRORS
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +241,21 @@ def _relay_logs(container: Any) -> None:
         pass
 
 
+def _watch_exit(container: Any, events: queue.SimpleQueue[tuple[str, Any]]) -> None:
+    """Wait, in the engine, for the gateway container to stop, then tell the launcher at once:
+    ``("exited", code)``, ``("removed", None)`` when someone removed it, ``("lost", why)`` when the
+    wait itself broke (the engine went away). One blocking request, no polling: the engine answers
+    ``POST /containers/<id>/wait`` when the container stops (``timeout=None``: as long as it runs)."""
+    try:
+        status = container.wait(timeout=None)
+    except docker.errors.NotFound:
+        events.put(("removed", None))
+    except (docker.errors.APIError, *CONNECTION_ERRORS) as err:
+        events.put(("lost", str(err)))
+    else:
+        events.put(("exited", int(status.get("StatusCode", 1))))
+
+
 def launch(
     *,
     port: int,
@@ -246,32 +265,37 @@ def launch(
     serve_args: tuple[str, ...] = (),
     client: docker.DockerClient | None = None,
 ) -> int:
-    """Run this host's gateway until it exits (its exit code) or the launcher is told to stop (0)."""
+    """Run this host's gateway until it exits (its exit code) or the launcher is told to stop (0).
+
+    The main thread sleeps on one queue fed by the signal handler and by :func:`_watch_exit`'s
+    thread (``SimpleQueue.put`` is safe in a signal handler), so it reacts to either at once and
+    does nothing in between."""
     client = client or docker.from_env(timeout=max(120, int(stop_timeout) + 30))
     plan = make_plan(client, port=port, image=image, secrets_dir=secrets_dir, serve_args=serve_args)
     stop_gateway(client, stop_timeout)  # one left by a launcher that was killed
-    stopping = threading.Event()
+    events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
 
     def on_signal(signum: int, _frame: object) -> None:
-        log.info("signal %d: stopping the gateway", signum)
-        stopping.set()
+        events.put(("signal", signum))
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     container = start_gateway(client, plan)
     log.info("gateway %s started: host %s at %s (%s)", container.short_id, plan.host_id, plan.advertise_url, plan.image)
     threading.Thread(target=_relay_logs, args=(container,), daemon=True, name="gateway-logs").start()
-    while not stopping.is_set():
-        try:
-            container.reload()
-        except docker.errors.NotFound:
-            log.error("the gateway container was removed by someone else")
-            return 1
-        if container.status in ("exited", "dead"):
-            code = int(container.attrs["State"].get("ExitCode", 1))
-            log.warning("the gateway exited with code %d", code)
-            container.remove(force=True)
-            return code or 1  # a gateway that stopped on its own is restarted by Swarm either way
-        stopping.wait(1.0)
-    stop_gateway(client, stop_timeout)
-    return 0
+    threading.Thread(target=_watch_exit, args=(container, events), daemon=True, name="gateway-wait").start()
+    kind, value = events.get()
+    if kind == "signal":
+        log.info("signal %d: stopping the gateway", value)
+        stop_gateway(client, stop_timeout)  # its sessions stay (on_exit keep) for the next gateway
+        return 0
+    if kind == "removed":
+        log.error("the gateway container was removed by someone else")
+        return 1
+    if kind == "lost":
+        log.error("lost the engine's wait on the gateway container (%s); exiting so Swarm starts a new launcher", value)
+        return 1
+    log.warning("the gateway exited with code %d", value)
+    with contextlib.suppress(docker.errors.NotFound):
+        container.remove(force=True)
+    return value or 1  # a gateway that stopped on its own is restarted by Swarm either way
