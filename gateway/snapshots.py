@@ -437,7 +437,12 @@ class SnapshotManager:
         for paused in expired:
             log.info("paused session expired", extra={"session": paused.id, "tenant": paused.tenant})
             await self.registry.delete(paused.tenant, paused.id, reason="paused_ttl")
-        return [p.id for p in expired]
+        gone = [p.id for p in expired]
+        if self.registry.cluster is not None:  # and those of down hosts sharing this snapshot dir
+            from sandkernel.gateway.cluster.takeover import expire_paused_of_down_hosts
+
+            gone += await expire_paused_of_down_hosts(self.registry, self.registry.cluster, ttl)
+        return gone
 
     async def sweep(self) -> list[str]:
         """Remove snapshots of sessions the registry does not know (a crash mid-pause, a record

@@ -132,10 +132,15 @@ async def test_a_session_paused_on_a_host_that_died_resumes_on_a_host_sharing_th
         status, paused = await b.call("POST", f"/api/sessions/{sid}/pause")
         assert status == 200 and paused["state"] == "paused", paused
         assert not container_ids_of(sid)
+        idle = (await b.create())["id"]  # paused too, and nobody will ask for it
+        ids.append(idle)
+        assert (await b.call("POST", f"/api/sessions/{idle}/pause"))[0] == 200
 
         # a shares b's snapshot dir; c keeps its own. a's start-up sweep keeps b's snapshot (the
         # catalog records its session), which a sweep of "sessions I do not hold" would delete.
-        await a.start(*cluster_flags(tmp_path, url, "host-a", a), "--snapshot-dir", str(shared))
+        await a.start(
+            *cluster_flags(tmp_path, url, "host-a", a), "--snapshot-dir", str(shared), "--cull-interval", "0.5"
+        )
         await c.start(*cluster_flags(tmp_path, url, "host-c", c))
         assert (shared / sid).is_dir(), "a's start-up sweep removed a snapshot of b's"
         stores = dict(rows(url, "SELECT host_id, snapshot_store FROM hosts"))
@@ -173,6 +178,22 @@ async def test_a_session_paused_on_a_host_that_died_resumes_on_a_host_sharing_th
         assert "resumed from a pause" in markdown_text(str(transcript))
         ((gateway,),) = rows(url, "SELECT gateway FROM sandboxes WHERE session_id = %s", sid)
         assert json.loads(gateway)["transcript"] == str(transcript)
+
+        # The paused session nobody asks for expires at its --paused-ttl (7 days) although its host
+        # is away: the host sharing the store takes it over and deletes it, snapshot and all.
+        assert (shared / idle).is_dir()
+        rows(
+            url,
+            "UPDATE sandboxes SET gateway = jsonb_set(gateway::jsonb, '{paused_at}', '\"2020-01-01T00:00:00.000Z\"')::text "
+            "WHERE session_id = %s RETURNING 1",
+            idle,
+        )  # paused long ago, as far as the record says
+        await until(
+            "the old paused session expired",
+            lambda: not rows(url, "SELECT 1 FROM sandboxes WHERE session_id = %s", idle),
+        )
+        assert not (shared / idle).exists()
+        assert rows(url, "SELECT host_id, state FROM sandboxes WHERE session_id = %s", sid) == [("host-a", "running")]
 
         # b comes back: the session is a's now, and b forwards to it.
         await b.start(*cluster_flags(tmp_path, url, "host-b", b), "--snapshot-dir", str(shared))

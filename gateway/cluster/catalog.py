@@ -325,6 +325,19 @@ class ClusterCatalog:
         row = await self._row(sql, params, what="reading")
         return (self.store.records([row[:-1]])[0], row[-1]) if row is not None else None
 
+    async def paused_on_down_hosts(self, snapshot_store: str, limit: int = 100) -> list[tuple[SandboxRecord, str]]:
+        """(record, host) of sessions paused on hosts that are down and wrote to the snapshot store
+        ``snapshot_store``, oldest first, at most ``limit`` (what no host expires while its host
+        is away: :func:`~sandkernel.gateway.cluster.takeover.expire_paused_of_down_hosts`)."""
+        sql = (
+            f"SELECT {_S_RECORD_COLUMNS}, s.host_id FROM sandboxes s JOIN hosts h ON h.host_id = s.host_id "
+            "WHERE s.kind = %s AND s.state = %s AND h.status = 'down' AND h.snapshot_store = %s AND h.host_id <> %s "
+            "ORDER BY s.updated_at LIMIT %s"
+        )
+        params = (SandboxKind.SESSION.value, SandboxState.PAUSED.value, snapshot_store, self.host_id, int(limit))
+        rows = await self._all(sql, params, what="reading")
+        return [(self.store.records([row[:-1]])[0], row[-1]) for row in rows]
+
     async def take_over_paused(self, session_id: str, tenant: str, from_host: str) -> SandboxRecord | None:
         """Make this host the holder of the tenant's paused session, if it is still paused on
         ``from_host`` and that host is still down: one conditional statement, so of the gateways

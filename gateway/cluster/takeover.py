@@ -21,13 +21,31 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 from sandkernel.errors import SnapshotRejectedError
+from sandkernel.gateway.registry import PausedSession, seconds_since
 
 if TYPE_CHECKING:
     from sandkernel.gateway.cluster.forward import ClusterLink
     from sandkernel.gateway.registry import SessionRegistry
+    from sandkernel.kernels.durable.records import SandboxRecord
+
+# Paused sessions of down hosts looked at per cull: the oldest first, the rest at the next cull.
+EXPIRE_BATCH = 100
+
+
+class TakeoverCatalog(Protocol):
+    """What taking over needs of gateway/cluster/catalog.py's ClusterCatalog."""
+
+    async def paused_on_down_host(
+        self, session_id: str, tenant: str, snapshot_store: str
+    ) -> tuple[SandboxRecord, str] | None: ...
+
+    async def paused_on_down_hosts(self, snapshot_store: str, limit: int) -> list[tuple[SandboxRecord, str]]: ...
+
+    async def take_over_paused(self, session_id: str, tenant: str, from_host: str) -> SandboxRecord | None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +72,9 @@ async def _take_over(registry: SessionRegistry, link: ClusterLink, tenant: str, 
     snapshots = registry.snapshots
     if snapshots is None:
         return False
+    catalog = cast("TakeoverCatalog", link.catalog)
     found = await link.ask(
-        link.catalog.paused_on_down_host(session_id, tenant, snapshots.store.store_id), "read the session's record"
+        catalog.paused_on_down_host(session_id, tenant, snapshots.store.store_id), "read the session's record"
     )
     if found is None:
         return False
@@ -74,3 +93,36 @@ async def _take_over(registry: SessionRegistry, link: ClusterLink, tenant: str, 
         return False
     await registry.finish(snapshots.moved_here(taken, manifest, from_host))
     return True
+
+
+async def expire_paused_of_down_hosts(registry: SessionRegistry, link: ClusterLink, ttl: float) -> list[str]:
+    """Delete the sessions paused longer than ``ttl`` on hosts that are down and share this
+    host's snapshot store: their own host would have expired them (``--paused-ttl``), and with
+    it away nobody else does, so their snapshots would fill the shared dir. Each is taken over
+    first (one gateway gets it), then deleted as this host's own expired pause is. Their ids."""
+    snapshots = registry.snapshots
+    if snapshots is None:
+        return []
+    catalog = cast("TakeoverCatalog", link.catalog)
+    try:
+        found = await link.ask(
+            catalog.paused_on_down_hosts(snapshots.store.store_id, EXPIRE_BATCH), "read paused sessions"
+        )
+    except Exception as err:  # the next cull tries again
+        log.warning("paused sessions of down hosts not expired: %s", err)
+        return []
+    expired: list[str] = []
+    for record, from_host in found:
+        if record.tenant is None or seconds_since(record.gateway.get("paused_at")) <= ttl:
+            continue
+        taken = await link.ask(catalog.take_over_paused(record.session_id, record.tenant, from_host), "expire")
+        if taken is None:
+            continue
+        log.info(
+            "paused session of a down host expired",
+            extra={"session": taken.session_id, "tenant": taken.tenant, "from_host": from_host},
+        )
+        registry.add_paused(PausedSession(taken))
+        await registry.delete(record.tenant, taken.session_id, reason="paused_ttl")
+        expired.append(taken.session_id)
+    return expired
