@@ -39,6 +39,7 @@ from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 
 from .conftest import RUNTIMES, require_runtime
 from .gateway_fixtures import ALICE, free_port
+from .jupyter_server import jupyter_server
 
 SERVE = [sys.executable, "-m", "sandkernel.cli", "serve"]
 
@@ -514,8 +515,6 @@ async def test_agent_loop_tells_the_model_and_carries_on_after_a_restart(gateway
 
 # -- JupyterLab: jupyter_server --gateway-url --------------------------------------------------
 
-JUPYTER_TOKEN = "jupyter-test-token"
-
 
 def kernel_message(msg_type: str, content: dict[str, Any]) -> dict[str, Any]:
     import uuid
@@ -544,43 +543,16 @@ async def test_jupyter_server_websocket_carries_on_after_a_gateway_restart(gatew
     across a kill -9 and restart of the gateway. jupyter_server's GatewayClient reconnects its
     own websocket to the gateway (gateway_retry_max / gateway_retry_interval); once it has, the
     same browser websocket runs code in the same kernel, its variables intact."""
-    from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
     from tornado.websocket import websocket_connect
 
     await gateway.start()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     root = gateway.tmp_path / "lab"
     root.mkdir()
-    argv = [
-        sys.executable, "-m", "jupyter_server", f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1",
-        f"--IdentityProvider.token={JUPYTER_TOKEN}", "--ServerApp.open_browser=False",
-        "--ServerApp.allow_root=True", f"--ServerApp.root_dir={root}", f"--gateway-url={gateway.url}",
-        f"--GatewayClient.auth_token={ALICE}", "--GatewayClient.request_timeout=120",
-    ]  # fmt: skip
-    with (gateway.tmp_path / "jupyter.log").open("wb") as lab_log:
-        lab = subprocess.Popen(argv, stdout=lab_log, stderr=subprocess.STDOUT)
-    headers = {"Authorization": f"token {JUPYTER_TOKEN}"}
-    try:
-        for _ in range(600):
-            try:
-                await AsyncHTTPClient().fetch(f"{url}/api", request_timeout=2)
-                break
-            except (HTTPClientError, OSError):
-                assert lab.poll() is None, "jupyter server exited"
-                await asyncio.sleep(0.1)
-        created = await AsyncHTTPClient().fetch(
-            HTTPRequest(
-                f"{url}/api/kernels",
-                "POST",
-                headers,
-                json.dumps({"name": kernel_name_for(gateway.runtime)}),
-                request_timeout=180,
-            )
-        )
-        kernel_id = json.loads(created.body)["id"]
-        ws_url = url.replace("http", "ws") + f"/api/kernels/{kernel_id}/channels?session_id=lab"
-        ws = await websocket_connect(HTTPRequest(ws_url, headers=headers))
+    async with jupyter_server(gateway.url, root) as lab:
+        status, created = await lab.call("POST", "/api/kernels", {"name": kernel_name_for(gateway.runtime)})
+        assert status == 201, (status, created, lab.log_tail())
+        kernel_id = created["id"]
+        ws = await websocket_connect(lab.websocket_request(kernel_id, "lab"))
         first = kernel_message("execute_request", {"code": "x = 41", "silent": False, "store_history": True,
                                                    "user_expressions": {}, "allow_stdin": False, "stop_on_error": True})  # fmt: skip
         await ws.write_message(json.dumps(first))
@@ -609,12 +581,6 @@ async def test_jupyter_server_websocket_carries_on_after_a_gateway_restart(gatew
         async with AsyncSandkernel(gateway.url, ALICE) as sk:
             assert kernel_id in [k["id"] for k in await sk.request("GET", "/api/kernels")]
             await sk.request("DELETE", f"/api/kernels/{kernel_id}")
-    finally:
-        lab.terminate()
-        try:
-            lab.wait(30)
-        except subprocess.TimeoutExpired:
-            lab.kill()
 
 
 # -- the agent loop against scripted faults (no containers) -------------------------------------

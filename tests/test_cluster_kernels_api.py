@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import json
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,22 +25,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.httpclient import HTTPClientError, HTTPRequest
 from tornado.websocket import WebSocketClientConnection, websocket_connect
 
 from sandkernel.gateway.cluster.catalog import HostInfo
 from sandkernel.gateway.cluster.placement import no_host_reason
 from sandkernel.gateway.cluster.signing import sign
 
+from .cluster_hosts import running_cluster
 from .conftest import container_ids_of, require_runtime
-from .gateway_fixtures import ALICE, BOB, free_port
+from .gateway_fixtures import ALICE, BOB
+from .jupyter_server import jupyter_server
 from .kernel_websocket import execute_request, run_cell
 from .postgres_fixtures import create_database, drop_database, postgres_server, running_postgres  # noqa: F401
 from .test_cluster_membership import stop_postmaster
 from .test_forwarding import CLUSTER_SECRET, Host, write_secret
 
 KERNEL_FIELDS = {"id", "name", "last_activity", "execution_state", "connections"}
-JUPYTER_TOKEN = "jupyter-cluster-test-token"
 
 
 # -- why no host took a kernel (pure) ------------------------------------------------------------
@@ -105,20 +104,14 @@ async def kcluster(tmp_path_factory, request) -> AsyncIterator[tuple[Host, Host]
     """host-a (room for 4 sessions) and host-b (5) in one cluster; 3 sessions per tenant in all.
     Each stops with --on-exit delete."""
     require_runtime("runc")
-    root = tmp_path_factory.mktemp("kcluster")
-    catalog_url = create_database(request.getfixturevalue("postgres_server").url())
-    secret_file = write_secret(root / "cluster.secret", CLUSTER_SECRET)
-    hosts = [Host(root, name, catalog_url, secret_file) for name in ("host-a", "host-b")]
-    for host, capacity in zip(hosts, ("4", "5"), strict=True):
-        host.flags += ("--max-sessions-total", capacity, "--max-sessions", "3")
-    try:
-        await asyncio.gather(*(host.start() for host in hosts))
-        yield hosts[0], hosts[1]
-    finally:
-        for host in hosts:
-            if host.serve.proc is not None and host.serve.proc.poll() is None:
-                assert await host.serve.term() == 0, host.serve.output[-4000:]
-        drop_database(catalog_url)
+    server_url = request.getfixturevalue("postgres_server").url()
+    capacity = {
+        name: ("--max-sessions-total", room, "--max-sessions", "3") for name, room in (("host-a", "4"), ("host-b", "5"))
+    }
+    async with running_cluster(
+        Host, tmp_path_factory.mktemp("kcluster"), server_url, CLUSTER_SECRET, flags=capacity
+    ) as (a, b):
+        yield a, b
 
 
 @pytest.fixture(scope="module")
@@ -274,65 +267,23 @@ async def test_bad_kernel_requests_are_400_saying_what_to_send(kcluster):
 async def test_jupyter_server_pointed_at_one_gateway_uses_a_kernel_placed_on_the_other(kcluster, tmp_path):
     """What JupyterLab does with ``--gateway-url`` at host-a: the kernel lands on host-b."""
     a, b = kcluster
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "jupyter_server", f"--ServerApp.port={port}", "--ServerApp.ip=127.0.0.1",
-        f"--IdentityProvider.token={JUPYTER_TOKEN}", "--ServerApp.open_browser=False",
-        "--ServerApp.allow_root=True", f"--ServerApp.root_dir={tmp_path}", f"--gateway-url={a.url}",
-        f"--GatewayClient.auth_token={ALICE}", "--GatewayClient.request_timeout=120",
-    ]  # fmt: skip
-    log_path = tmp_path / "jupyter-server.log"
-    with log_path.open("w") as log:  # read back when a step fails
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                await AsyncHTTPClient().fetch(f"{url}/api", request_timeout=2)
-                break
-            except (HTTPClientError, OSError):
-                assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-                await asyncio.sleep(0.1)
-        status, created = await jupyter(url, "POST", "/api/kernels", {"name": "sandkernel-python"})
-        assert status == 201, (created, log_path.read_text()[-3000:])
+    async with jupyter_server(a.url, tmp_path) as lab:
+        status, created = await lab.call("POST", "/api/kernels", {"name": "sandkernel-python"})
+        assert status == 201, (created, lab.log_tail())
         kid = created["id"]
         assert [k["id"] for k in await listing(b, local=True)] == [kid]  # placed on host-b
-        status, kernels = await jupyter(url, "GET", "/api/kernels")
+        status, kernels = await lab.call("GET", "/api/kernels")
         assert status == 200 and kid in [k["id"] for k in kernels], kernels
-        ws = await websocket_connect(
-            HTTPRequest(
-                url.replace("http://", "ws://") + f"/api/kernels/{kid}/channels?session_id={uuid.uuid4().hex}",
-                headers={"Authorization": f"token {JUPYTER_TOKEN}"},
-            )
-        )
+        ws = await websocket_connect(lab.websocket_request(kid, uuid.uuid4().hex))
         try:
             reply, text = await run_cell(ws, "print(sum(range(10)))")
             assert reply["status"] == "ok" and text == "45\n", (reply, text)
         finally:
             ws.close()
-        status, _ = await jupyter(url, "DELETE", f"/api/kernels/{kid}")
+        status, _ = await lab.call("DELETE", f"/api/kernels/{kid}")
         assert status == 204
         for host in (a, b):
             assert await listing(host) == []
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-async def jupyter(url: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    request = HTTPRequest(
-        url + path,
-        method=method,
-        headers={"Authorization": f"token {JUPYTER_TOKEN}"},
-        body=json.dumps(body) if body is not None else (b"" if method == "POST" else None),
-        request_timeout=180,
-    )
-    response = await AsyncHTTPClient().fetch(request, raise_error=False)
-    return response.code, json.loads(response.body) if response.body else None
 
 
 # -- a full cluster, then no catalog -------------------------------------------------------------

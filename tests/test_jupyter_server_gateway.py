@@ -6,77 +6,29 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import uuid
 
 import pytest
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.websocket import websocket_connect
 
-from .gateway_fixtures import ALICE, free_port, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+from .jupyter_server import JupyterServer, jupyter_server
 from .test_gateway import execute_request
-
-JUPYTER_TOKEN = "jupyter-test-token"
 
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory):
     gateway = await start_gateway(tmp_path_factory.mktemp("gw"))
-    port = free_port()
-    root = tmp_path_factory.mktemp("root")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jupyter_server",
-            f"--ServerApp.port={port}",
-            "--ServerApp.ip=127.0.0.1",
-            f"--IdentityProvider.token={JUPYTER_TOKEN}",
-            "--ServerApp.open_browser=False",
-            "--ServerApp.allow_root=True",
-            f"--ServerApp.root_dir={root}",
-            f"--gateway-url={gateway.url}",
-            f"--GatewayClient.auth_token={ALICE}",
-            "--GatewayClient.request_timeout=120",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            await AsyncHTTPClient().fetch(f"{url}/api", request_timeout=2)
-            break
-        except (HTTPClientError, OSError):
-            if proc.poll() is not None:
-                pytest.fail(f"jupyter server exited: {proc.stdout.read()}")
-            await asyncio.sleep(0.1)
-    yield gateway, url
-    proc.terminate()
     try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    await stop_gateway(gateway)
+        async with jupyter_server(gateway.url, tmp_path_factory.mktemp("root")) as lab:
+            yield gateway, lab
+    finally:
+        await stop_gateway(gateway)
 
 
-async def jupyter(url: str, method: str, path: str, body=None):
-    req = HTTPRequest(
-        url + path,
-        method=method,
-        headers={"Authorization": f"token {JUPYTER_TOKEN}"},
-        body=json.dumps(body) if body is not None else (b"" if method == "POST" else None),
-        request_timeout=180,
-    )
-    resp = await AsyncHTTPClient().fetch(req, raise_error=False)
-    return resp.code, json.loads(resp.body) if resp.body else None
-
-
-async def run_through_jupyter(url: str, kernel_id: str, code: str) -> dict:
-    ws_url = url.replace("http", "ws") + f"/api/kernels/{kernel_id}/channels?session_id={uuid.uuid4().hex}"
-    ws = await websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {JUPYTER_TOKEN}"}))
+async def run_through_jupyter(lab: JupyterServer, kernel_id: str, code: str) -> dict:
+    ws = await websocket_connect(lab.websocket_request(kernel_id, uuid.uuid4().hex))
     msg = execute_request(code)
     await ws.write_message(json.dumps(msg))
     try:
@@ -95,24 +47,24 @@ async def run_through_jupyter(url: str, kernel_id: str, code: str) -> dict:
 
 
 async def test_jupyter_server_uses_the_gateway(stack):
-    gateway, url = stack
-    code, specs = await jupyter(url, "GET", "/api/kernelspecs")
+    gateway, lab = stack
+    code, specs = await lab.call("GET", "/api/kernelspecs")
     assert code == 200 and "sandkernel-python" in specs["kernelspecs"]
-    code, kernel = await jupyter(url, "POST", "/api/kernels", {"name": "sandkernel-python"})
+    code, kernel = await lab.call("POST", "/api/kernels", {"name": "sandkernel-python"})
     assert code == 201, kernel
     kid = kernel["id"]
     _, ours = await gateway.request("GET", "/api/kernels")
     assert kid in [k["id"] for k in ours], "the kernel must live on the gateway"
-    result = await run_through_jupyter(url, kid, "import os\nos.getuid() * 0 + 42")
+    result = await run_through_jupyter(lab, kid, "import os\nos.getuid() * 0 + 42")
     assert result["content"]["data"]["text/plain"] == "42"
-    code, _ = await jupyter(url, "DELETE", f"/api/kernels/{kid}")
+    code, _ = await lab.call("DELETE", f"/api/kernels/{kid}")
     assert code == 204
     _, ours = await gateway.request("GET", "/api/kernels")
     assert kid not in [k["id"] for k in ours]
 
 
 async def test_attach_to_an_agent_sessions_live_kernel(stack):
-    gateway, url = stack
+    gateway, lab = stack
     code, session = await gateway.request("POST", "/api/sessions", {"metadata": {"agent": "debug-me"}})
     assert code == 201
     try:
@@ -139,14 +91,14 @@ async def test_attach_to_an_agent_sessions_live_kernel(stack):
         assert attach.returncode == 0 and f'"kernel_id": "{session["kernel"]["id"]}"' in printed
         assert f"DELETE /api/sessions/{session['id']}" in printed
         # Adopt the agent's kernel in jupyter_server, as printed.
-        code, adopted = await jupyter(url, "POST", "/api/kernels", {"kernel_id": session["kernel"]["id"]})
+        code, adopted = await lab.call("POST", "/api/kernels", {"kernel_id": session["kernel"]["id"]})
         assert code == 201 and adopted["id"] == session["kernel"]["id"]
-        code, kernels = await jupyter(url, "GET", "/api/kernels")
+        code, kernels = await lab.call("GET", "/api/kernels")
         assert session["kernel"]["id"] in [k["id"] for k in kernels]
-        seen = await run_through_jupyter(url, session["kernel"]["id"], "agent_state['note']")
+        seen = await run_through_jupyter(lab, session["kernel"]["id"], "agent_state['note']")
         assert seen["content"]["data"]["text/plain"] == "'from the agent'"
         # Shutting the kernel down from JupyterLab must not end the agent's session.
-        code, _ = await jupyter(url, "DELETE", f"/api/kernels/{session['kernel']['id']}")
+        code, _ = await lab.call("DELETE", f"/api/kernels/{session['kernel']['id']}")
         assert code != 204
         code, result = await gateway.request(
             "POST", f"/api/sessions/{session['id']}/execute", {"code": "agent_state['step']"}
