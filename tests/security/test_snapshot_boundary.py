@@ -514,7 +514,10 @@ async def test_a_hostile_tenants_files_pause_and_resume_as_they_are(arena, tmp_p
         store = arena.gateway.server.registry.snapshots.store
         [manifest] = await asyncio.to_thread(store.list, sid)
         directory = store.part_path(manifest, "files").parent
-        assert sorted(os.listdir(directory)) == ["files.part", "manifest.json"], "the host unpacked something"
+        # The archive, the manifest and the gateway's own copy of the transcript: nothing unpacked.
+        assert sorted(os.listdir(directory)) == ["files.part", "manifest.json", "transcript.part"], (
+            "the host unpacked something"
+        )
         archive = await asyncio.to_thread(store.part_path(manifest, "files").read_bytes)
         assert secret_text not in archive, "a link was followed when packing"
         resuming = asyncio.create_task(_act(arena, sid, "resume"))
