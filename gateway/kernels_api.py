@@ -3,15 +3,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
 
 from sandkernel import __version__
 from sandkernel.doors import KERNEL_API
+from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler
-from sandkernel.gateway.registry import ManagedSession, recorded_model
+from sandkernel.gateway.cluster.forward import record_model
+from sandkernel.gateway.registry import ManagedSession
 from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 from sandkernel.kernels.lifecycle.profiles import Runtime
 from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
+
+if TYPE_CHECKING:
+    from sandkernel.gateway.cluster.forward import ClusterLink
+
+log = logging.getLogger(__name__)
 
 
 def kernelspec_model(name: str) -> dict[str, Any]:
@@ -25,10 +34,31 @@ class ApiRootHandler(BaseHandler):
         self.write_json({"version": "2.0.0", "sandkernel": __version__})
 
 
-def offered_kernel_names(handler: BaseHandler) -> list[str]:
-    """The kernelspecs a tenant may start: those whose runtime the default profile offers."""
+async def offered_kernel_names(handler: BaseHandler) -> list[str]:
+    """The kernelspecs a tenant may start: those whose runtime the default profile offers and, in
+    a cluster, that some up host runs. A create through any gateway is placed cluster-wide, so
+    the gVisor kernelspec is listed when any up host has gVisor, whether this one has it or not,
+    and none is listed that no up host could start (JupyterLab would offer a kernel whose every
+    create is refused). When the catalog cannot be read now, the profile's list alone: a create
+    then says why it fails."""
     offered = handler.registry.catalog.ceilings["default"].runtimes
-    return [name for name, runtime in KERNEL_NAMES.items() if Runtime(runtime) in offered]
+    names = [name for name, runtime in KERNEL_NAMES.items() if Runtime(runtime) in offered]
+    cluster = handler.cluster
+    runnable = await cluster_runtimes(cluster) if cluster is not None else None
+    return names if runnable is None else [name for name in names if KERNEL_NAMES[name] in runnable]
+
+
+async def cluster_runtimes(cluster: ClusterLink) -> set[str] | None:
+    """The runtimes some up host of the cluster runs (as each registered them); None when the
+    catalog cannot be read within the catalog timeout (logged)."""
+    from sandkernel.gateway.cluster.forward import CATALOG_TIMEOUT_SECONDS
+
+    try:
+        hosts = await asyncio.wait_for(cluster.catalog.hosts(up_only=True), CATALOG_TIMEOUT_SECONDS)
+    except (SandkernelError, OSError, asyncio.TimeoutError) as err:
+        log.warning("kernelspecs: the cluster's hosts could not be read, listing the profile's (%s)", err)
+        return None
+    return {runtime for host in hosts for runtime in host.runtimes}
 
 
 def default_kernel_name(handler: BaseHandler) -> str:
@@ -37,14 +67,14 @@ def default_kernel_name(handler: BaseHandler) -> str:
 
 
 class KernelSpecsHandler(BaseHandler):
-    def get(self) -> None:
-        names = offered_kernel_names(self)
+    async def get(self) -> None:
+        names = await offered_kernel_names(self)
         self.write_json({"default": default_kernel_name(self), "kernelspecs": {n: kernelspec_model(n) for n in names}})
 
 
 class KernelSpecHandler(BaseHandler):
-    def get(self, name: str) -> None:
-        offered = offered_kernel_names(self)
+    async def get(self, name: str) -> None:
+        offered = await offered_kernel_names(self)
         if name not in offered:
             raise ApiError(404, f"no kernelspec {name[:64]!r}; available: {offered}")
         self.write_json(kernelspec_model(name))
@@ -85,12 +115,10 @@ def is_live(record: SandboxRecord) -> bool:
 
 
 def recorded_kernel_model(record: SandboxRecord) -> dict[str, Any]:
-    """The Jupyter kernel model of a kernel another host holds, from what its owner recorded in
-    the catalog: its id, kernelspec name and last activity; ``busy`` while the catalog records
-    an execution in flight (the owner writes ``running`` when one starts and clears it when it
-    ends), else ``idle``. ``connections`` is the owner's alone (websockets are not recorded): 0."""
-    state = "busy" if record.running else "idle"
-    return recorded_model(record, record.kernel.get("kernel_id"), state)["kernel"]
+    """The Jupyter kernel model of a live kernel another host holds: the ``kernel`` part of its
+    session model from the catalog record (forward.record_model says what the record tells:
+    its id, kernelspec name, last activity, busy or idle), so both APIs say the same of it."""
+    return record_model(record)["kernel"]
 
 
 class KernelScoped(BaseHandler):

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from .postgres_fixtures import create_database, drop_database
 
@@ -29,6 +30,14 @@ class ClusterHost(Protocol):
 
 
 H = TypeVar("H", bound=ClusterHost)
+
+
+@dataclass
+class Cluster(Generic[H]):
+    """The running hosts, in the order named, and their catalog database's URL."""
+
+    hosts: list[H]
+    catalog_url: str
 
 
 async def stop_hosts(hosts: Iterable[ClusterHost]) -> None:
@@ -47,7 +56,7 @@ async def running_cluster(
     secret: bytes,
     names: Sequence[str] = ("host-a", "host-b"),
     flags: Mapping[str, Sequence[str]] | None = None,
-) -> AsyncIterator[list[H]]:
+) -> AsyncIterator[Cluster[H]]:
     """One host per name (``make_host(root, name, catalog_url, secret_file)``) on a fresh
     database of the PostgreSQL at ``server_url``, with the secret in ``root/cluster.secret``
     (0600) and each host's extra ``flags``; all started together. On the way out each is
@@ -61,7 +70,7 @@ async def running_cluster(
         host.flags += tuple((flags or {}).get(name, ()))
     try:
         await asyncio.gather(*(host.start() for host in hosts))
-        yield hosts
+        yield Cluster(hosts, catalog_url)
     finally:
         try:
             await stop_hosts(hosts)

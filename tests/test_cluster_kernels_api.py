@@ -108,9 +108,9 @@ async def kcluster(tmp_path_factory, request) -> AsyncIterator[tuple[Host, Host]
     capacity = {
         name: ("--max-sessions-total", room, "--max-sessions", "3") for name, room in (("host-a", "4"), ("host-b", "5"))
     }
-    async with running_cluster(
-        Host, tmp_path_factory.mktemp("kcluster"), server_url, CLUSTER_SECRET, flags=capacity
-    ) as (a, b):
+    root = tmp_path_factory.mktemp("kcluster")
+    async with running_cluster(Host, root, server_url, CLUSTER_SECRET, flags=capacity) as cluster:
+        a, b = cluster.hosts
         yield a, b
 
 
