@@ -61,6 +61,7 @@ from sandkernel.gateway.sessions_api import (
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.gateway.snapshots import SnapshotManager
 from sandkernel.gateway.snapshots_api import SnapshotActionHandler
+from sandkernel.gateway.tls import server_context
 from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.records import SandboxState
 from sandkernel.kernels.durable.store import SessionStore, mark_remote_catalog, open_store
@@ -248,7 +249,7 @@ class Gateway:
 
     @property
     def url(self) -> str:
-        return f"http://{self.settings.ip}:{self.settings.port}"
+        return f"{self.settings.scheme}://{self.settings.ip}:{self.settings.port}"
 
     @classmethod
     async def start(cls, settings: GatewaySettings) -> Gateway:
@@ -267,6 +268,11 @@ class Gateway:
     async def _start(cls, settings: GatewaySettings, previous_state_dir: Path | None) -> Gateway:
         auth, shown_token = TokenAuth.from_sources(settings.token, settings.tokens_file)
         auth.allow_query_token = settings.allow_token_in_url
+        tls = (  # a certificate that cannot be used stops the start before anything is adopted
+            await asyncio.to_thread(server_context, settings.certfile, settings.keyfile)
+            if settings.certfile is not None and settings.keyfile is not None
+            else None
+        )
         runtime = await choose_default_runtime(settings.default_runtime)
         catalog = ProfileCatalog.load(settings.profiles_file, runtime, load_egress_policy(settings.egress_policy_file))
         store = await _open_store(settings)
@@ -317,6 +323,7 @@ class Gateway:
                 max_body_size=MAX_BODY_BYTES * 2,
                 idle_connection_timeout=settings.header_timeout,
                 body_timeout=settings.body_timeout,
+                ssl_options=tls,
             )
             server.listen(settings.port, address=settings.ip)
             if cluster is not None:  # listening first: the others may forward to it once it is up

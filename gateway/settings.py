@@ -94,6 +94,15 @@ class GatewaySettings:
     # -- where it listens, and who may call it -----------------------------------------------
     ip: str = _setting("127.0.0.1", "address to bind", metavar="ADDRESS")
     port: int = _setting(8888, "port to bind", metavar="PORT")
+    certfile: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None,
+        "PEM certificate chain: serve HTTPS and WSS (with --keyfile); in a cluster, advertise https:// URLs so "
+        "the hop between gateways is encrypted too",
+        metavar="FILE",
+    )
+    keyfile: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
+        None, "PEM private key of --certfile (keep it chmod 600)", metavar="FILE"
+    )
     token: str | None = _setting(
         None, "auth token of the single tenant", metavar="TOKEN", shown_default="generated and printed", repr=False
     )
@@ -335,6 +344,7 @@ class GatewaySettings:
             value = _coerce(field.name, getattr(self, field.name))
             _check(field.name, value)
             object.__setattr__(self, field.name, value)
+        _check_tls(self)
         _check_cluster(self)
 
     @property
@@ -348,9 +358,14 @@ class GatewaySettings:
         return self.host_id or socket.gethostname()
 
     @property
+    def scheme(self) -> str:
+        """``https`` when the gateway serves TLS (--certfile), else ``http``."""
+        return "https" if self.certfile is not None else "http"
+
+    @property
     def cluster_url(self) -> str:
         """Where the other gateways reach this one: ``advertise_url``, or this host's name and port."""
-        return (self.advertise_url or f"http://{socket.gethostname()}:{self.port}").rstrip("/")
+        return (self.advertise_url or f"{self.scheme}://{socket.gethostname()}:{self.port}").rstrip("/")
 
     @property
     def pool_ceiling(self) -> int:
@@ -489,6 +504,11 @@ def _check(name: str, value: Any) -> None:
 
 
 HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+
+
+def _check_tls(settings: GatewaySettings) -> None:
+    if (settings.certfile is None) != (settings.keyfile is None):
+        raise ConfigError("HTTPS needs both --certfile and --keyfile (the certificate chain and its private key)")
 
 
 def _check_cluster(settings: GatewaySettings) -> None:
