@@ -3,7 +3,10 @@
 ``records``: what is kept about one sandbox (:class:`SandboxRecord`); ``store``: the session
 catalog that keeps records in a file under the state dir (:func:`open_store`, the
 :class:`SessionStore` interface, :class:`StoreError`, :data:`SCHEMA_VERSION` and migrations);
-``adoption``: reconnecting a later process to the recorded sandboxes.
+``adoption``: reconnecting a later process to the recorded sandboxes. ``postgres``: the same
+interface on PostgreSQL, shared by the gateways of a cluster (its schema in ``pg_schema``, the
+one-gateway-per-host-id lock in ``pg_host_lock``, its address and errors in ``pg_errors``);
+imported only in cluster mode (it needs the ``cluster`` extra).
 """
 
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
