@@ -271,12 +271,15 @@ class _Relay(httputil.HTTPMessageDelegate):
         self.started = False  # the owner's status and headers were passed on (with the first chunk)
         self.client_gone = False
         self.hop = Hop()
+        self.remaining: int | None = None  # of a body with a Content-Length: bytes still to come
 
     def headers_received(
         self, start_line: httputil.RequestStartLine | httputil.ResponseStartLine, headers: httputil.HTTPHeaders
     ) -> None:
         assert isinstance(start_line, httputil.ResponseStartLine)
         self.code, self.reason, self.headers = start_line.code, start_line.reason, headers
+        length = headers.get("Content-Length")
+        self.remaining = int(length) if length is not None and length.isdigit() else None
 
     def start(self) -> None:
         """Pass the owner's status and end-to-end headers on (once, before the first chunk)."""
@@ -294,6 +297,10 @@ class _Relay(httputil.HTTPMessageDelegate):
         if not self.started:
             self.start()
         self.handler.write(chunk)
+        if self.remaining is not None:
+            self.remaining -= len(chunk)
+            if self.remaining <= 0:  # the body's last piece: the handler's finish sends it, in the same write
+                return
         try:
             await self.handler.flush()
         except StreamClosedError:
@@ -365,13 +372,16 @@ async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool
 
 def record_model(record: SandboxRecord) -> dict[str, Any]:
     """The session model of a session another host holds, from its catalog record (what GET
-    /api/sessions lists for it): live ones say ``running`` with the kernel's state unknown here."""
+    /api/sessions lists for it, and, its ``kernel`` part, GET /api/kernels: kernels_api.py).
+    A live one says ``running``, its kernel ``busy`` while the catalog records an execution in
+    flight (the owner writes ``running`` when one starts and clears it when it ends), else
+    ``idle``; ``connections`` is the owner's alone (websockets are not recorded): 0."""
     if record.state == SandboxState.LOST:
         return LostSession(record, record.lost_reason or "its host stopped answering").session_model()
     if record.state == SandboxState.PAUSED:
         return PausedSession(record).session_model()
     return {
-        **recorded_model(record, record.kernel.get("kernel_id"), "unknown"),
+        **recorded_model(record, record.kernel.get("kernel_id"), "busy" if record.running else "idle"),
         "state": SandboxState.RUNNING.value,
     }
 
