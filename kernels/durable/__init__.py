@@ -6,7 +6,7 @@ catalog that keeps records in a file under the state dir (:func:`open_store`, th
 ``adoption``: reconnecting a later process to the recorded sandboxes. ``postgres``: the same
 interface on PostgreSQL, shared by the gateways of a cluster (its schema in ``pg_schema``, the
 one-gateway-per-host-id lock in ``pg_host_lock``, its address and errors in ``pg_errors``);
-imported only in cluster mode (it needs the ``cluster`` extra).
+psycopg (the ``cluster`` extra) is needed only to open it.
 """
 
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
