@@ -31,6 +31,7 @@ from tornado.websocket import websocket_connect
 
 from sandkernel.errors import ConfigError
 from sandkernel.gateway.base import ApiError
+from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.cluster.peer_pool import Hop, PeerPool
 from sandkernel.gateway.cluster.signing import (
     FORWARDED_HEADER,
@@ -40,6 +41,8 @@ from sandkernel.gateway.cluster.signing import (
     sign,
     verify,
 )
+from sandkernel.gateway.kernels_api import recorded_kernel_model
+from sandkernel.kernels.durable.records import SandboxRecord
 
 from .conftest import container_ids_of, require_runtime
 from .gateway_fixtures import ALICE, BOB, free_port
@@ -147,6 +150,19 @@ def test_an_old_header_replayed_is_refused_and_a_fresh_one_is_not() -> None:
 @pytest.mark.parametrize("value", ["", "junk", "host=a;t=now;sig=00", "host=;t=1;sig=00", "host=a;t=1"])
 def test_a_malformed_header_is_refused(value: str) -> None:
     assert "expected host=" in refused({FORWARDED_HEADER: value})
+
+
+# -- what a gateway says of another host's live session (from its catalog record) ------------
+
+
+@pytest.mark.parametrize(("running", "state"), [({"code": "1+1", "started_at": 1.0}, "busy"), (None, "idle")])
+def test_the_sessions_and_kernels_apis_say_the_same_of_another_hosts_kernel(running, state):
+    record = SandboxRecord("s1", "session", {"kernel_id": "k1"}, tenant="alice", running=running,
+                           gateway={"kernel_name": "python3-sandkernel", "last_activity": "2026-12-02T00:00:00Z"})  # fmt: skip
+    session = record_model(record)
+    assert session["state"] == "running" and session["kernel"]["execution_state"] == state
+    assert recorded_kernel_model(record) == session["kernel"]
+    assert session["kernel"]["id"] == "k1" and session["kernel"]["connections"] == 0
 
 
 # -- the peer pool: kept-alive connections to another gateway (real tornado servers, loopback) ----
@@ -377,6 +393,122 @@ async def test_a_streamed_answer_reaches_the_caller_chunk_by_chunk(monkeypatch):
     finally:
         pool.close()
         peer.stop()
+
+
+class Scripted:
+    """A peer on a real socket that answers each request with the bytes a test gives (as the
+    owner's gateway would write them, or worse), then keeps the connection open (or closes it
+    after the last answer: ``close``)."""
+
+    def __init__(self, *answers: bytes, close: bool = False) -> None:
+        self.answers = list(answers)
+        self.requests: list[bytes] = []
+        self.close = close
+
+    async def start(self) -> Scripted:
+        self.server = await asyncio.start_server(self.serve, "127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(httputil.HTTPHeaders.parse(head.decode().split("\r\n", 1)[1]).get("Content-Length", "0"))
+                self.requests.append(head + await reader.readexactly(length))
+                writer.write(self.answers.pop(0))
+                await writer.drain()
+            if not self.close:
+                await reader.read()  # until the pool closes it
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def test_the_request_goes_out_as_one_message_with_host_and_length():
+    peer = await Scripted(b"HTTP/1.1 204 No Content\r\n\r\n").start()
+    pool = new_pool()
+    try:
+        headers = httputil.HTTPHeaders({"Authorization": "token t", "X-Sandkernel-Forwarded": "host=a;t=1;sig=00"})
+        answer = Collect()
+        await pool.fetch(peer.url, "POST", "/api/x?stream=1", headers, b'{"code": "1+1"}', answer, Hop())
+        assert answer.code == 204 and answer.chunks == []
+        head, _, body = peer.requests[0].partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        assert lines[0] == "POST /api/x?stream=1 HTTP/1.1" and body == b'{"code": "1+1"}'
+        assert set(lines[1:]) == {
+            f"Host: {peer.url.removeprefix('http://')}", "Authorization: token t",
+            "X-Sandkernel-Forwarded: host=a;t=1;sig=00", "Content-Length: 15",
+        }  # fmt: skip
+        with pytest.raises(ValueError, match="line break"):  # a value set around tornado's check
+            bad = httputil.HTTPHeaders()
+            bad["X-Evil"] = "a\r\nX-Injected: 1"
+            await pool.fetch(peer.url, "GET", "/", bad, None, Collect(), Hop())
+    finally:
+        pool.close()
+        await peer.stop()
+
+
+async def test_a_chunked_answer_is_unframed_extensions_and_trailers_dropped_and_the_connection_kept():
+    chunked = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"9;ext=1\r\n{\"n\": 1}\n\r\n9\r\n{\"n\": 2}\n\r\n0\r\nX-Trailer: t\r\n\r\n"
+    )
+    peer = await Scripted(chunked, b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").start()
+    pool = new_pool()
+    try:
+        answer = await fetch(pool, peer.url, "GET", "/stream", None)
+        assert answer.code == 200 and answer.chunks == [b'{"n": 1}\n', b'{"n": 2}\n']
+        answer = await fetch(pool, peer.url, "GET", "/after", None)  # the interim 100 is skipped
+        assert answer.code == 200 and answer.chunks == [b"ok"] and pool.opened == 1 and pool.reused == 1
+    finally:
+        pool.close()
+        await peer.stop()
+
+
+@pytest.mark.parametrize(
+    ("answer", "words"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999\r\n\r\n", "over the limit"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n100001\r\n", "over the limit"),
+        (b"HTTP/1.1 200 OK\r\nBad Header\r\nContent-Length: 0\r\n\r\n", "malformed header"),
+        (b"HTTP/1.1 200 OK\r\nX-A: 1\r\n folded\r\nContent-Length: 0\r\n\r\n", "malformed header"),
+        (b"HTTP/1.1 200 OK\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n", "Invalid header value"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok", "bad Content-Length"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "unsupported framing"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
+        (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX", "does not end with CRLF"),
+        (b"SMTP ready\r\n\r\n", "start line"),
+    ],
+    ids=["length-over", "chunks-over", "no-colon", "folded", "control-char", "bad-length", "gzip", "bad-size",
+         "chunk-end", "not-http"],  # fmt: skip
+)
+async def test_a_malformed_or_oversized_answer_is_a_connection_error_and_the_connection_dropped(answer, words):
+    peer = await Scripted(answer).start()
+    pool = new_pool()  # answers up to 1 MiB
+    try:
+        with pytest.raises(ConnectionError, match=words):
+            await asyncio.wait_for(fetch(pool, peer.url, "GET", "/", None), 30)
+        assert pool.idle_count(peer.url) == 0
+    finally:
+        pool.close()
+        await peer.stop()
+
+
+async def test_an_answer_that_ends_with_the_connection_is_whole_and_the_connection_not_kept():
+    peer = await Scripted(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of it", close=True).start()
+    pool = new_pool()
+    try:
+        answer = await asyncio.wait_for(fetch(pool, peer.url, "GET", "/", None), 30)
+        assert answer.code == 200 and b"".join(answer.chunks) == b"all of it" and pool.idle_count(peer.url) == 0
+    finally:
+        pool.close()
+        await peer.stop()
 
 
 # -- two real gateways, one catalog ----------------------------------------------------------

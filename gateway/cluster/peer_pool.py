@@ -5,10 +5,19 @@ SimpleAsyncHTTPClient has no keep-alive) and resolve the owner's host name in a 
 that was most of the ~3 ms a hop added (bench/cluster.py). Here each peer (scheme, host, port)
 has a small LIFO of idle connections; a request takes the most recently used one, or opens one.
 
-How: tornado's own HTTP/1.1 framing (:class:`tornado.http1connection.HTTP1Connection`, client
-side) on an :class:`~tornado.iostream.IOStream`; one HTTP1Connection per exchange, the stream
-kept for the next. The response goes to the caller's :class:`~tornado.httputil.HTTPMessageDelegate`
-as it is read (``data_received`` awaited before the next read: streaming stays streaming).
+How: each connection is an asyncio protocol (:class:`_Connection`) with a small HTTP/1.1
+response reader of its own: the request goes out in one write (head and body), the answer's
+head is parsed once, its body is handed to the caller's
+:class:`~tornado.httputil.HTTPMessageDelegate` as it arrives (``data_received`` awaited before
+the next piece is taken: streaming stays streaming), chunked framing undone on the way. Why not
+tornado's HTTP1Connection on an IOStream, which this used before: per exchange it built a
+connection object, a header timeout, several futures and callbacks, and the stream added and
+removed its socket from epoll at each read; with the server's own work that made the
+forwarder's ~2 ms of CPU per forwarded execute (profiled, bench/cluster.py). An asyncio
+transport keeps its socket registered and reads as data comes, so an exchange whose answer
+arrives in one segment costs one wake-up. Backpressure: at most :data:`READ_BUFFER_BYTES`
+waits in a connection's buffer; past it the transport stops reading until the caller took it,
+so a slow client slows the peer's socket, nothing more is buffered.
 
 Bounds: at most :data:`MAX_IDLE_PER_PEER` idle connections per peer (a connection returned to a
 full pool is closed); one unused for :data:`IDLE_SECONDS` is no longer lent, and is closed the
@@ -16,12 +25,12 @@ next time the pool is used (no timer per connection: the peer's own idle limit c
 asked for again, and it leaves the pool then). That is below the peer
 gateway's own idle limit (``--header-timeout``, 20 s by default, after which tornado's server
 closes a kept-alive connection), so the peer rarely closes one the pool would still lend. When it
-does (a lower ``--header-timeout``, a restart): an idle stream listens for the close and leaves
-the pool when it comes; on check-out a non-blocking peek drops one whose close (or stray bytes)
-arrived unnoticed. What is left is a close racing the request on the wire; such a request,
-having failed on a *reused* connection before any byte of the answer came, is sent once more on
-a fresh connection, but only if nothing of it was sent or its method is idempotent (a POST
-execute is never run twice). A failure on a fresh connection is the caller's 503.
+does (a lower ``--header-timeout``, a restart): an idle connection that sees the close (or stray
+bytes) leaves the pool at once, and one is checked again on check-out. What is left is a close
+racing the request on the wire; such a request, having failed on a *reused* connection before
+any byte of the answer came, is sent once more on a fresh connection, but only if nothing of it
+was sent or its method is idempotent (a POST execute is never run twice). A failure on a fresh
+connection is the caller's 503.
 
 Names: an IP-literal peer URL is connected to as is (no resolver, no thread); a host name is
 resolved through the loop's getaddrinfo (a worker thread) and the answer kept
@@ -33,18 +42,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import datetime
 import ipaddress
 import logging
+import os
 import socket
 import ssl
 import time
+from collections.abc import Awaitable
 from typing import Any
 from urllib.parse import urlsplit
 
-from tornado import gen, httputil
-from tornado.http1connection import HTTP1Connection, HTTP1ConnectionParameters
-from tornado.iostream import IOStream, StreamClosedError
+from tornado import httputil
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +67,10 @@ RESOLVE_CACHE_SECONDS = 30.0
 # is resent only if it is one of these (or if nothing of it was sent).
 IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
 MAX_HEADER_BYTES = 64 * 1024  # tornado's server default: no gateway sends more
+# The most a connection reads ahead of its caller (one chunk, as tornado's 64 KiB reads): past
+# it the transport stops reading until the caller has taken what is there.
+READ_BUFFER_BYTES = 64 * 1024
+MAX_CHUNK_LINE_BYTES = 1024  # a chunk's size line (hex size and extensions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,52 +91,184 @@ class Peer:
         return cls(parts.scheme, parts.hostname, port, parts.netloc)
 
 
+class PeerError(ConnectionError):
+    """An exchange with a peer failed: it could not be reached, closed the connection, sent a
+    malformed or over-limit answer, or timed out (the message says which)."""
+
+
 class Hop:
     """The caller's handle on one forwarded exchange: :meth:`cut` closes the connection it is on
     (the client went away: the peer sees its client gone) and stops any resend."""
 
     def __init__(self) -> None:
-        self.stream: IOStream | None = None
+        self.connection: _Connection | None = None
         self.cut_off = False
 
     def cut(self) -> None:
         self.cut_off = True
-        if self.stream is not None:
-            self.stream.close()
+        if self.connection is not None:
+            self.connection.abort(PeerError("the client went away"))
 
 
-class _Watch(httputil.HTTPMessageDelegate):
-    """Passes the response to the caller's delegate and notes how far it got."""
+class _Connection(asyncio.Protocol):
+    """One TCP (or TLS) connection to a peer: what arrived and is not taken yet, and the one
+    waiter (the exchange's coroutine) woken when more arrives or the connection ends."""
 
-    def __init__(self, delegate: httputil.HTTPMessageDelegate) -> None:
-        self.delegate = delegate
-        self.answered = False  # the peer's status line came: the request reached it
-        self.finished = False
-        self.keep_alive = False
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.error: BaseException | None = None  # why it ended (None while open)
+        self.eof = False
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.busy = False  # an exchange is using it (else: idle in the pool, or new)
+        self.on_idle_event: Any = None  # the pool's callback while idle: it closed, or sent stray bytes
 
-    def headers_received(
-        self, start_line: httputil.RequestStartLine | httputil.ResponseStartLine, headers: httputil.HTTPHeaders
-    ) -> Any:
-        assert isinstance(start_line, httputil.ResponseStartLine)
-        self.answered = True
-        self.keep_alive = start_line.version == "HTTP/1.1" and (headers.get("Connection") or "").lower() != "close"
-        return self.delegate.headers_received(start_line, headers)
+    # -- asyncio.Protocol ------------------------------------------------------------------------
 
-    def data_received(self, chunk: bytes) -> Any:
-        return self.delegate.data_received(chunk)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
 
-    def finish(self) -> None:
-        self.finished = True
-        self.delegate.finish()
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) >= READ_BUFFER_BYTES and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+        if not self.busy and self.on_idle_event is not None:
+            self.on_idle_event(self)
 
-    def on_connection_close(self) -> None:
-        self.delegate.on_connection_close()
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake()
+        if not self.busy and self.on_idle_event is not None:
+            self.on_idle_event(self)
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self.error is None:
+            self.error = exc or PeerError("the connection closed")
+        self._wake()
+        if not self.busy and self.on_idle_event is not None:
+            self.on_idle_event(self)
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    # -- the exchange's side ---------------------------------------------------------------------
+
+    @property
+    def usable(self) -> bool:
+        """Open, nothing unasked-for waiting, no end seen: an idle connection that can carry a request."""
+        return self.error is None and not self.eof and not self.buffer and self.transport is not None
+
+    def write(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def abort(self, error: BaseException) -> None:
+        """Close now, unsent data dropped (a cut, a timeout): any read under way fails with ``error``."""
+        if self.error is None:
+            self.error = error
+        if self.transport is not None:
+            self.transport.abort()
+        self._wake()
+
+    def close(self) -> None:
+        """Close cleanly (its FIN after any data still to send)."""
+        if self.error is None:
+            self.error = PeerError("the connection was closed")
+        if self.transport is not None:
+            self.transport.close()
+        self._wake()
+
+    async def _more(self) -> None:
+        """Wait until more data came or the connection ended (raises why it ended)."""
+        if self.error is not None:
+            raise self.error
+        if self.eof:
+            raise PeerError("the connection closed before the answer was complete")
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        self.waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self.waiter
+        finally:
+            self.waiter = None
+        if self.error is not None and not self.buffer:
+            raise self.error
+
+    def _take(self, n: int) -> bytes:
+        data = bytes(self.buffer[:n])
+        del self.buffer[:n]
+        if self.paused and len(self.buffer) < READ_BUFFER_BYTES and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return data
+
+    async def read_until(self, delimiter: bytes, max_bytes: int) -> bytes:
+        """Up to and with ``delimiter``; HTTPInputError past ``max_bytes`` without it."""
+        start = 0
+        while True:
+            found = self.buffer.find(delimiter, start)
+            if found >= 0:
+                if found + len(delimiter) > max_bytes:
+                    raise httputil.HTTPInputError(f"more than {max_bytes} bytes without {delimiter!r}")
+                return self._take(found + len(delimiter))
+            if len(self.buffer) > max_bytes:
+                raise httputil.HTTPInputError(f"more than {max_bytes} bytes without {delimiter!r}")
+            start = max(0, len(self.buffer) - len(delimiter) + 1)
+            await self._more()
+
+    async def read_some(self, max_bytes: int) -> bytes:
+        """What is there (at least one byte), at most ``max_bytes``."""
+        while not self.buffer:
+            await self._more()
+        return self._take(max_bytes)
+
+    async def read_exactly(self, n: int) -> bytes:
+        while len(self.buffer) < n:
+            await self._more()
+        return self._take(n)
 
 
 @dataclasses.dataclass
 class _Idle:
-    stream: IOStream
+    connection: _Connection
     until: float  # time.monotonic() after which it is not lent any more
+
+
+def _parse_head(data: bytes) -> tuple[httputil.ResponseStartLine, httputil.HTTPHeaders]:
+    """A response's status line and headers (each header checked by tornado's HTTPHeaders.add:
+    a peer's malformed header is refused, never passed on). Raises HTTPInputError."""
+    lines = data.decode("latin1").split("\r\n")
+    start_line = httputil.parse_response_start_line(lines[0])
+    headers = httputil.HTTPHeaders()
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep or line[0] in " \t":  # no colon, or obsolete line folding (RFC 9112 5.2)
+            raise httputil.HTTPInputError(f"malformed header line {line[:80]!r}")
+        headers.add(name, value.strip(" \t"))
+    return start_line, headers
+
+
+def _request_head(method: str, target: str, netloc: str, headers: httputil.HTTPHeaders, body: bytes | None) -> bytes:
+    """The request's head as it goes on the wire (Host and Content-Length set here)."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {netloc}"]
+    for name, value in headers.get_all():
+        if "\n" in value or "\r" in value:  # a value set without tornado's check (headers[name] = ...)
+            raise ValueError(f"header {name} has a line break")
+        lines.append(f"{name}: {value}")
+    if body is not None:
+        lines.append(f"Content-Length: {len(body)}")
+    lines.append("\r\n")
+    return "\r\n".join(lines).encode("latin1")
 
 
 class PeerPool:
@@ -144,12 +288,9 @@ class PeerPool:
     ) -> None:
         self.connect_timeout = connect_timeout
         self.request_timeout = request_timeout
+        self.max_response_bytes = max_response_bytes
         self.max_idle_per_peer = max_idle_per_peer
         self.idle_seconds = idle_seconds
-        # No header or body timeout here (each is a timer per read): one timer bounds the exchange.
-        self.params = HTTP1ConnectionParameters(
-            max_header_size=MAX_HEADER_BYTES, max_body_size=max_response_bytes, decompress=False
-        )
         self._idle: dict[Peer, collections.deque[_Idle]] = {}
         self._peers: dict[str, Peer] = {}
         self._addresses: dict[tuple[str, int], tuple[float, list[tuple[int, Any]]]] = {}
@@ -171,86 +312,182 @@ class PeerPool:
     ) -> None:
         """Send ``method target`` with ``headers`` (end-to-end ones; Host and Content-Length are
         added here) and ``body`` (None: no body) to the peer at ``url``; the response goes to
-        ``delegate`` as it is read. Returns once the whole response was read. Raises
-        ConnectionError (the cause chained) when the peer cannot be reached, closes mid-way, sends
-        a malformed or over-limit answer, or times out; the delegate was then told
-        ``on_connection_close`` if its headers had come."""
+        ``delegate`` as it is read (``headers_received``, then ``data_received`` per piece of
+        the body, each awaited, then ``finish``). Returns once the whole response was read.
+        Raises ConnectionError (PeerError, the cause chained) when the peer cannot be reached,
+        closes mid-way, sends a malformed or over-limit answer, or times out; the delegate was
+        then told ``on_connection_close`` if its headers had come."""
         peer = self._peers.get(url) or self._peers.setdefault(url, Peer.of(url))
-        headers = httputil.HTTPHeaders(headers)
-        headers["Host"] = peer.netloc
-        if body is not None:
-            headers["Content-Length"] = str(len(body))
-        start = httputil.RequestStartLine(method, target, "HTTP/1.1")
+        head = _request_head(method, target, peer.netloc, headers, body)
+        # One write, so head and body leave in one segment; a large body is not copied for it.
+        request = [head + body] if body and len(body) <= READ_BUFFER_BYTES else [head, body] if body else [head]
         for attempt in (1, 2):
-            stream, reused = await self._check_out(peer, fresh=attempt > 1)
-            hop.stream = stream
+            connection, reused = await self._check_out(peer, fresh=attempt > 1)
+            hop.connection = connection
             if hop.cut_off:
-                stream.close()
-                raise ConnectionError("the client went away")
-            watch = _Watch(delegate)
-            sent = False
+                connection.abort(PeerError("the client went away"))
+                raise PeerError("the client went away")
+            sent = answered = finished = keep_alive = False
             failure: BaseException | None = None
-            connection = HTTP1Connection(stream, True, self.params)
-            # A peer that hangs without closing: the connection is closed (the read then fails).
-            timer = asyncio.get_running_loop().call_later(self.request_timeout, _expire, stream)
+            # A peer that hangs without closing: the connection is aborted (the read then fails).
+            timer = asyncio.get_running_loop().call_later(
+                self.request_timeout, connection.abort, PeerError("timed out")
+            )
             try:
-                if stream.closed():
-                    raise StreamClosedError(stream.error)
-                sent = True  # handed to the socket (the write is fire-and-forget: a failure shows on the read)
-                connection.write_headers(start, headers, body or None)
-                connection.finish()
-                await connection.read_response(watch)
-            except (OSError, httputil.HTTPOutputError) as err:  # StreamClosedError is an OSError
+                if not connection.usable:
+                    raise connection.error or PeerError("the connection closed")
+                sent = True  # handed to the transport: a failure to send shows on the read
+                for data in request:
+                    connection.write(data)
+                start_line, response_headers = await self._read_head(connection)
+                answered = True
+                keep_alive = (
+                    start_line.version == "HTTP/1.1" and (response_headers.get("Connection") or "").lower() != "close"
+                )
+                await _maybe(delegate.headers_received(start_line, response_headers))
+                framed = await self._read_body(connection, method, start_line.code, response_headers, delegate)
+                keep_alive = keep_alive and framed
+                finished = True
+                delegate.finish()
+            except (OSError, httputil.HTTPInputError, ValueError) as err:  # PeerError is an OSError
                 failure = err
+            except BaseException:  # cancelled, or the delegate failed: the connection is not reused
+                connection.abort(PeerError("the exchange was abandoned"))
+                raise
             finally:
                 timer.cancel()
-            if watch.finished:
-                if watch.keep_alive and not stream.closed():
-                    self._check_in(peer, stream)
+            if finished:
+                if keep_alive and connection.usable:
+                    self._check_in(peer, connection)
                 else:
-                    stream.close()
+                    connection.close()
                 return
-            stream.close()
+            connection.abort(failure or PeerError("the connection closed"))
+            if answered:
+                delegate.on_connection_close()
             resend = (
                 reused
                 and attempt == 1
-                and not watch.answered
+                and not answered
                 and not hop.cut_off
                 and (not sent or method in IDEMPOTENT_METHODS)
             )
             if not resend:
-                reason = _reason(failure, stream) if watch.answered or failure else "the connection closed"
-                raise ConnectionError(reason) from failure
+                raise PeerError(_reason(failure)) from failure
             log.info("kept-alive connection to %s closed; %s %s sent again on a new one", peer.netloc, method, target)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    @staticmethod
+    async def _read_head(connection: _Connection) -> tuple[httputil.ResponseStartLine, httputil.HTTPHeaders]:
+        """The answer's status line and headers (1xx interim answers skipped)."""
+        while True:
+            head = await connection.read_until(b"\r\n\r\n", MAX_HEADER_BYTES)
+            start_line, headers = _parse_head(head.lstrip(b"\r\n"))
+            if not 100 <= start_line.code < 200:
+                return start_line, headers
+            if start_line.code == 101 or "Content-Length" in headers or "Transfer-Encoding" in headers:
+                raise httputil.HTTPInputError(f"unexpected interim answer {start_line.code}")
+
+    async def _read_body(
+        self,
+        connection: _Connection,
+        method: str,
+        code: int,
+        headers: httputil.HTTPHeaders,
+        delegate: httputil.HTTPMessageDelegate,
+    ) -> bool:
+        """Pass the body on as it comes; whether the connection may carry another exchange."""
+        if method == "HEAD" or code in (204, 304):
+            return True
+        encoding = headers.get("Transfer-Encoding")
+        if encoding is not None:
+            if encoding.lower() != "chunked" or "Content-Length" in headers:
+                raise httputil.HTTPInputError(f"unsupported framing: Transfer-Encoding {encoding!r}")
+            await self._read_chunked(connection, delegate)
+            return True
+        length = headers.get("Content-Length")
+        if length is None:  # the body ends when the connection does (HTTP/1.0 style)
+            await self._read_to_close(connection, delegate)
+            return False
+        if not length.isdigit():
+            raise httputil.HTTPInputError(f"bad Content-Length {length[:40]!r}")
+        remaining = int(length)
+        self._check_size(remaining)
+        while remaining:
+            piece = await connection.read_some(min(remaining, READ_BUFFER_BYTES))
+            remaining -= len(piece)
+            await _maybe(delegate.data_received(piece))
+        return True
+
+    async def _read_to_close(self, connection: _Connection, delegate: httputil.HTTPMessageDelegate) -> None:
+        total = 0
+        while True:
+            try:
+                piece = await connection.read_some(READ_BUFFER_BYTES)
+            except OSError:
+                if connection.eof and not connection.buffer:
+                    return
+                raise
+            total += len(piece)
+            self._check_size(total)
+            await _maybe(delegate.data_received(piece))
+
+    async def _read_chunked(self, connection: _Connection, delegate: httputil.HTTPMessageDelegate) -> None:
+        total = 0
+        while True:
+            line = await connection.read_until(b"\r\n", MAX_CHUNK_LINE_BYTES)
+            size_text = line[:-2].split(b";", 1)[0].strip()
+            try:
+                size = int(size_text, 16)
+            except ValueError:
+                raise httputil.HTTPInputError(f"bad chunk size {size_text[:40]!r}") from None
+            if size == 0:  # the last chunk; then trailers (dropped) up to an empty line
+                while await connection.read_until(b"\r\n", MAX_HEADER_BYTES) != b"\r\n":
+                    pass
+                return
+            total += size
+            self._check_size(total)
+            while size:  # a large chunk is passed on in pieces of at most READ_BUFFER_BYTES
+                piece = await connection.read_some(min(size, READ_BUFFER_BYTES))
+                size -= len(piece)
+                await _maybe(delegate.data_received(piece))
+            if await connection.read_exactly(2) != b"\r\n":
+                raise httputil.HTTPInputError("a chunk does not end with CRLF")
+
+    def _check_size(self, total: int) -> None:
+        if total > self.max_response_bytes:
+            raise httputil.HTTPInputError(f"the answer is over the limit of {self.max_response_bytes} bytes")
+
     # -- the pool ----------------------------------------------------------------------------------
 
-    async def _check_out(self, peer: Peer, *, fresh: bool) -> tuple[IOStream, bool]:
+    async def _check_out(self, peer: Peer, *, fresh: bool) -> tuple[_Connection, bool]:
         """(a connection to ``peer``, whether it was kept from an earlier exchange)."""
         idle = self._idle.get(peer)
         if idle and not fresh:
             self._expire_idle(idle)
         while idle and not fresh:
-            entry = idle.pop()
-            stream = entry.stream
-            stream.set_close_callback(None)
-            if _still_open(stream):
+            connection = idle.pop().connection
+            connection.on_idle_event = None
+            if connection.usable:
+                connection.busy = True
                 self.reused += 1
-                return stream, True
-            stream.close()
-        return await self._connect(peer), False
+                return connection, True
+            connection.close()
+        connection = await self._connect(peer)
+        connection.busy = True
+        return connection, False
 
-    def _check_in(self, peer: Peer, stream: IOStream) -> None:
-        """Keep ``stream`` for the next exchange with ``peer`` (closed if the pool is full)."""
+    def _check_in(self, peer: Peer, connection: _Connection) -> None:
+        """Keep ``connection`` for the next exchange with ``peer`` (closed if the pool is full)."""
         idle = self._idle.setdefault(peer, collections.deque())
         self._expire_idle(idle)
         if len(idle) >= self.max_idle_per_peer:
-            stream.close()
+            connection.close()
             return
-        idle.append(_Idle(stream, time.monotonic() + self.idle_seconds))
-        # Listening for the peer's close while idle: the entry leaves the pool when it comes.
-        stream.set_close_callback(lambda: self._drop(peer, stream))
+        connection.busy = False
+        idle.append(_Idle(connection, time.monotonic() + self.idle_seconds))
+        # The peer's close (or bytes nobody asked for) while idle: the entry leaves the pool.
+        connection.on_idle_event = lambda c: self._drop(peer, c)
 
     @staticmethod
     def _expire_idle(idle: collections.deque[_Idle]) -> None:
@@ -260,19 +497,19 @@ class PeerPool:
         now = time.monotonic()
         while idle and idle[0].until <= now:
             entry = idle.popleft()
-            entry.stream.set_close_callback(None)
-            entry.stream.close()
+            entry.connection.on_idle_event = None
+            entry.connection.close()
 
-    def _drop(self, peer: Peer, stream: IOStream) -> None:
-        """An idle connection the peer closed: out of the pool."""
+    def _drop(self, peer: Peer, connection: _Connection) -> None:
+        """An idle connection the peer closed (or sent stray bytes on): out of the pool."""
+        connection.on_idle_event = None
         idle = self._idle.get(peer)
         if idle:
             for entry in idle:
-                if entry.stream is stream:
+                if entry.connection is connection:
                     idle.remove(entry)
                     break
-        stream.set_close_callback(None)
-        stream.close()
+        connection.close()
 
     def idle_count(self, url: str) -> int:
         """Idle connections kept for the peer at ``url`` and not past their idle time."""
@@ -287,35 +524,41 @@ class PeerPool:
         for idle in self._idle.values():
             while idle:
                 entry = idle.pop()
-                entry.stream.set_close_callback(None)
-                entry.stream.close()
+                entry.connection.on_idle_event = None
+                entry.connection.close()
 
     # -- opening connections -----------------------------------------------------------------------
 
-    async def _connect(self, peer: Peer) -> IOStream:
-        """A new connection (TCP_NODELAY; TLS for https), within the connect timeout. Raises
-        OSError (a StreamClosedError or TimeoutError among them) naming what failed."""
+    async def _connect(self, peer: Peer) -> _Connection:
+        """A new connection (TCP_NODELAY, as asyncio sets on every TCP transport; TLS for
+        https), within the connect timeout. Raises PeerError naming what failed."""
+        loop = asyncio.get_running_loop()
         last: BaseException | None = None
         for family, address in await self._resolve(peer):
-            stream = IOStream(socket.socket(family, socket.SOCK_STREAM))
             try:
-                await gen.with_timeout(
-                    datetime.timedelta(seconds=self.connect_timeout),
-                    stream.connect(address),
-                    quiet_exceptions=(StreamClosedError,),
+                _, connection = await asyncio.wait_for(
+                    loop.create_connection(
+                        _Connection,
+                        address[0],
+                        address[1],
+                        family=family,
+                        ssl=self._tls_context() if peer.scheme == "https" else None,
+                        server_hostname=peer.host if peer.scheme == "https" else None,
+                    ),
+                    self.connect_timeout,
                 )
-                if peer.scheme == "https":
-                    stream = await stream.start_tls(False, self._tls_context(), server_hostname=peer.host)
-            except (OSError, gen.TimeoutError) as err:
-                stream.close()
-                last = stream.error or err
+            except (OSError, asyncio.TimeoutError) as err:
+                last = err
                 continue
-            stream.set_nodelay(True)
+            assert connection.transport is not None
+            sock = connection.transport.get_extra_info("socket")
+            if sock is not None and family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self.opened += 1
-            return stream
-        if isinstance(last, gen.TimeoutError | asyncio.TimeoutError):
-            raise ConnectionError(f"no connection within {self.connect_timeout:g} s") from last
-        raise ConnectionError(_reason(last, None)) from last
+            return connection
+        if isinstance(last, asyncio.TimeoutError):
+            raise PeerError(f"no connection within {self.connect_timeout:g} s") from last
+        raise PeerError(_reason(last)) from last
 
     async def _resolve(self, peer: Peer) -> list[tuple[int, Any]]:
         """(family, sockaddr) to try: an IP literal as is; a name from the cache or getaddrinfo."""
@@ -333,7 +576,7 @@ class PeerPool:
         try:
             infos = await asyncio.get_running_loop().getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
         except OSError as err:
-            raise ConnectionError(f"cannot resolve {peer.host}: {err}") from err
+            raise PeerError(f"cannot resolve {peer.host}: {err}") from err
         addresses = [(family, sockaddr) for family, _, _, _, sockaddr in infos]
         self._addresses[key] = (time.monotonic() + RESOLVE_CACHE_SECONDS, addresses)
         return addresses
@@ -345,33 +588,19 @@ class PeerPool:
         return self._tls
 
 
-def _expire(stream: IOStream) -> None:
-    """The exchange's time is up: close its connection (its read fails: the caller's 503)."""
-    stream.close(TimeoutError("no answer within the request timeout"))
+async def _maybe(result: Awaitable[None] | None) -> None:
+    """Await what a delegate's method returned, if anything (HTTPMessageDelegate's methods may
+    return an awaitable: the next read waits for it)."""
+    if result is not None:
+        await result
 
 
-def _still_open(stream: IOStream) -> bool:
-    """Whether an idle connection can carry a request: not closed, no close (or stray bytes)
-    waiting to be read. A non-blocking peek on the raw socket: nothing waits."""
-    if stream.closed():
-        return False
-    try:
-        socket.socket.recv(stream.socket, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT)  # type: ignore[arg-type]
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    return False  # b"": the peer closed it; bytes: an answer nobody asked for. Either way, not reusable.
-
-
-def _reason(err: BaseException | None, stream: IOStream | None) -> str:
+def _reason(err: BaseException | None) -> str:
     """A short why for a failed exchange (its message goes into the 503)."""
-    if isinstance(err, StreamClosedError) and err.real_error is not None:
-        err = err.real_error
-    elif err is None and stream is not None and stream.error is not None:
-        err = stream.error
     if err is None:
         return "the connection closed before the answer was complete"
-    if isinstance(err, gen.TimeoutError | asyncio.TimeoutError):
+    if isinstance(err, asyncio.TimeoutError | TimeoutError):
         return "timed out"
+    if isinstance(err, OSError) and err.errno is not None:  # "Connection refused", not asyncio's "Connect call failed"
+        return os.strerror(err.errno)
     return str(err) or type(err).__name__
