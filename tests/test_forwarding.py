@@ -457,9 +457,11 @@ async def test_the_request_goes_out_as_one_message_with_host_and_length():
 async def test_a_chunked_answer_is_unframed_extensions_and_trailers_dropped_and_the_connection_kept():
     chunked = (
         b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
-        b"9;ext=1\r\n{\"n\": 1}\n\r\n9\r\n{\"n\": 2}\n\r\n0\r\nX-Trailer: t\r\n\r\n"
+        b'9;ext=1\r\n{"n": 1}\n\r\n9\r\n{"n": 2}\n\r\n0\r\nX-Trailer: t\r\n\r\n'
     )
-    peer = await Scripted(chunked, b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok").start()
+    peer = await Scripted(
+        chunked, b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+    ).start()
     pool = new_pool()
     try:
         answer = await fetch(pool, peer.url, "GET", "/stream", None)
@@ -485,8 +487,18 @@ async def test_a_chunked_answer_is_unframed_extensions_and_trailers_dropped_and_
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nokXX", "does not end with CRLF"),
         (b"SMTP ready\r\n\r\n", "start line"),
     ],
-    ids=["length-over", "chunks-over", "no-colon", "folded", "control-char", "bad-length", "gzip", "bad-size",
-         "chunk-end", "not-http"],  # fmt: skip
+    ids=[
+        "length-over",
+        "chunks-over",
+        "no-colon",
+        "folded",
+        "control-char",
+        "bad-length",
+        "gzip",
+        "bad-size",
+        "chunk-end",
+        "not-http",
+    ],
 )
 async def test_a_malformed_or_oversized_answer_is_a_connection_error_and_the_connection_dropped(answer, words):
     peer = await Scripted(answer).start()
