@@ -129,6 +129,11 @@ async def cluster(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
     output = deploy(lab, workdir, cluster_secret=secrets.token_hex(32), tokens={"alice": ALICE, "bob": BOB},
                     serve_args=SERVE_ARGS)  # fmt: skip
     assert "sandkernel_catalog_password: created (generated)" in output, output
+    again = deploy(lab, workdir, cluster_secret=secrets.token_hex(32), tokens={"alice": ALICE, "bob": BOB},
+                   serve_args=SERVE_ARGS)  # fmt: skip
+    for kept in ("sandkernel_catalog_password: exists, kept", "sandkernel_catalog_url: exists, kept",
+                 "sandkernel_cluster_secret: exists, kept", "labelled sandkernel.catalog=true already"):  # fmt: skip
+        assert kept in again, again  # a second `up` changes no secret (the volume's password stays right)
     endpoints = [Endpoint(h.index, h.ip) for h in lab.hosts]
     await wait_answering(endpoints, ALICE, timeout=180)  # the gateways restart until the catalog answers
 
