@@ -248,13 +248,23 @@ def unreachable(host: HostInfo, err: BaseException | str) -> ClusterUnavailableE
     )
 
 
+def _end_to_end(request: httputil.HTTPServerRequest) -> list[tuple[str, str]]:
+    """The client's headers as the owner gets them: the end-to-end ones (Authorization above
+    all), as tornado parsed (and checked) them."""
+    return [
+        (name, value)
+        for name, value in request.headers.get_all()
+        if (lower := name.lower()) not in HOP_HEADERS
+        and not lower.startswith("x-sandkernel-")
+        and not lower.startswith("sec-websocket")
+    ]
+
+
 def _request_headers(request: httputil.HTTPServerRequest) -> httputil.HTTPHeaders:
-    """The client's headers as the owner gets them: the end-to-end ones (Authorization above all)."""
+    """:func:`_end_to_end` as HTTPHeaders (the websocket client's request takes them so)."""
     headers = httputil.HTTPHeaders()
-    for name, value in request.headers.get_all():
-        lower = name.lower()
-        if lower not in HOP_HEADERS and not lower.startswith("x-sandkernel-") and not lower.startswith("sec-websocket"):
-            headers.add(name, value)
+    for name, value in _end_to_end(request):
+        headers.add(name, value)
     return headers
 
 
@@ -322,10 +332,10 @@ async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool
     assert link is not None, "forward_http runs only in cluster mode"
     request = handler.request
     method = request.method or "GET"
-    headers = _request_headers(request)
-    headers.update(sign(link.secret, method, request.uri or "/", link.host_id))
+    headers = _end_to_end(request)
+    headers += sign(link.secret, method, request.uri or "/", link.host_id).items()
     if place_here:
-        headers[PLACE_HERE_HEADER] = "1"
+        headers.append((PLACE_HERE_HEADER, "1"))
     relay = _Relay(handler, host)
     handler.forwarding = relay
     body = handler.body

@@ -45,6 +45,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import re
 import socket
 import ssl
 import time
@@ -55,6 +56,9 @@ from urllib.parse import urlsplit
 from tornado import httputil
 
 log = logging.getLogger(__name__)
+
+# A request's headers: tornado's, or (name, value) pairs a caller already has checked.
+Headers = httputil.HTTPHeaders | list[tuple[str, str]]
 
 # Idle connections kept per peer: enough for the forwards one gateway has in flight to one peer
 # at a time on a busy host; more concurrent ones open connections that are closed after use.
@@ -71,6 +75,9 @@ MAX_HEADER_BYTES = 64 * 1024  # tornado's server default: no gateway sends more
 # it the transport stops reading until the caller has taken what is there.
 READ_BUFFER_BYTES = 64 * 1024
 MAX_CHUNK_LINE_BYTES = 1024  # a chunk's size line (hex size and extensions)
+# A response's header lines after its status line, each ending in CRLF, then the empty line:
+# field-name is a token, field-value any octet but a control one (HTAB allowed) (RFC 9110 5.1, 5.5).
+_FIELDS = re.compile(r"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[^\x00-\x08\x0a-\x1f\x7f]*\r\n)*\r\n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,25 +250,32 @@ class _Idle:
 
 
 def _parse_head(data: bytes) -> tuple[httputil.ResponseStartLine, httputil.HTTPHeaders]:
-    """A response's status line and headers (each header checked by tornado's HTTPHeaders.add:
-    a peer's malformed header is refused, never passed on). Raises HTTPInputError."""
-    lines = data.decode("latin1").split("\r\n")
-    start_line = httputil.parse_response_start_line(lines[0])
+    """A response's status line and headers, the whole head checked against RFC 9110's field
+    syntax in one match (:data:`_FIELDS`: a token, a colon, no control character but HTAB; no
+    obsolete line folding), so a peer's malformed header is refused, never passed on. Raises
+    HTTPInputError."""
+    text = data.decode("latin1")
+    start, _, fields = text.partition("\r\n")
+    start_line = httputil.parse_response_start_line(start)
+    if not _FIELDS.fullmatch(fields):
+        bad = next((line for line in fields.split("\r\n") if line and not _FIELDS.fullmatch(line + "\r\n")), "")
+        raise httputil.HTTPInputError(f"malformed header line {bad[:80]!r}")
     headers = httputil.HTTPHeaders()
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(":")
-        if not sep or line[0] in " \t":  # no colon, or obsolete line folding (RFC 9112 5.2)
-            raise httputil.HTTPInputError(f"malformed header line {line[:80]!r}")
-        headers.add(name, value.strip(" \t"))
+    for line in fields.split("\r\n"):
+        if line:
+            name, _, value = line.partition(":")
+            value = value.strip(" \t")
+            if name in headers:
+                headers.add(name, value)
+            else:
+                headers[name] = value  # checked above (add would check it again, twice)
     return start_line, headers
 
 
-def _request_head(method: str, target: str, netloc: str, headers: httputil.HTTPHeaders, body: bytes | None) -> bytes:
+def _request_head(method: str, target: str, netloc: str, headers: Headers, body: bytes | None) -> bytes:
     """The request's head as it goes on the wire (Host and Content-Length set here)."""
     lines = [f"{method} {target} HTTP/1.1", f"Host: {netloc}"]
-    for name, value in headers.get_all():
+    for name, value in headers.get_all() if isinstance(headers, httputil.HTTPHeaders) else headers:
         if "\n" in value or "\r" in value:  # a value set without tornado's check (headers[name] = ...)
             raise ValueError(f"header {name} has a line break")
         lines.append(f"{name}: {value}")
@@ -305,18 +319,19 @@ class PeerPool:
         url: str,
         method: str,
         target: str,
-        headers: httputil.HTTPHeaders,
+        headers: Headers,
         body: bytes | None,
         delegate: httputil.HTTPMessageDelegate,
         hop: Hop,
     ) -> None:
-        """Send ``method target`` with ``headers`` (end-to-end ones; Host and Content-Length are
-        added here) and ``body`` (None: no body) to the peer at ``url``; the response goes to
-        ``delegate`` as it is read (``headers_received``, then ``data_received`` per piece of
-        the body, each awaited, then ``finish``). Returns once the whole response was read.
-        Raises ConnectionError (PeerError, the cause chained) when the peer cannot be reached,
-        closes mid-way, sends a malformed or over-limit answer, or times out; the delegate was
-        then told ``on_connection_close`` if its headers had come."""
+        """Send ``method target`` with ``headers`` (end-to-end ones, as HTTPHeaders or (name,
+        value) pairs; Host and Content-Length are added here) and ``body`` (None: no body) to
+        the peer at ``url``; the response goes to ``delegate`` as it is read
+        (``headers_received``, then ``data_received`` per piece of the body, each awaited, then
+        ``finish``). Returns once the whole response was read. Raises ConnectionError
+        (PeerError, the cause chained) when the peer cannot be reached, closes mid-way, sends a
+        malformed or over-limit answer, or times out; the delegate was then told
+        ``on_connection_close`` if its headers had come."""
         peer = self._peers.get(url) or self._peers.setdefault(url, Peer.of(url))
         head = _request_head(method, target, peer.netloc, headers, body)
         # One write, so head and body leave in one segment; a large body is not copied for it.
