@@ -74,15 +74,16 @@ are passed to `sandkernel serve`."""
 def _cmd_image_build(args: argparse.Namespace) -> int:
     from sandkernel.gateway.cluster.catalog_image import CATALOG_IMAGE, build_catalog_image
     from sandkernel.gateway.cluster.gateway_image import GATEWAY_IMAGE, build_gateway_image
+    from sandkernel.kernels.sandbox.docker_engine import default_engine
 
     started = time.monotonic()
-    build_gateway_image(
-        tag=args.tag or GATEWAY_IMAGE, base=args.base, offline=args.offline, wheel=args.wheel, progress=print
-    )
+    tag = args.tag or GATEWAY_IMAGE
+    build_gateway_image(tag=tag, base=args.base, offline=args.offline, wheel=args.wheel, progress=print)
     print(f"[build] took {time.monotonic() - started:.1f} s")
-    if args.catalog:
+    if args.catalog:  # on the base the gateway image was just built on: one choice of base, one label
         started = time.monotonic()
-        build_catalog_image(tag=CATALOG_IMAGE, base=args.base, offline=args.offline, progress=print)
+        base = args.base or default_engine().client.images.get(tag).labels.get("sandkernel.base")
+        build_catalog_image(tag=CATALOG_IMAGE, base=base, offline=args.offline, progress=print)
         print(f"[build] took {time.monotonic() - started:.1f} s")
     return 0
 

@@ -224,7 +224,7 @@ def three_nodes(addr: str = "10.1.0.1", **first: object) -> list[ScriptedNode]:
 
 
 def test_the_catalog_node_must_be_one_ready_node_and_the_only_labelled_one():
-    with pytest.raises(DeployError, match=r"no node of this swarm match \(its nodes: node-1, node-2, node-3\)"):
+    with pytest.raises(DeployError, match=r"no node of this swarm matches \(its nodes: node-1, node-2, node-3\)"):
         find_catalog_node(scripted(three_nodes()), "node-9")
     with pytest.raises(DeployError, match="node node-1 is down/active: the catalog needs a ready, active node"):
         find_catalog_node(scripted(three_nodes(state="down")), "node-1")

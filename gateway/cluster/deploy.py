@@ -151,8 +151,8 @@ def find_catalog_node(client: docker.DockerClient, wanted: str) -> CatalogNode:
     matched = matched or [n for n in nodes if n.id.startswith(wanted)]
     names = sorted(str(n.attrs["Description"].get("Hostname")) for n in nodes)
     if len(matched) != 1:
-        found = "no node" if not matched else f"{len(matched)} nodes"
-        raise DeployError(f"--catalog-node {wanted!r}: {found} of this swarm match (its nodes: {', '.join(names)})")
+        found = "no node of this swarm matches" if not matched else f"{len(matched)} nodes of this swarm match"
+        raise DeployError(f"--catalog-node {wanted!r}: {found} (its nodes: {', '.join(names)})")
     node = matched[0]
     name = str(node.attrs["Description"].get("Hostname"))
     status, availability = node.attrs["Status"].get("State"), node.attrs["Spec"].get("Availability")
