@@ -86,6 +86,10 @@ class ClusterMembership:
         self.snapshot_store = snapshot_store  # hosts with the same one resume each other's paused sessions
         self.on_return = on_return  # after this host was marked down: let go of what was declared lost
         self.last_beat = 0.0  # time.monotonic() of the last beat the catalog took
+        # time.monotonic() of the first beat of the current unbroken run of beats (None after a
+        # failed one): only a host that has been beating for a whole --host-down-after judges
+        # the others by their heartbeats (see beat()).
+        self.beating_since: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._failures = Throttle(30.0)
 
@@ -100,7 +104,7 @@ class ClusterMembership:
         await asyncio.wait_for(
             self.catalog.register(self.url, self.runtimes, self.capacity, self.snapshot_store), BEAT_TIMEOUT_SECONDS
         )
-        self.last_beat = time.monotonic()
+        self.last_beat = self.beating_since = time.monotonic()
         log.info(
             "joined the cluster",
             extra={"host": self.host_id, "url": self.url, "runtimes": list(self.runtimes), "capacity": self.capacity},
@@ -110,16 +114,26 @@ class ClusterMembership:
     async def beat(self) -> list[str]:
         """Check the host id's lock (taken again if it was lost), then one heartbeat and one look
         for hosts gone quiet; returns the hosts marked down now. Raises what the catalog raises
-        (HostIdInUseError once another gateway holds this host id)."""
+        (HostIdInUseError once another gateway holds this host id).
+
+        The look for quiet hosts waits until this host has beaten without a break for
+        ``down_after``: after an outage of the catalog itself every host's last heartbeat is
+        old, and the first gateway to get through again would otherwise mark all the others
+        down and their live sessions lost, though only the catalog had stopped answering. By
+        the time this host has beaten for ``down_after``, every live host has beaten again too."""
         await asyncio.wait_for(self.catalog.store.check_host_lock(), BEAT_TIMEOUT_SECONDS)
         sessions, free = self.load()
         was_down = await asyncio.wait_for(self.catalog.heartbeat(sessions, free), BEAT_TIMEOUT_SECONDS)
         self.last_beat = time.monotonic()
+        if self.beating_since is None:
+            self.beating_since = self.last_beat
         if was_down and self.on_return is not None:
             lost = await self.on_return()
             log.warning(
                 "this host had been marked down: %d session(s) declared lost let go", lost, extra={"host": self.host_id}
             )
+        if self.last_beat - self.beating_since < self.down_after:
+            return []  # back from a break (or just started): the others get their time to beat again
         down = await asyncio.wait_for(self.catalog.mark_down_stale(self.down_after), BEAT_TIMEOUT_SECONDS)
         for host in down:
             log.warning(
@@ -137,6 +151,7 @@ class ClusterMembership:
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # the catalog is away: this host's sessions keep working
+                self.beating_since = None
                 quiet = self._failures.allow()
                 if quiet is not None:
                     log.warning(
