@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -30,7 +31,7 @@ from tornado.netutil import bind_sockets
 from tornado.websocket import websocket_connect
 
 from sandkernel.errors import ConfigError
-from sandkernel.gateway.base import ApiError
+from sandkernel.gateway.base import MAX_BODY_BYTES, ApiError
 from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.cluster.peer_pool import Hop, PeerPool
 from sandkernel.gateway.cluster.signing import (
@@ -770,6 +771,75 @@ async def test_a_forged_or_stale_forwarded_header_is_401_and_a_forwarded_request
     assert status == 200 and model["id"] == sid
     status, answer, _ = await b.call("GET", path, headers=sign(CLUSTER_SECRET, "GET", path, "host-a"))
     assert status == 404, (status, answer)
+
+
+async def raw_request(host: Host, head: str, body: bytes = b"") -> socket.socket:
+    """A request written on a plain socket (a client the test can cut off mid-answer)."""
+    raw = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", host.serve.port))
+    await asyncio.to_thread(raw.sendall, head.encode() + body)
+    return raw
+
+
+async def test_a_client_that_goes_away_from_a_forwarded_stream_interrupts_its_code_on_the_owner(cluster, placed):
+    """The forwarder cuts its hop when its client goes away, so the owner sees its client gone
+    and interrupts the code (as it does for a client of its own: test_gateway.py)."""
+    owner = next(host for host in cluster if host.host_id == "host-a")
+    via = other(cluster, "host-a")
+    sid = placed["host-a"]["id"]
+    body = json.dumps({"code": "import time\nprint('working', flush=True)\ntime.sleep(600)"}).encode()
+    raw = await raw_request(
+        via,
+        f"POST /api/sessions/{sid}/execute?stream=1 HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n",
+        body,
+    )
+    received = b""
+    while b"working" not in received:  # the code runs on the owner: its first line came through the hop
+        chunk = await asyncio.wait_for(asyncio.to_thread(raw.recv, 4096), 60)
+        assert chunk, f"stream closed early: {received!r}"
+        received += chunk
+    raw.close()
+    deadline = time.monotonic() + 30
+    while True:  # the owner's own view: its kernel idle again, long before the 600 s sleep ends
+        status, model, _ = await owner.call("GET", f"/api/sessions/{sid}")
+        if status == 200 and model["kernel"]["execution_state"] == "idle":
+            break
+        assert time.monotonic() < deadline, f"the owner's code ran on after the client went away: {model}"
+        await asyncio.sleep(0.1)
+    status, result, _ = await via.call("POST", f"/api/sessions/{sid}/execute", {"code": "print('free')"})
+    assert status == 200 and result["outputs"][0]["text"] == "free\n", (status, result)
+    status, notebook, _ = await owner.call("GET", f"/api/sessions/{sid}/notebook")
+    statuses = [cell["metadata"]["sandkernel"]["status"] for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert statuses[-2:] == ["interrupted", "ok"], statuses
+
+
+async def test_a_body_over_the_limit_is_a_413_from_the_forwarding_gateway(cluster, placed):
+    via = other(cluster, "host-a")
+    sid = placed["host-a"]["id"]
+    path = f"/api/sessions/{sid}/files/big.bin"
+    # Declared too large: refused before a byte of it is read.
+    raw = await raw_request(
+        via,
+        f"PUT {path} HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n",
+    )
+    try:
+        answer = await asyncio.wait_for(asyncio.to_thread(raw.recv, 65536), 30)
+    finally:
+        raw.close()
+    assert answer.startswith(b"HTTP/1.1 413") and b'"too_large"' in answer, answer[:300]
+    # No length given (chunked): refused once the limit is passed, and nothing reached the owner.
+    reader, writer = await asyncio.open_connection("127.0.0.1", via.serve.port)
+    writer.write(f"PUT {path} HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n".encode()
+                 + b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    chunk = b"x" * (1 << 20)
+    for _ in range(MAX_BODY_BYTES // len(chunk) + 1):  # just past the limit, then silence (no last chunk)
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+        await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    writer.close()  # (the rest can be cut by a reset: the gateway closes on an unread body)
+    assert head.startswith(b"HTTP/1.1 413") and b"application/json" in head, head
+    status, _, _ = await via.call("GET", path)
+    assert status == 404
 
 
 async def test_an_owner_that_is_gone_is_a_503_naming_it_and_the_other_host_keeps_serving(cluster, placed):
