@@ -396,6 +396,32 @@ async def test_a_streamed_answer_reaches_the_caller_chunk_by_chunk(monkeypatch):
         peer.stop()
 
 
+async def test_a_cut_mid_answer_closes_the_hop_and_a_late_cut_leaves_a_kept_connection_alone():
+    peer, pool = Peer(), new_pool()
+    try:
+        hop = Hop()
+
+        async def cut_after_first(chunk: bytes) -> None:
+            hop.cut()  # the client went away after the first line
+
+        answer = Collect(cut_after_first)
+        with pytest.raises(ConnectionError, match="went away"):
+            await asyncio.wait_for(
+                pool.fetch(peer.url, "GET", "/stream", httputil.HTTPHeaders(), None, answer, hop), 30
+            )
+        assert answer.chunks == [b'{"n": 1}\n'] and pool.idle_count(peer.url) == 0
+        # An exchange that finished: its hop no longer reaches the connection, now kept for others.
+        done = Hop()
+        await pool.fetch(peer.url, "GET", "/echo", httputil.HTTPHeaders(), None, Collect(), done)
+        assert pool.idle_count(peer.url) == 1
+        done.cut()
+        assert pool.idle_count(peer.url) == 1 and (await fetch(pool, peer.url)).code == 200 and pool.reused == 1
+    finally:
+        peer.go.set()
+        pool.close()
+        peer.stop()
+
+
 class Scripted:
     """A peer on a real socket that answers each request with the bytes a test gives (as the
     owner's gateway would write them, or worse), then keeps the connection open (or closes it

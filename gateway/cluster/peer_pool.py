@@ -372,6 +372,7 @@ class PeerPool:
             finally:
                 timer.cancel()
             if finished:
+                hop.connection = None  # a late cut must not close it under another exchange
                 if keep_alive and connection.usable:
                     self._check_in(peer, connection)
                 else:
