@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.httputil import HTTPHeaders
 
 from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.server import Gateway as RunningGateway
@@ -24,6 +25,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+async def call_api(
+    url: str,
+    method: str,
+    body: Any = None,
+    token: str | None = ALICE,
+    *,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    request_timeout: float = 300,
+    **kw: Any,
+) -> tuple[int, Any, HTTPHeaders]:
+    """One request to a gateway's API as the tenant of ``token`` (None: no Authorization):
+    ``body`` sent as JSON (or ``raw`` bytes; a POST or PUT without either sends an empty body).
+    Returns (status, the JSON answer, or its text when it is not JSON, or None when empty, the
+    response headers); an error status is returned, not raised. What every test's gateway
+    client (Gateway.request, Serve.call) sends through."""
+    sent = {"Authorization": f"token {token}"} if token else {}
+    sent.update(headers or {})
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    if method in ("POST", "PUT") and data is None:
+        data = b""
+    request = HTTPRequest(url, method=method, body=data, headers=sent, request_timeout=request_timeout, **kw)
+    try:
+        response = await AsyncHTTPClient().fetch(request)
+    except HTTPClientError as err:
+        assert err.response is not None, err  # no answer at all (refused, timed out): a failure
+        response = err.response
+    text = response.body.decode(errors="replace") if response.body else ""
+    try:
+        return response.code, json.loads(text) if text else None, response.headers
+    except ValueError:
+        return response.code, text, response.headers
+
+
 @dataclass
 class Gateway:
     url: str
@@ -37,21 +72,8 @@ class Gateway:
     async def request(
         self, method: str, path: str, body: Any = None, token: str | None = ALICE, raw: bytes | None = None, **kw: Any
     ) -> tuple[int, Any]:
-        headers = {"Authorization": f"token {token}"} if token else {}
-        headers.update(kw.pop("headers", {}))
-        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        if method in ("POST", "PUT") and data is None:
-            data = b""
-        req = HTTPRequest(self.url + path, method=method, body=data, headers=headers, request_timeout=300, **kw)
-        try:
-            resp = await AsyncHTTPClient().fetch(req)
-        except HTTPClientError as err:
-            resp = err.response
-        text = resp.body.decode() if resp.body else ""
-        try:
-            return resp.code, json.loads(text) if text else None
-        except ValueError:
-            return resp.code, text
+        status, data, _ = await call_api(self.url + path, method, body, token, raw=raw, **kw)
+        return status, data
 
 
 # What test gateways use unless a test says otherwise: few sessions, runc (fast, and the

@@ -26,13 +26,13 @@ from typing import Any
 
 import nbformat
 import pytest
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from tornado.httpclient import HTTPClientError, HTTPRequest
 from tornado.websocket import websocket_connect
 
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from .conftest import RUNTIMES, container_ids_of, require_runtime
-from .gateway_fixtures import ALICE, BOB, free_port
+from .gateway_fixtures import ALICE, BOB, call_api, free_port
 
 START_TIMEOUT = 180.0
 
@@ -109,19 +109,8 @@ class Serve:
         return self.proc.returncode
 
     async def call(self, method: str, path: str, body: Any = None, token: str = ALICE) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else (b"" if method in ("POST", "PUT") else None)
-        request = HTTPRequest(
-            self.url + path, method=method, body=data, headers={"Authorization": f"token {token}"}, request_timeout=300
-        )
-        try:
-            response = await AsyncHTTPClient().fetch(request)
-        except HTTPClientError as err:
-            response = err.response
-        text = response.body.decode() if response.body else ""
-        try:
-            return response.code, json.loads(text) if text else None
-        except ValueError:
-            return response.code, text
+        status, data, _ = await call_api(self.url + path, method, body, token)
+        return status, data
 
     async def execute(self, sid: str, code: str, token: str = ALICE, timeout: float = 120) -> dict[str, Any]:
         status, result = await self.call(
