@@ -83,7 +83,9 @@ MAX_HOSTS = 20  # host N's docker0 is 10.213.(10+N).1/24, below BRIDGE_POOL
 # the cgroup tree is moved over onto the new /sys. And a sandkernel gateway of its own: the
 # host's /var/lib/sandkernel and /run/sandkernel are private directories of this host (SANDKERNEL_DIR,
 # on the lab's tmpfs), made shared mounts in its namespace so a gateway container can bind them
-# ``rshared`` as on a real host (Docker refuses rshared on a mount that is not shared).
+# ``rshared`` as on a real host (Docker refuses rshared on a mount that is not shared). One
+# directory of the machine is every host's /var/lib/sandkernel/snapshots, as an NFS mount on each
+# node would be: a paused session of a dead host resumes on another (docs/snapshots.md).
 _DAEMON_WRAPPER = """set -e
 hostname "$1"
 mkdir -p "$2/etc-docker" "$2/run-containerd" "$2/cgroup" /run/containerd
@@ -98,7 +100,9 @@ mount --bind "$3/state" /var/lib/sandkernel
 mount --make-shared /var/lib/sandkernel
 mount --bind "$3/run" /run/sandkernel
 mount --make-shared /run/sandkernel
-shift 3
+mkdir -p "$4" /var/lib/sandkernel/snapshots
+mount --bind "$4" /var/lib/sandkernel/snapshots
+shift 4
 exec "$@"
 """
 
@@ -196,6 +200,11 @@ class Lab:
         self._lock: socket.socket | None = None
 
     # ----- lookups -------------------------------------------------------------------------
+    @property
+    def shared_snapshots(self) -> Path:
+        """The snapshot dir every host mounts at /var/lib/sandkernel/snapshots (shared storage)."""
+        return self.data_root / "shared-snapshots"
+
     def host(self, host: int | LabHost) -> LabHost:
         """The :class:`LabHost` for a 1-based index (or the host itself)."""
         if isinstance(host, LabHost):
@@ -303,7 +312,7 @@ class Lab:
         return [
             "nsenter", f"--net=/run/netns/{h.name}", "--",
             "unshare", "--uts", "--mount", "--propagation", "slave", "--",
-            "sh", "-c", _DAEMON_WRAPPER, "sh", h.name, str(h.exec_root), str(h.sandkernel_dir),
+            "sh", "-c", _DAEMON_WRAPPER, "sh", h.name, str(h.exec_root), str(h.sandkernel_dir), str(self.shared_snapshots),
             "dockerd",
             "--data-root", str(h.data_root),
             "--exec-root", str(h.exec_root),
