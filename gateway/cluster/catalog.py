@@ -1,7 +1,7 @@
 """The cluster's shared catalog: which hosts are up, which host holds each session, and each
 tenant's sessions counted across all hosts. PostgreSQL is the only coordinator.
 
-:class:`ClusterCatalog` works on the tables that ``kernels/durable/postgres.py`` creates, through
+:class:`ClusterCatalog` works on the tables that ``kernels/durable/pg_schema.py`` creates, through
 the same connection pool as this host's :class:`~sandkernel.kernels.durable.postgres.PostgresStore`
 (one pool per gateway). Every decision that two gateways could race on is one transaction:
 
@@ -11,7 +11,8 @@ the same connection pool as this host's :class:`~sandkernel.kernels.durable.post
 - **Host down** (:meth:`mark_down_stale`): any gateway may notice a host whose heartbeat is older
   than ``host_down_after``; one statement marks it 'down' and turns its running sessions into
   ``lost`` with the reason "host <id> stopped answering at <its last heartbeat>". Paused sessions
-  stay paused (their snapshot is not on that host's engine); nothing is re-created empty. Two
+  stay paused (a host sharing the down host's snapshot store may take one over:
+  :meth:`take_over_paused`); nothing is re-created empty. Two
   gateways doing it at once change nothing twice (the second finds the host already down). A host
   that comes back is 'up' again at its next register or heartbeat; its lost rows stay lost.
 - **Placement** (:meth:`place`): the 'up' host with the most free room that has the runtime. The
