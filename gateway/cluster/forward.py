@@ -301,16 +301,21 @@ class _Relay(httputil.HTTPMessageDelegate):
                 handler.add_header(name, value)
         self.started = True
 
-    async def data_received(self, chunk: bytes) -> None:
+    def data_received(self, chunk: bytes) -> Awaitable[None] | None:
         """Awaited by the reader before its next read: each chunk reaches the client before the
-        next is read from the owner. A client gone cuts the hop (the read then fails)."""
+        next is read from the owner. A client gone cuts the hop (the read then fails). The last
+        piece of a body with a Content-Length is only buffered: the handler's finish sends it
+        with the head, in one write (and nothing is left to await)."""
         if not self.started:
             self.start()
         self.handler.write(chunk)
         if self.remaining is not None:
             self.remaining -= len(chunk)
-            if self.remaining <= 0:  # the body's last piece: the handler's finish sends it, in the same write
-                return
+            if self.remaining <= 0:
+                return None
+        return self._flush()
+
+    async def _flush(self) -> None:
         try:
             await self.handler.flush()
         except StreamClosedError:
