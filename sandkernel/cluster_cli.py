@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import Any
 
 from sandkernel import __version__
 
@@ -105,12 +106,26 @@ def _cmd_up(args: argparse.Namespace) -> int:
             tokens_file=args.tokens_file,
             cluster_secret_file=args.cluster_secret_file,
             catalog_node=args.catalog_node,
+            tls=_tls_files(args),
             compose_files=tuple(args.compose_file),
         )
     except DeployError as err:
         print(f"sandkernel cluster up: {err}")
         return 2
     return 0
+
+
+def _tls_files(args: argparse.Namespace) -> Any:
+    """--tls-cert/--tls-key/--cluster-ca as deploy.TlsFiles (None without a certificate)."""
+    from sandkernel.gateway.cluster.deploy import DeployError, TlsFiles
+
+    if args.tls_cert is None and args.tls_key is None:
+        if args.cluster_ca is not None:
+            raise DeployError("--cluster-ca goes with --tls-cert and --tls-key (the gateways' certificate)")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise DeployError("HTTPS needs both --tls-cert and --tls-key (the certificate chain and its private key)")
+    return TlsFiles(args.tls_cert, args.tls_key, args.cluster_ca)
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
@@ -187,6 +202,17 @@ def add_cluster_parser(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--tokens-file", type=Path, metavar="FILE", help='tenants\' tokens, JSON {"tenant": "token"}')
     up.add_argument(
         "--cluster-secret-file", type=Path, metavar="FILE", help="the secret gateways sign with (default: generated)"
+    )
+    up.add_argument(
+        "--tls-cert",
+        type=Path,
+        metavar="FILE",
+        help="PEM certificate chain for every gateway (its names cover every node's address): HTTPS for clients "
+        "and TLS between the gateways",
+    )
+    up.add_argument("--tls-key", type=Path, metavar="FILE", help="the PEM private key of --tls-cert (chmod 600)")
+    up.add_argument(
+        "--cluster-ca", type=Path, metavar="FILE", help="the PEM CA the gateways check each other's certificate with"
     )
     up.add_argument(
         "--compose-file",

@@ -275,3 +275,48 @@ def test_cluster_up_refuses_both_catalog_choices_at_once(tmp_path: Path):
     )  # fmt: skip
     assert result.returncode == 2, (result.stdout, result.stderr)
     assert "--catalog-node runs the stack's own PostgreSQL" in result.stdout and "give one of them" in result.stdout
+
+
+def test_the_launcher_takes_the_tls_secrets_together_or_not_at_all(tmp_path: Path):
+    for name in ("catalog_url", "cluster_secret", "tls_cert"):
+        (tmp_path / name).write_text("x")
+    with pytest.raises(LaunchError, match="tls_cert and tls_key come together"):
+        read_secrets(tmp_path)
+    (tmp_path / "tls_key").write_text("k")
+    (tmp_path / "cluster_ca").write_text("ca")
+    assert set(read_secrets(tmp_path)) == {"catalog_url", "cluster_secret", "tls_cert", "tls_key", "cluster_ca"}
+
+
+def test_cluster_up_with_tls_gives_the_gateway_service_the_three_secrets_root_only(tmp_path: Path):
+    from sandkernel.gateway.cluster.deploy import TlsFiles, tls_override
+
+    override = tls_override(TlsFiles(tmp_path / "c.pem", tmp_path / "k.pem", tmp_path / "ca.pem"))
+    secrets = override["services"]["gateway"]["secrets"]
+    assert [(s["source"], s["target"], s["mode"]) for s in secrets] == [
+        ("tls_cert", "tls_cert", 0o400), ("tls_key", "tls_key", 0o400), ("cluster_ca", "cluster_ca", 0o400)
+    ]  # fmt: skip
+    assert override["secrets"]["tls_key"] == {"external": True, "name": "sandkernel_tls_key"}
+    assert "cluster_ca" not in tls_override(TlsFiles(tmp_path / "c.pem", tmp_path / "k.pem"))["secrets"]
+
+
+def test_cluster_up_checks_the_certificate_before_anything_is_deployed(tmp_path: Path):
+    from .certificates import make_certificates
+
+    good, other = make_certificates(tmp_path / "good"), make_certificates(tmp_path / "other")
+    for path in (good.cert, good.ca, other.key):
+        path.chmod(0o600)
+    sandkernel = str(Path(sys.executable).with_name("sandkernel"))
+    for flags, said in (
+        (["--tls-cert", str(good.cert)], "needs both --tls-cert and --tls-key"),
+        (["--cluster-ca", str(good.ca)], "--cluster-ca goes with --tls-cert"),
+        (["--tls-cert", str(good.cert), "--tls-key", str(other.key)], "cannot be used"),  # another's key
+    ):
+        result = subprocess.run([sandkernel, "cluster", "up", *flags], capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2 and said in result.stdout, (flags, result.stdout, result.stderr)
+        assert "Traceback" not in result.stdout + result.stderr
+    good.cert.chmod(0o644)  # a usable pair, but a file others can read is refused like any secret's
+    result = subprocess.run(
+        [sandkernel, "cluster", "up", "--tls-cert", str(good.cert), "--tls-key", str(good.key)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "readable by others; chmod 600" in result.stdout, result.stdout

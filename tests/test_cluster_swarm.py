@@ -32,16 +32,18 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+from tornado.httpclient import AsyncHTTPClient
 from tornado.websocket import websocket_connect
 
 from sandkernel.gateway.cluster.catalog_image import CATALOG_IMAGE, build_catalog_image
 from sandkernel.gateway.cluster.gateway_image import GATEWAY_IMAGE, build_gateway_image
 
+from .certificates import make_certificates
 from .cluster.commands import wait_for
 from .cluster.lab import KERNEL_IMAGE, Lab, main_runtimes, running_lab
 from .cluster.sandkernel_stack import (
@@ -76,10 +78,10 @@ HAS_RUNSC = "runsc" in main_runtimes()
 class Cluster:
     """The deployed cluster: the lab, its three endpoints, the catalog, and what the tests made."""
 
-    def __init__(self, lab: Lab, catalog_url: str) -> None:
+    def __init__(self, lab: Lab, catalog_url: str, ca: Path) -> None:
         self.lab = lab
         self.catalog_url = catalog_url
-        self.endpoints = [Endpoint(h.index, h.ip) for h in lab.hosts]
+        self.endpoints = [Endpoint(h.index, h.ip, ca) for h in lab.hosts]
         self.sessions: dict[str, dict[str, Any]] = {}  # id -> {"host": name, "value": int}
 
     def owners(self) -> dict[str, str]:
@@ -124,16 +126,19 @@ def lab() -> Iterator[Lab]:
 async def cluster(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
     """The stack deployed with its own PostgreSQL on host 1, three gateways answering."""
     workdir = tmp_path_factory.mktemp("swarm")
+    # One certificate naming every node's address, and the CA the gateways check each other with:
+    # clients speak HTTPS and WSS to any gateway, and every forwarded hop is TLS.
+    tls = make_certificates(workdir / "tls", [h.ip for h in lab.hosts])
     started = time.monotonic()
     output = deploy(lab, workdir, cluster_secret=secrets.token_hex(32), tokens={"alice": ALICE, "bob": BOB},
-                    serve_args=SERVE_ARGS)  # fmt: skip
+                    serve_args=SERVE_ARGS, tls=tls)  # fmt: skip
     assert "sandkernel_catalog_password: created (generated)" in output, output
     again = deploy(lab, workdir, cluster_secret=secrets.token_hex(32), tokens={"alice": ALICE, "bob": BOB},
-                   serve_args=SERVE_ARGS)  # fmt: skip
+                   serve_args=SERVE_ARGS, tls=tls)  # fmt: skip
     for kept in ("sandkernel_catalog_password: exists, kept", "sandkernel_catalog_url: exists, kept",
                  "sandkernel_cluster_secret: exists, kept", "labelled sandkernel.catalog=true already"):  # fmt: skip
         assert kept in again, again  # a second `up` changes no secret (the volume's password stays right)
-    endpoints = [Endpoint(h.index, h.ip) for h in lab.hosts]
+    endpoints = [Endpoint(h.index, h.ip, tls.ca) for h in lab.hosts]
     await wait_answering(endpoints, ALICE, timeout=180)  # the gateways restart until the catalog answers
 
     def healthy() -> dict[str, Any] | None:
@@ -144,9 +149,12 @@ async def cluster(lab: Lab, tmp_path_factory: pytest.TempPathFactory) -> AsyncIt
     assert catalog["Config"]["User"] == "postgres:postgres"
     assert [m["Type"] for m in catalog["Mounts"] if m["Destination"] == "/var/lib/postgresql/data"] == ["volume"]
     assert not any("PASSWORD" in e.upper() and "FILE" not in e.upper() for e in catalog["Config"]["Env"])
-    deployed = Cluster(lab, deployed_catalog_url(lab))
+    deployed = Cluster(lab, deployed_catalog_url(lab), tls.ca)
     assert f"@{lab.ip_of(CATALOG_HOST)}:5432/" in deployed.catalog_url  # host 1's own address, host-mode port
     wait_for("three hosts up in the catalog", lambda: sorted(deployed.host_states().values()) == ["up"] * 3, 60)
+    with psycopg.connect(deployed.catalog_url, connect_timeout=10) as conn:
+        urls = [row[0] for row in conn.execute("SELECT url FROM hosts").fetchall()]
+    assert all(url.startswith("https://") for url in urls), urls  # the gateways forward to each other over TLS
     print(f"[swarm] stack deployed, catalog and 3 gateways answering in {time.monotonic() - started:.1f} s")
     yield deployed
 
@@ -214,15 +222,14 @@ async def test_streams_websockets_and_files_work_through_a_gateway_that_does_not
         data = os.urandom(200_000)
         status, written = await via.call("PUT", f"/api/sessions/{sid}/files/blob.bin", raw=data, token=ALICE)
         assert status == 201 and written["size"] == len(data), written
-        download = await AsyncHTTPClient().fetch(HTTPRequest(
-            cluster.endpoint_not_holding(host_name, {cluster.lab.host(via.host).name}).url
-            + f"/api/sessions/{sid}/files/blob.bin", headers={"Authorization": f"token {ALICE}"}))  # fmt: skip
+        download = await AsyncHTTPClient().fetch(
+            cluster.endpoint_not_holding(host_name, {cluster.lab.host(via.host).name}).request(
+                f"/api/sessions/{sid}/files/blob.bin", headers={"Authorization": f"token {ALICE}"}))  # fmt: skip
         assert download.body == data
         status, model = await via.call("GET", f"/api/sessions/{sid}", token=ALICE)
         kernel_id = model["kernel"]["id"]
-        ws = await websocket_connect(HTTPRequest(
-            via.url.replace("http://", "ws://") + f"/api/kernels/{kernel_id}/channels",
-            headers={"Authorization": f"token {ALICE}"}))  # fmt: skip
+        ws = await websocket_connect(via.request(f"/api/kernels/{kernel_id}/channels", ws=True,
+                                                 headers={"Authorization": f"token {ALICE}"}))  # fmt: skip
         try:
             reply, text = await run_cell(ws, "print(value * 2)")
             assert reply["status"] == "ok" and text == f"{cluster.sessions[sid]['value'] * 2}\n", (reply, text)

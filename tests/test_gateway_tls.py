@@ -7,8 +7,6 @@ Real parts: certificates made by the ``openssl`` command (a throwaway CA, a cert
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,40 +19,11 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from sandkernel.errors import ConfigError
 from sandkernel.gateway.settings import GatewaySettings
 
-from .gateway_fixtures import ALICE
+from .certificates import Certificates, make_certificates
+from .gateway_fixtures import ALICE, call_api
 from .kernel_websocket import run_cell
 from .test_cluster_membership import clean_up_hosts, cluster_flags, rows
 from .test_durable_sessions import Serve
-
-LEAF_EXTENSIONS = (
-    "subjectAltName=IP:127.0.0.1\nbasicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\n"
-    "extendedKeyUsage=serverAuth\nsubjectKeyIdentifier=hash\nauthorityKeyIdentifier=keyid,issuer\n"
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Certificates:
-    ca: Path
-    cert: Path
-    key: Path
-
-
-def make_certificates(directory: Path) -> Certificates:
-    """A throwaway CA and a certificate for 127.0.0.1 it signed (EC P-256, two days)."""
-    directory.mkdir(parents=True)
-
-    def openssl(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=directory, check=True, capture_output=True, timeout=60)
-
-    ec = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
-    openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=sandkernel test CA",
-            "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign,cRLSign")  # fmt: skip
-    openssl("req", *ec, "-keyout", "gateway.key", "-out", "gateway.csr", "-subj", "/CN=127.0.0.1")
-    (directory / "leaf.cnf").write_text(LEAF_EXTENSIONS)
-    openssl("x509", "-req", "-in", "gateway.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-            "-out", "gateway.pem", "-days", "2", "-extfile", "leaf.cnf")  # fmt: skip
-    (directory / "gateway.key").chmod(0o600)
-    return Certificates(directory / "ca.pem", directory / "gateway.pem", directory / "gateway.key")
 
 
 class TlsServe(Serve):
@@ -72,21 +41,8 @@ class TlsServe(Serve):
         return ("--certfile", str(self.certificates.cert), "--keyfile", str(self.certificates.key))
 
     async def call(self, method: str, path: str, body: Any = None, token: str = ALICE) -> tuple[int, Any]:
-        data = json.dumps(body).encode() if body is not None else (b"" if method in ("POST", "PUT") else None)
-        request = HTTPRequest(
-            self.url + path,
-            method=method,
-            body=data,
-            headers={"Authorization": f"token {token}"},
-            request_timeout=300,
-            ca_certs=str(self.certificates.ca),
-        )
-        try:
-            response = await AsyncHTTPClient().fetch(request)
-        except HTTPClientError as err:
-            response = err.response
-        text = response.body.decode() if response.body else ""
-        return response.code, json.loads(text) if text else None
+        status, data, _ = await call_api(self.url + path, method, body, token, ca_certs=str(self.certificates.ca))
+        return status, data
 
 
 def test_a_certificate_without_its_key_is_refused_with_what_to_do():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import importlib.resources
+import json
 import os
 import secrets
 import shutil
@@ -24,6 +25,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import docker
 
@@ -45,6 +47,16 @@ SECRET_NAMES = {  # the stack's external Docker secrets -> what each holds
     CATALOG_URL_SECRET: "the postgresql:// URL of the cluster catalog (with its password)",
     "sandkernel_cluster_secret": "the secret the gateways sign forwarded requests with (32+ bytes)",
     "sandkernel_tokens": 'the tenants\' tokens file, JSON {"tenant": "token"}',
+    "sandkernel_tls_cert": "the gateways' PEM certificate chain (its names cover every node's address)",
+    "sandkernel_tls_key": "the PEM private key of that certificate",
+    "sandkernel_cluster_ca": "the PEM CA the gateways check each other's certificate with",
+}
+# The TLS secrets (Docker secret name -> the name the launcher reads in /run/secrets), added to
+# the gateway service by a generated override when `cluster up --tls-cert` is used.
+TLS_SECRETS = {
+    "sandkernel_tls_cert": "tls_cert",
+    "sandkernel_tls_key": "tls_key",
+    "sandkernel_cluster_ca": "cluster_ca",
 }
 
 
@@ -217,6 +229,44 @@ def catalog_secret_sources(client: docker.DockerClient, node: CatalogNode) -> li
     ]
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """The operator's files for TLS between clients, gateways and each other (chmod 600)."""
+
+    cert: Path
+    key: Path
+    ca: Path | None = None
+
+    def check(self) -> None:
+        """DeployError unless the certificate and key make a usable pair (checked here, before
+        anything is deployed, rather than by every gateway failing to start)."""
+        from sandkernel.errors import ConfigError
+        from sandkernel.gateway.tls import server_context
+
+        try:
+            server_context(self.cert, self.key)
+        except ConfigError as err:
+            raise DeployError(str(err)) from None
+
+    def sources(self) -> list[SecretSource]:
+        paths = {"sandkernel_tls_cert": self.cert, "sandkernel_tls_key": self.key, "sandkernel_cluster_ca": self.ca}
+        return [SecretSource(name, path) for name, path in paths.items() if path is not None]
+
+
+def tls_override(tls: TlsFiles) -> dict[str, Any]:
+    """The compose override that gives the gateway service the TLS secrets (0400, root)."""
+    names = [source.name for source in tls.sources()]
+    return {
+        "version": "3.8",
+        "services": {
+            STACK_SERVICE: {
+                "secrets": [{"source": TLS_SECRETS[n], "target": TLS_SECRETS[n], "mode": 0o400} for n in names]
+            }
+        },
+        "secrets": {TLS_SECRETS[n]: {"external": True, "name": n} for n in names},
+    }
+
+
 def bring_up(
     *,
     stack_name: str,
@@ -224,6 +274,7 @@ def bring_up(
     tokens_file: Path | None,
     cluster_secret_file: Path | None,
     catalog_node: str | None = None,
+    tls: TlsFiles | None = None,
     compose_files: tuple[Path, ...] = (),
     progress: Progress = print,
     client: docker.DockerClient | None = None,
@@ -241,6 +292,10 @@ def bring_up(
         )
     if catalog_node is not None and not catalog_node.strip():
         raise DeployError("--catalog-node needs a node's name or id (docker node ls)")
+    if tls is not None:
+        tls.check()
+        for source in tls.sources():  # readable by the operator only, like the other secrets' files
+            source.read()
     client = client or docker.from_env()
     swarm = client.info().get("Swarm") or {}
     if swarm.get("LocalNodeState") != "active" or not swarm.get("ControlAvailable"):
@@ -248,6 +303,7 @@ def bring_up(
     common = [
         SecretSource("sandkernel_cluster_secret", cluster_secret_file, generate=True),
         SecretSource("sandkernel_tokens", tokens_file),
+        *(tls.sources() if tls is not None else []),
     ]
     if catalog_node is None:
         create_secrets(client, [SecretSource(CATALOG_URL_SECRET, catalog_url_file), *common], progress)
@@ -268,6 +324,11 @@ def bring_up(
         stack_file = Path(tmp) / STACK_FILE
         stack_file.write_text(stack_text(catalog=catalog_node is not None))
         command = [docker_cli, "stack", "deploy", "--resolve-image", "never", "-c", str(stack_file)]
+        if tls is not None:
+            tls_file = Path(tmp) / "tls.yml"
+            tls_file.write_text(json.dumps(tls_override(tls)))  # JSON is YAML
+            command += ["-c", str(tls_file)]
+            progress("[deploy] gateways serve HTTPS and forward to each other over TLS")
         for extra in compose_files:
             command += ["-c", str(extra)]
         progress(f"[deploy] docker stack deploy {stack_name} ({len(compose_files)} override file(s))")

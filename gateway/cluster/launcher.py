@@ -62,8 +62,12 @@ SECRET_SETTINGS = {
     "catalog_url": "catalog_url",
     "cluster_secret": "cluster_secret_file",
     "tokens": "tokens_file",
+    "tls_cert": "certfile",  # optional, with tls_key: HTTPS and an https:// advertise URL
+    "tls_key": "keyfile",
 }
 REQUIRED_SECRETS = ("catalog_url", "cluster_secret")
+# Optional: the CA the gateways check each other's certificates with (the gateway's SSL_CERT_FILE).
+CLUSTER_CA_SECRET = "cluster_ca"
 # Host paths the gateway shares with its engine at the same path (dockerd resolves bind sources
 # on the host, so what the gateway mounts under them must propagate back: rshared).
 STATE_DIR = "/var/lib/sandkernel"
@@ -89,6 +93,7 @@ class LaunchPlan:
     config: dict[str, Any]
     files: dict[str, bytes] = field(repr=False)  # name under CONFIG_DIR -> content (secrets included)
     serve_args: tuple[str, ...] = ()
+    environment: dict[str, str] = field(default_factory=dict)
 
     def command(self) -> list[str]:
         return ["serve", "--config", f"{CONFIG_DIR}/gateway.json", *self.serve_args]
@@ -127,7 +132,7 @@ def node_identity(client: docker.DockerClient) -> tuple[str, str]:
 def read_secrets(directory: Path) -> dict[str, bytes]:
     """The stack's secrets this launcher was given; the required ones must be there."""
     found = {}
-    for name in SECRET_SETTINGS:
+    for name in (*SECRET_SETTINGS, CLUSTER_CA_SECRET):
         path = directory / name
         if path.is_file():
             found[name] = path.read_bytes()
@@ -136,6 +141,11 @@ def read_secrets(directory: Path) -> dict[str, bytes]:
         raise LaunchError(
             f"missing Swarm secret(s) {', '.join(missing)} in {directory}: the stack must give the gateway service "
             "the secrets catalog_url and cluster_secret (see `sandkernel cluster stack`)"
+        )
+    if ("tls_cert" in found) != ("tls_key" in found):
+        raise LaunchError(
+            f"the secrets tls_cert and tls_key come together (HTTPS needs both) in {directory}: give the gateway "
+            "service both, or neither (see `sandkernel cluster up --tls-cert`)"
         )
     return found
 
@@ -149,8 +159,9 @@ def make_plan(
     serve_args: tuple[str, ...] = (),
 ) -> LaunchPlan:
     host_id, address = node_identity(client)
-    advertise_url = f"http://{address}:{port}"
     secrets = read_secrets(secrets_dir)
+    scheme = "https" if "tls_cert" in secrets else "http"  # the other gateways then forward over TLS
+    advertise_url = f"{scheme}://{address}:{port}"
     config: dict[str, Any] = {
         "ip": "0.0.0.0",  # the host's network: reached by clients and by the other gateways
         "port": port,
@@ -166,8 +177,12 @@ def make_plan(
         if name in secrets and setting != "catalog_url":
             files[name] = secrets[name]
             config[setting] = f"{CONFIG_DIR}/{name}"
+    environment = {}
+    if CLUSTER_CA_SECRET in secrets:  # the trust store the gateway checks its peers' certificates with
+        files[CLUSTER_CA_SECRET] = secrets[CLUSTER_CA_SECRET]
+        environment["SSL_CERT_FILE"] = f"{CONFIG_DIR}/{CLUSTER_CA_SECRET}"
     files["gateway.json"] = json.dumps(config, indent=2).encode()
-    return LaunchPlan(image or own_image(client), host_id, advertise_url, port, config, files, serve_args)
+    return LaunchPlan(image or own_image(client), host_id, advertise_url, port, config, files, serve_args, environment)
 
 
 def _config_archive(files: dict[str, bytes]) -> bytes:
@@ -216,6 +231,7 @@ def start_gateway(client: docker.DockerClient, plan: LaunchPlan) -> Any:
             security_opt=["apparmor=unconfined"],  # docker-default AppArmor denies mount(2)
             network_mode="host",
             volumes=binds,
+            environment=plan.environment,
             labels={ROLE_LABEL: "gateway", "sandkernel.host-id": plan.host_id},
             restart_policy={"Name": "no"},
             log_config={"Type": "json-file", "Config": {"max-size": "20m", "max-file": "3"}},

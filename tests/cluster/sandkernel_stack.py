@@ -23,6 +23,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 
 from sandkernel.gateway.cluster.deploy import CATALOG_SERVICE, STACK_SERVICE
 
+from ..certificates import Certificates
 from .commands import LabError, run, wait_for
 from .lab import Lab, docker_env
 
@@ -34,11 +35,18 @@ PORT = 8888
 
 
 class Endpoint:
-    """One host's gateway, reached from the test process on the lab network."""
+    """One host's gateway, reached from the test process on the lab network: over HTTPS, checked
+    against the test's CA, when the cluster was brought up with certificates (``ca``)."""
 
-    def __init__(self, host: int, ip: str) -> None:
+    def __init__(self, host: int, ip: str, ca: Path | None = None) -> None:
         self.host = host
-        self.url = f"http://{ip}:{PORT}"
+        self.ca = str(ca) if ca is not None else None
+        self.url = f"{'https' if ca is not None else 'http'}://{ip}:{PORT}"
+
+    def request(self, path: str, **kw: Any) -> HTTPRequest:
+        """An HTTPRequest to this gateway (``ws``: its websocket URL), trusting the test's CA."""
+        url = self.url.replace("http", "ws", 1) + path if kw.pop("ws", False) else self.url + path
+        return HTTPRequest(url, ca_certs=self.ca, **kw)
 
     async def call(self, method: str, path: str, body: Any = None, *, token: str, raw: bytes | None = None,
                    timeout: float = 120, **kw: Any) -> tuple[int, Any]:  # fmt: skip
@@ -46,8 +54,8 @@ class Endpoint:
         data = raw if raw is not None else json.dumps(body).encode() if body is not None else None
         if method in ("POST", "PUT") and data is None:
             data = b""
-        request = HTTPRequest(self.url + path, method=method, body=data, request_timeout=timeout,
-                              headers={"Authorization": f"token {token}"}, **kw)  # fmt: skip
+        request = self.request(path, method=method, body=data, request_timeout=timeout,
+                               headers={"Authorization": f"token {token}"}, **kw)  # fmt: skip
         try:
             response = await AsyncHTTPClient().fetch(request)
         except HTTPClientError as err:
@@ -76,8 +84,8 @@ def override(serve_args: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def deploy(lab: Lab, workdir: Path, *, cluster_secret: str, tokens: dict[str, str],
-           serve_args: Sequence[str]) -> str:  # fmt: skip
+def deploy(lab: Lab, workdir: Path, *, cluster_secret: str, tokens: dict[str, str], serve_args: Sequence[str],
+           tls: Certificates | None = None) -> str:  # fmt: skip
     """``sandkernel cluster up`` against host 1's engine, as an operator runs it: the catalog on
     host :data:`CATALOG_HOST` (``--catalog-node``), the other secrets from chmod-600 files, the
     shipped stack file plus the test's override. Its output."""
@@ -85,12 +93,19 @@ def deploy(lab: Lab, workdir: Path, *, cluster_secret: str, tokens: dict[str, st
     for name, text in files.items():
         (workdir / name).write_text(text)
         (workdir / name).chmod(0o600)
+    tls_flags: list[str] = []
+    if tls is not None:  # the operator's files: chmod 600, as cluster up asks
+        for flag, source in (("--tls-cert", tls.cert), ("--tls-key", tls.key), ("--cluster-ca", tls.ca)):
+            (workdir / source.name).write_bytes(source.read_bytes())
+            (workdir / source.name).chmod(0o600)
+            tls_flags += [flag, str(workdir / source.name)]
     override_file = workdir / "override.yml"
     override_file.write_text(yaml.safe_dump(override(serve_args)))
     env = {**docker_env(), "DOCKER_HOST": lab.host(1).docker_host}
     result = run([str(Path(sys.executable).with_name("sandkernel")), "cluster", "up", "--name", STACK,
                   "--catalog-node", lab.host(CATALOG_HOST).name, "--tokens-file", str(workdir / "tokens.json"),
-                  "--cluster-secret-file", str(workdir / "cluster.secret"), "--compose-file", str(override_file)],
+                  "--cluster-secret-file", str(workdir / "cluster.secret"), "--compose-file", str(override_file),
+                  *tls_flags],
                  env=env, timeout=300)  # fmt: skip
     return result.stdout
 
