@@ -25,6 +25,7 @@ from sandkernel.gateway.cluster.deploy import (
     CATALOG_URL_SECRET,
     SECRET_NAMES,
     STACK_SERVICE,
+    TLS_SECRETS,
     DeployError,
     SecretSource,
     bring_up,
@@ -51,11 +52,12 @@ def test_the_stack_file_runs_one_launcher_per_node_with_its_secrets_readable_by_
     assert service["command"][:2] == ["cluster", "launch"]
     assert service["deploy"]["update_config"]["order"] == "stop-first"  # two gateways never share a host id
     mounted = {s["target"]: s for s in service["secrets"]}
-    assert set(mounted) == set(SECRET_SETTINGS)
+    # (the TLS ones come with `cluster up --tls-cert`, in an override: see the tests at the end)
+    assert set(mounted) == set(SECRET_SETTINGS) - set(TLS_SECRETS.values())
     assert all(s["mode"] == 0o400 for s in mounted.values())  # the gateway refuses wider secret files
     assert {stack["secrets"][s["source"]]["name"] for s in mounted.values()} == set(SECRET_NAMES) - {
         CATALOG_PASSWORD_SECRET  # the catalog's alone
-    }
+    } - set(TLS_SECRETS)
     assert "environment" not in service  # nothing secret in the environment
     assert service["volumes"] == [
         {"type": "bind", "source": "/var/run/docker.sock", "target": "/var/run/docker.sock"}
