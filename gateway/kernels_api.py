@@ -3,13 +3,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import TYPE_CHECKING, Any
 
 from sandkernel import __version__
 from sandkernel.doors import KERNEL_API
-from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler
 from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.registry import ManagedSession
@@ -51,12 +49,11 @@ async def offered_kernel_names(handler: BaseHandler) -> list[str]:
 async def cluster_runtimes(cluster: ClusterLink) -> set[str] | None:
     """The runtimes some up host of the cluster runs (as each registered them); None when the
     catalog cannot be read within the catalog timeout (logged)."""
-    from sandkernel.gateway.cluster.forward import CATALOG_TIMEOUT_SECONDS
+    from sandkernel.gateway.cluster.placement import up_hosts
 
-    try:
-        hosts = await asyncio.wait_for(cluster.catalog.hosts(up_only=True), CATALOG_TIMEOUT_SECONDS)
-    except (SandkernelError, OSError, asyncio.TimeoutError) as err:
-        log.warning("kernelspecs: the cluster's hosts could not be read, listing the profile's (%s)", err)
+    hosts = await up_hosts(cluster)
+    if hosts is None:
+        log.warning("kernelspecs: the cluster's hosts could not be read, listing the profile's")
         return None
     return {runtime for host in hosts for runtime in host.runtimes}
 

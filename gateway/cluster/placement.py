@@ -51,15 +51,19 @@ async def placed_elsewhere(handler: BaseHandler, profile: str | None, limits: Ma
     return True
 
 
+async def up_hosts(cluster: ClusterLink) -> list[HostInfo] | None:
+    """The hosts the catalog lists as up, or None when it cannot say within the catalog timeout
+    (for answers that are a best effort: a 503's sentence, the kernelspecs offered)."""
+    try:
+        return await asyncio.wait_for(cluster.catalog.hosts(up_only=True), CATALOG_TIMEOUT_SECONDS)
+    except (SandkernelError, OSError, asyncio.TimeoutError):
+        return None
+
+
 async def _why_no_host(cluster: ClusterLink, runtime: str) -> str:
     """The sentence of the 503 for a create no host took: from the up hosts the catalog lists
-    (a best effort: the generic sentence when it cannot be read now)."""
-    hosts: Sequence[HostInfo] | None
-    try:
-        hosts = await asyncio.wait_for(cluster.catalog.hosts(up_only=True), CATALOG_TIMEOUT_SECONDS)
-    except (SandkernelError, OSError, asyncio.TimeoutError):
-        hosts = None
-    return no_host_reason(runtime, hosts)
+    (the generic sentence when it cannot be read now)."""
+    return no_host_reason(runtime, await up_hosts(cluster))
 
 
 def no_host_reason(runtime: str, up_hosts: Sequence[HostInfo] | None) -> str:
