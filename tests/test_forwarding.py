@@ -422,6 +422,42 @@ async def test_a_cut_mid_answer_closes_the_hop_and_a_late_cut_leaves_a_kept_conn
         peer.stop()
 
 
+async def test_an_https_peer_is_verified_against_the_trusted_cas_and_its_connection_kept(tmp_path, monkeypatch):
+    """Gateways that serve HTTPS (--certfile) are reached over TLS, the certificate checked as
+    Python's default context does (SSL_CERT_FILE: the cluster's CA), the connection kept."""
+    import ssl
+
+    from .certificates import make_certificates
+
+    trusted, stranger = make_certificates(tmp_path / "trusted"), make_certificates(tmp_path / "stranger")
+    monkeypatch.setenv("SSL_CERT_FILE", str(trusted.ca))
+    servers, urls = [], []
+    for certificates in (trusted, stranger):
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(certificates.cert, certificates.key)
+        peer = Peer()
+        peer.server.stop()  # the same app, served over TLS instead
+        server = Counted(peer.server.request_callback, ssl_options=context)
+        sockets = bind_sockets(0, "127.0.0.1")
+        server.add_sockets(sockets)
+        servers.append((peer, server))
+        urls.append(f"https://127.0.0.1:{sockets[0].getsockname()[1]}")
+    pool = new_pool()
+    try:
+        for i in range(3):
+            answer = await fetch(pool, urls[0], body=f"tls {i}".encode())
+            assert answer.code == 200 and answer.json == {"method": "POST", "body": f"tls {i}"}
+        assert servers[0][1].accepted == 1 and pool.opened == 1 and pool.reused == 2
+        with pytest.raises(ConnectionError, match=r"CERTIFICATE_VERIFY_FAILED|certificate verify failed"):
+            await fetch(pool, urls[1])
+        assert pool.idle_count(urls[1]) == 0
+    finally:
+        pool.close()
+        for peer, server in servers:
+            peer.go.set()
+            server.stop()
+
+
 class Scripted:
     """A peer on a real socket that answers each request with the bytes a test gives (as the
     owner's gateway would write them, or worse), then keeps the connection open (or closes it

@@ -619,6 +619,8 @@ def _reason(err: BaseException | None) -> str:
         return "the connection closed before the answer was complete"
     if isinstance(err, asyncio.TimeoutError | TimeoutError):
         return "timed out"
+    if isinstance(err, ssl.SSLError):  # its own words: "certificate verify failed: ..." (its errno is OpenSSL's)
+        return str(err)
     if isinstance(err, OSError) and err.errno is not None:  # "Connection refused", not asyncio's "Connect call failed"
         return os.strerror(err.errno)
     return str(err) or type(err).__name__
