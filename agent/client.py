@@ -18,6 +18,12 @@ process) or a stopping gateway answered 503 ``gateway_restarting``. Otherwise th
 sent again, since a retry could run the code twice: an execute that loses its gateway raises
 :class:`~sandkernel.agent.errors.GatewayRestarted` after waiting for the gateway to answer
 again, so the next call works. The sync twins live in :mod:`sandkernel.agent.sync_client`.
+
+In a cluster, ``direct_to_owner=True`` sends a session's calls straight to the host that holds
+it once an answer has named that host (sandkernel/owner_hint.py): the endpoint's forwarding hop
+is skipped. A host that cannot be reached is forgotten and the call goes to the endpoint again
+(only when the request never left, as above). Off by default: it needs every host reachable from
+the client, which a cluster behind a load balancer may not be.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import logging
 import math
 import os
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -49,11 +56,13 @@ from sandkernel.agent.errors import (
 )
 from sandkernel.agent.execution import Execution, restart_message
 from sandkernel.output_text import readable_text
+from sandkernel.owner_hint import HOST_HEADER
 from sandkernel.shell import ShellResult
 
 log = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://127.0.0.1:8888"
+_SESSION_PATH = re.compile(r"/api/sessions/([^/?]+)")  # a session's own calls: the id they name
 RETRYABLE_STATUSES = (502, 503, 504)
 # Gateway error codes that say the request was not run (safe to send again, even an execute).
 # sandbox_engine_unavailable: the gateway's start breaker refused a new session at once (Docker
@@ -98,6 +107,7 @@ class AsyncSandkernel:
         max_retries: int | None = None,
         backoff: float = 0.25,
         max_backoff: float = 2.0,
+        direct_to_owner: bool = False,
     ) -> None:
         self.url = (url or os.environ.get("SANDKERNEL_URL") or DEFAULT_URL).rstrip("/")
         self.token = token or os.environ.get("SANDKERNEL_TOKEN")
@@ -106,6 +116,8 @@ class AsyncSandkernel:
         self.max_retries = max_retries
         self.backoff = backoff
         self.max_backoff = max_backoff
+        self.direct_to_owner = direct_to_owner
+        self._owners: dict[str, str] = {}  # session id -> the URL of the host holding it (direct_to_owner)
         self._http: AsyncHTTPClient | None = None
 
     async def __aenter__(self) -> AsyncSandkernel:
@@ -191,7 +203,7 @@ class AsyncSandkernel:
         if body is None and method in ("POST", "PUT"):
             body = b""
         return HTTPRequest(
-            self.url + path,
+            self._base_for(path) + path,
             method=method,
             body=body,
             headers=headers,
@@ -245,7 +257,9 @@ class AsyncSandkernel:
                 failure = failure_of(response)
             except (OSError, HTTPClientError) as err:  # refused, dropped, timed out: no HTTP answer
                 failure = self._transport_failure(method, path, err, idempotent)
+                self._forget_owner(path)  # the next attempt goes to the endpoint
             if failure is None:
+                self._learn_owner(method, path, response)
                 return response
             never_sent = (isinstance(failure, GatewayUnreachableError) and not failure.sent) or (
                 failure.code in NOT_RUN_CODES
@@ -352,6 +366,35 @@ class AsyncSandkernel:
         result["outputs"] = streamed + list(result.get("outputs") or [])
         result.setdefault("text", readable_text(result["outputs"]))
         return result
+
+    def _base_for(self, path: str) -> str:
+        """Where a call goes: the session's host when an answer named it (direct_to_owner), else
+        the endpoint."""
+        found = _SESSION_PATH.match(path) if self._owners else None
+        return self._owners.get(found.group(1), self.url) if found else self.url
+
+    def _learn_owner(self, method: str, path: str, response: HTTPResponse) -> None:
+        """Remember the host an answer about a session named (a create: the new session's)."""
+        if not self.direct_to_owner:
+            return
+        host = (response.headers.get(HOST_HEADER) or "").rstrip("/")
+        if not host.startswith(("http://", "https://")):
+            return
+        found = _SESSION_PATH.match(path)
+        session_id = found.group(1) if found else None
+        if session_id is None and method == "POST" and path == "/api/sessions":
+            session_id = quote(str((_parse(response) or {}).get("id", ""))) or None
+        if session_id is None:
+            return
+        if method == "DELETE" and found is not None and path.partition("?")[0] == found.group(0):
+            self._owners.pop(session_id, None)
+        else:
+            self._owners[session_id] = host
+
+    def _forget_owner(self, path: str) -> None:
+        found = _SESSION_PATH.match(path)
+        if found is not None:
+            self._owners.pop(found.group(1), None)
 
     def _transport_failure(self, method: str, path: str, err: Exception, idempotent: bool = True) -> ClientError:
         if isinstance(err, HTTPTimeoutError):

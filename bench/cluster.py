@@ -10,6 +10,9 @@
    other work on the machine. Target printed: forwarding adds <= 1 ms p50. The CPU each gateway
    spends per call (schedstat, every thread) is counted after the timed calls, each call alone
    with 30 ms of quiet around it, so the owner's after-answer work is counted with its own call.
+   A third execute contender is what a ``direct_to_owner`` client does with F as its endpoint:
+   F's answer names the session's host (``X-Sandkernel-Host``), and the calls go there; its own
+   target line says what such a client adds.
 2. Session create round trip (POST /api/sessions → 201) straight on A, which places it on itself,
    vs through F, which places it on A and forwards the create there, alternated one by one.
    Placement is made deterministic: F runs with --max-sessions-total 1, so its free room (at
@@ -57,11 +60,14 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import psycopg
 from execute_roundtrip import TOKEN, free_port, stats, wait_http
 from results_dir import results_path
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+
+from sandkernel.owner_hint import HOST_HEADER
 
 REPO = Path(__file__).resolve().parents[1]
 TENANT = "bench"
@@ -73,6 +79,9 @@ SHARED_MACHINE = (
 )
 EXECUTE, STREAM, SESSION_GET = "execute 1+1", "NDJSON stream execute 1+1", "GET the session (the hop alone)"
 DIRECT, FORWARDED = "straight to the owner", "through another host (forwarded)"
+# A client with direct_to_owner (sandkernel/owner_hint.py): its endpoint is F, but after F's first
+# answer named the owner it sends the session's calls there.
+NAMED = "to the host F's answer named (direct_to_owner)"
 # CPU per call is counted apart from the timed calls, each call alone with this much quiet
 # before and after (cpu_per_call), on at most CPU_CALLS calls per contender.
 QUIET_SECONDS = 0.03
@@ -185,10 +194,10 @@ class Trips:
     """One contender of the forwarding comparison: one kept-alive connection to one gateway, the
     same request each time, checked (a wrong answer fails the run)."""
 
-    def __init__(self, host: Host, kind: str, session_id: str) -> None:
+    def __init__(self, host: Host, kind: str, session_id: str, port: int | None = None) -> None:
         self.host = host
         self.kind = kind
-        self.conn = http.client.HTTPConnection("127.0.0.1", host.port, timeout=120)
+        self.conn = http.client.HTTPConnection("127.0.0.1", port or host.port, timeout=120)
         self.headers = {"Authorization": f"token {TOKEN}", "Content-Type": "application/json"}
         if kind == SESSION_GET:
             self.method, self.path, self.body = "GET", f"/api/sessions/{session_id}", None
@@ -260,6 +269,21 @@ def cpu_per_call(contenders: dict[str, Trips], hosts: tuple[Host, Host], n: int)
     return cpu
 
 
+def named_port(forwarder: Host, session_id: str) -> int:
+    """The port of the host F's answer about the session names (X-Sandkernel-Host): where a
+    direct_to_owner client sends the session's calls after its first one."""
+    conn = http.client.HTTPConnection("127.0.0.1", forwarder.port, timeout=60)
+    try:
+        conn.request("GET", f"/api/sessions/{session_id}", headers={"Authorization": f"token {TOKEN}"})
+        response = conn.getresponse()
+        response.read()
+    finally:
+        conn.close()
+    named = urlsplit(response.getheader(HOST_HEADER) or "")
+    assert response.status == 200 and named.hostname == "127.0.0.1" and named.port, response.getheader(HOST_HEADER)
+    return named.port
+
+
 async def forwarding(owner: Host, forwarder: Host, n: int, stream: bool, warmup: int = 5) -> dict[str, Any]:
     """Per contender: p50/p95 and the CPU each gateway (the owner A, the forwarder F) spent per
     call (:func:`cpu_per_call`); per kind, the p50 forwarding adds and the median of the paired differences (the
@@ -274,6 +298,9 @@ async def forwarding(owner: Host, forwarder: Host, n: int, stream: bool, warmup:
             for kind in kinds
             for way, host in ((DIRECT, owner), (FORWARDED, forwarder))
         }
+        port = await asyncio.to_thread(named_port, forwarder, session_id)
+        assert port == owner.port, (port, owner.port)  # F named A, the session's host
+        contenders[f"{EXECUTE}, {NAMED}"] = Trips(owner, EXECUTE, session_id, port)
         try:
             samples = await asyncio.to_thread(interleaved_trips, contenders, n, warmup)
             cpu = await asyncio.to_thread(cpu_per_call, contenders, (owner, forwarder), min(n, CPU_CALLS))
@@ -293,6 +320,11 @@ async def forwarding(owner: Host, forwarder: Host, n: int, stream: bool, warmup:
         forwarded["ratio_p50"] = forwarded["p50_ms"] / direct["p50_ms"]
         pairs = [f - d for f, d in zip(samples[forwarded_name], samples[direct_name], strict=True)]
         forwarded["paired_added_p50_ms"] = 1000 * statistics.median(pairs)
+    named, direct = results[f"{EXECUTE}, {NAMED}"], results[f"{EXECUTE}, {DIRECT}"]
+    named["added_p50_ms"] = named["p50_ms"] - direct["p50_ms"]
+    named["ratio_p50"] = named["p50_ms"] / direct["p50_ms"]
+    pairs = [f - d for f, d in zip(samples[f"{EXECUTE}, {NAMED}"], samples[f"{EXECUTE}, {DIRECT}"], strict=True)]
+    named["paired_added_p50_ms"] = 1000 * statistics.median(pairs)
     return results
 
 
@@ -584,6 +616,11 @@ async def main() -> None:
     paired = executes[f"{EXECUTE}, {FORWARDED}"]["paired_added_p50_ms"]
     target = {"target": "forwarding adds <= 1 ms p50 to a trivial execute", "value": added, "unit": "ms",
               "paired_value": paired, "met": added <= 1.0}  # fmt: skip
+    named_row = executes[f"{EXECUTE}, {NAMED}"]
+    client_target = {"target": "a direct_to_owner client through another host adds <= 1 ms p50 to a trivial execute",
+                     "value": named_row["added_p50_ms"], "unit": "ms",
+                     "paired_value": named_row["paired_added_p50_ms"],
+                     "met": named_row["added_p50_ms"] <= 1.0}  # fmt: skip
     note = SHARED_MACHINE.format(cpus=cpus)
 
     print(f"{'':68} {'p50 ms':>9} {'p95 ms':>9}  ({RUNTIME}, {cpus} cores; hosts A and F, F forwards to A)")
@@ -598,6 +635,8 @@ async def main() -> None:
         print(line(name, row, added_text + cpu))
     print(f"\ntarget: {target['target']}: {added:+.2f} ms (median of paired differences {paired:+.2f} ms): "
           f"{'met' if target['met'] else 'MISSED'}")  # fmt: skip
+    print(f"target: {client_target['target']}: {client_target['value']:+.2f} ms (paired "
+          f"{client_target['paired_value']:+.2f} ms): {'met' if client_target['met'] else 'MISSED'}")  # fmt: skip
     print(f"load average at the end of the forwarding phase: {load_then} ({cpus} cores)")
     print("\nthe hop's client alone (in process, to one tornado server; CPU of this process):")
     for name, row in client.items():
@@ -621,7 +660,7 @@ async def main() -> None:
         "load_average_after_forwarding": load_then, "forwarding": executes, "hop": hop, "client_alone": client,
         "create": create,
         "throughput": throughput,
-        "targets": [target], "phases_s": phases,
+        "targets": [target, client_target], "phases_s": phases,
     }, indent=2) + "\n")
     # fmt: on
     print(

@@ -27,6 +27,7 @@ from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import LostSession, ManagedSession, SessionRegistry, TooManySessionsError
 from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.owner_hint import HOST_HEADER
 
 if TYPE_CHECKING:
     from sandkernel.gateway.cluster.catalog import HostInfo
@@ -169,6 +170,7 @@ class BaseHandler(web.RequestHandler):
         cluster = self.cluster
         if cluster is None:
             return None  # a single host: nothing below runs
+        self.set_header(HOST_HEADER, cluster.url)  # this host answers (a forwarded answer: the owner's)
         self.forwarded_from = cluster.forwarded_from(self.request)  # 401 on a bad signature
         session_id = self.path_kwargs.get("session_id")
         kernel_id = self.path_kwargs.get("kernel_id")

@@ -130,6 +130,7 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
     "tests/test_cluster_catalog.py": "*",
     "tests/test_cluster_membership.py": "*",
     "tests/test_cluster_catalog_outage.py": "*",
+    "tests/test_cluster_direct_to_owner.py": "*",
     "tests/test_cluster_kernelspecs.py": "*",
     "tests/test_cluster_launcher.py": "*",
     "tests/test_gateway_tls.py": frozenset({"test_gateways_serve_https_and_wss_and_forward_to_each_other_over_tls"}),

@@ -53,8 +53,10 @@ def test_bench_suite_runs_and_summarises(tmp_path):
     density = json.loads((tmp_path / "density.json").read_text())["runc"]
     assert density["sessions"] == 4 and density["random_session"]["n"] > 0, density
     cluster = json.loads((tmp_path / "cluster.json").read_text())
-    assert cluster["quick"] and len(cluster["forwarding"]) == 4, cluster["forwarding"]
-    assert [row["n"] for row in (cluster["forwarding"] | cluster["create"]).values()] == [5, 5, 5, 5, 1, 1], cluster
+    # execute and stream, straight and forwarded, and the execute of a direct_to_owner client
+    assert cluster["quick"] and len(cluster["forwarding"]) == 5, cluster["forwarding"]
+    assert [row["n"] for row in (cluster["forwarding"] | cluster["create"]).values()] == [5] * 5 + [1, 1], cluster
+    assert [isinstance(t["met"], bool) for t in cluster["targets"]] == [True, True], cluster["targets"]
     assert len(cluster["create"]) == 2 and isinstance(cluster["targets"][0]["met"], bool), cluster
     bursts = {name: setting["bursts"] for name, setting in cluster["throughput"].items()}
     assert {name: [b["failed"] for b in runs] for name, runs in bursts.items()} == {"1 host": [0], "3 hosts": [0]}

@@ -41,6 +41,7 @@ from sandkernel.gateway.cluster.peer_pool import Hop, PeerPool
 from sandkernel.gateway.cluster.signing import FORWARDED_HEADER, PLACE_HERE_HEADER, sign, verify
 from sandkernel.gateway.registry import LostSession, PausedSession, recorded_model
 from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
+from sandkernel.owner_hint import HOST_HEADER
 
 if TYPE_CHECKING:
     from tornado.web import RequestHandler
@@ -296,6 +297,7 @@ class _Relay(httputil.HTTPMessageDelegate):
         handler = self.handler
         handler.set_status(self.code, self.reason or None)
         handler.clear_header("Content-Type")
+        handler.clear_header(HOST_HEADER)  # the owner's answer names the owner (sandkernel/owner_hint.py)
         for name, value in self.headers.get_all():
             if name.lower() not in HOP_HEADERS or name.lower() == "content-length":
                 handler.add_header(name, value)
