@@ -46,7 +46,7 @@ from sandkernel.gateway.kernels_api import recorded_kernel_model
 from sandkernel.kernels.durable.records import SandboxRecord
 
 from .conftest import container_ids_of, require_runtime
-from .gateway_fixtures import ALICE, BOB, free_port
+from .gateway_fixtures import ALICE, BOB, call_api, free_port
 from .kernel_websocket import run_cell
 from .postgres_fixtures import create_database, drop_database, postgres_server  # noqa: F401 (pytest finds it here)
 from .test_durable_sessions import Serve
@@ -638,23 +638,7 @@ class Host:
                    headers: dict[str, str] | None = None, raw: bytes | None = None,
                    **kw: Any) -> tuple[int, Any, Any]:  # fmt: skip
         """(status, JSON or text, response headers) of one request."""
-        data = raw if raw is not None else json.dumps(body).encode() if body is not None else None
-        if method in ("POST", "PUT") and data is None:
-            data = b""
-        request = HTTPRequest(
-            self.url + path, method=method, body=data, request_timeout=120,
-            headers={"Authorization": f"token {token}", **(headers or {})}, **kw,
-        )  # fmt: skip
-        try:
-            response = await AsyncHTTPClient().fetch(request)
-        except HTTPClientError as err:
-            assert err.response is not None, err
-            response = err.response
-        text = response.body.decode(errors="replace") if response.body else ""
-        try:
-            return response.code, json.loads(text) if text else None, response.headers
-        except ValueError:
-            return response.code, text, response.headers
+        return await call_api(self.url + path, method, body, token, raw=raw, headers=headers, request_timeout=120, **kw)
 
 
 @pytest.fixture(scope="module")
