@@ -310,33 +310,29 @@ class ClusterCatalog:
         """(the record, its host) of the tenant's session ``session_id`` if it is paused on a host
         that is down and wrote its snapshots to the store ``snapshot_store`` (this host's: the
         snapshot is readable here); else None."""
-        sql = (
-            f"SELECT {_S_RECORD_COLUMNS}, s.host_id FROM sandboxes s JOIN hosts h ON h.host_id = s.host_id "
-            "WHERE s.session_id = %s AND s.tenant = %s AND s.kind = %s AND s.state = %s AND h.status = 'down' "
-            "AND h.snapshot_store = %s AND h.host_id <> %s"
+        found = await self._paused_on_down(
+            snapshot_store, "AND s.session_id = %s AND s.tenant = %s", (session_id, tenant)
         )
-        params = (
-            session_id,
-            tenant,
-            SandboxKind.SESSION.value,
-            SandboxState.PAUSED.value,
-            snapshot_store,
-            self.host_id,
-        )
-        row = await self._row(sql, params, what="reading")
-        return (self.store.records([row[:-1]])[0], row[-1]) if row is not None else None
+        return found[0] if found else None
 
     async def paused_on_down_hosts(self, snapshot_store: str, limit: int = 100) -> list[tuple[SandboxRecord, str]]:
         """(record, host) of sessions paused on hosts that are down and wrote to the snapshot store
         ``snapshot_store``, oldest first, at most ``limit`` (what no host expires while its host
         is away: :func:`~sandkernel.gateway.cluster.takeover.expire_paused_of_down_hosts`)."""
+        return await self._paused_on_down(snapshot_store, "ORDER BY s.updated_at LIMIT %s", (int(limit),))
+
+    async def _paused_on_down(
+        self, snapshot_store: str, tail: str, params: tuple[Any, ...]
+    ) -> list[tuple[SandboxRecord, str]]:
+        """(record, host) of sessions paused on other hosts that are down with ``snapshot_store``,
+        narrowed or ordered by ``tail`` (SQL after the shared conditions) and its ``params``."""
         sql = (
             f"SELECT {_S_RECORD_COLUMNS}, s.host_id FROM sandboxes s JOIN hosts h ON h.host_id = s.host_id "
             "WHERE s.kind = %s AND s.state = %s AND h.status = 'down' AND h.snapshot_store = %s AND h.host_id <> %s "
-            "ORDER BY s.updated_at LIMIT %s"
+            + tail
         )
-        params = (SandboxKind.SESSION.value, SandboxState.PAUSED.value, snapshot_store, self.host_id, int(limit))
-        rows = await self._all(sql, params, what="reading")
+        shared = (SandboxKind.SESSION.value, SandboxState.PAUSED.value, snapshot_store, self.host_id)
+        rows = await self._all(sql, (*shared, *params), what="reading")
         return [(self.store.records([row[:-1]])[0], row[-1]) for row in rows]
 
     async def take_over_paused(self, session_id: str, tenant: str, from_host: str) -> SandboxRecord | None:

@@ -113,12 +113,6 @@ class OwnerCatalog(Protocol):
 
     async def known_sessions(self, session_ids: list[str]) -> set[str]: ...
 
-    async def paused_on_down_host(
-        self, session_id: str, tenant: str, snapshot_store: str
-    ) -> tuple[SandboxRecord, str] | None: ...
-
-    async def take_over_paused(self, session_id: str, tenant: str, from_host: str) -> SandboxRecord | None: ...
-
 
 @dataclasses.dataclass
 class ClusterLink:

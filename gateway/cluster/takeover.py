@@ -59,13 +59,9 @@ async def take_over_paused(registry: SessionRegistry, link: ClusterLink, tenant:
         return await asyncio.shield(pending)
     task = asyncio.ensure_future(_take_over(registry, link, tenant, session_id))
     link.takeovers[session_id] = task
-    try:
-        return await asyncio.shield(task)
-    finally:
-        if task.done():
-            link.takeovers.pop(session_id, None)
-        else:  # this request went away: the take-over still ends (and is forgotten then)
-            task.add_done_callback(lambda _: link.takeovers.pop(session_id, None))
+    # Forgotten when it ends, even if this request went away meanwhile (shielded: it still ends).
+    task.add_done_callback(lambda _: link.takeovers.pop(session_id, None))
+    return await asyncio.shield(task)
 
 
 async def _take_over(registry: SessionRegistry, link: ClusterLink, tenant: str, session_id: str) -> bool:
