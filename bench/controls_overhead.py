@@ -19,18 +19,11 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import secrets
-import signal
-import subprocess
-import sys
-import tempfile
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-from execute_roundtrip import free_port, interleaved, stats, wait_http
+from execute_roundtrip import interleaved, stats
 from results_dir import save_for_runtime
-
-from sandkernel.agent.client import AsyncSandkernel
+from served import served_gateway
 
 BASELINE = "off (no accounting, audit or policy)"
 EXAMPLE_POLICY = Path(__file__).resolve().parents[1] / "docs" / "exec-policy.example.toml"
@@ -41,25 +34,6 @@ CONFIGURATIONS = {
 }
 
 
-@contextlib.asynccontextmanager
-async def serve(runtime: str, flags: list[str]) -> AsyncIterator[AsyncSandkernel]:
-    """A gateway process with ``flags`` and a client for it; SIGTERM (its sandboxes deleted) on exit."""
-    port, token = free_port(), secrets.token_urlsafe(24)
-    with tempfile.TemporaryDirectory(prefix="sandkernel-bench-") as state:
-        command = [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), "--token", token]
-        command += ["--state-dir", state, "--notebook-dir", f"{state}/notebooks", "--pool-size", "0"]
-        command += ["--on-exit", "delete", "--default-runtime", runtime, *flags]
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            await wait_http(f"{url}/api/health", proc)
-            async with AsyncSandkernel(url, token) as client:
-                yield client
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(120)
-
-
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=300, help="executes per configuration (after 10 warm-up rounds)")
@@ -68,7 +42,7 @@ async def main() -> None:
     async with contextlib.AsyncExitStack() as stack:
         sessions = {}
         for name, flags in CONFIGURATIONS.items():
-            client = await stack.enter_async_context(serve(args.runtime, flags))
+            client = await stack.enter_async_context(served_gateway(["--default-runtime", args.runtime, *flags]))
             sessions[name] = await client.create_session()
         calls = {name: functools.partial(session.run, "1+1", check=True) for name, session in sessions.items()}
         samples = await interleaved(calls, args.n, warmup=10)

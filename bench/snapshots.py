@@ -28,20 +28,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import functools
-import secrets
-import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from execute_roundtrip import free_port, wait_http
 from results_dir import save_for_runtime
+from served import served_gateway
 
 from sandkernel.agent.client import AsyncSandkernel, AsyncSession
 
@@ -67,26 +61,6 @@ def limits_for(runtime: str, size_mb: int) -> dict[str, Any]:
         "memory_mb": min(4096, max(1024, 3 * size_mb + 512)),
         "workspace_mb": min(8192, max(1024, 2 * size_mb + 256)),
     }
-
-
-@contextlib.asynccontextmanager
-async def serve(sessions: int) -> AsyncIterator[AsyncSandkernel]:
-    """One gateway process (its own state dir, sandboxes deleted on exit) and a client for it."""
-    port, token = free_port(), secrets.token_urlsafe(24)
-    with tempfile.TemporaryDirectory(prefix="sandkernel-bench-") as state:
-        command = [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), "--token", token]
-        command += ["--state-dir", state, "--notebook-dir", f"{state}/notebooks", "--pool-size", "0"]
-        command += ["--on-exit", "delete", "--default-runtime", "runc", "--max-sessions", str(sessions)]
-        command += ["--max-sessions-total", str(sessions)]
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            await wait_http(f"{url}/api/health", proc)
-            async with AsyncSandkernel(url, token, request_timeout=600) as client:
-                yield client
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(180)
 
 
 async def timed(call: Callable[[], Awaitable[T]]) -> tuple[float, T]:
@@ -190,7 +164,9 @@ async def main() -> None:
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",") if size] + ([LARGE_MB] if args.large else [])
     runtimes = args.runtime or ["runc"]
-    async with serve(sessions=2 * args.forks + 2) as client:
+    sessions = str(2 * args.forks + 2)
+    flags = ["--default-runtime", "runc", "--max-sessions", sessions, "--max-sessions-total", sessions]
+    async with served_gateway(flags, request_timeout=600) as client:
         for runtime in runtimes:
             results: dict[str, Any] = {}
             for size_mb in sizes:

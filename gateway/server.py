@@ -325,7 +325,13 @@ class Gateway:
                 body_timeout=settings.body_timeout,
                 ssl_options=tls,
             )
-            server.listen(settings.port, address=settings.ip)
+            try:
+                server.listen(settings.port, address=settings.ip)
+            except OSError as err:  # in use, or an address this host does not have
+                raise ConfigError(
+                    f"cannot listen on {settings.ip}:{settings.port}: {err.strerror or err} "
+                    "(another process holds the port, or the address is not this host's; choose another --port or --ip)"
+                ) from None
             if cluster is not None:  # listening first: the others may forward to it once it is up
                 membership = await _join(cluster, settings, registry)
         except BaseException:

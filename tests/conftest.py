@@ -126,6 +126,7 @@ DOCKER_TESTS: dict[str, str | frozenset[str]] = {
     "tests/test_jupyter_tools.py": "*",
     "tests/test_lifecycle.py": "*",
     "tests/test_pool.py": "*",
+    "tests/test_egress.py": frozenset({"test_a_gateway_without_an_egress_policy_grants_no_network"}),
     # Many hosts (issue 18): a real PostgreSQL (installed by the host set-up), gateways, engines.
     "tests/test_cluster_catalog.py": "*",
     "tests/test_cluster_membership.py": "*",

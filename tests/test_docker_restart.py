@@ -51,6 +51,7 @@ class FakeDockerd:
         self.drop = 0
         self._conns: list[socket.socket] = []
         self._listener: socket.socket | None = None
+        self._acceptor: threading.Thread | None = None
         self.listen()
 
     def listen(self) -> None:
@@ -58,10 +59,17 @@ class FakeDockerd:
         listener.bind(str(self.path))
         listener.listen()
         self._listener = listener
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        self._acceptor = threading.Thread(target=self._accept, args=(listener,), daemon=True)
+        self._acceptor.start()
 
     def stop(self) -> None:
-        assert self._listener is not None
+        assert self._listener is not None and self._acceptor is not None
+        # shutdown wakes the thread blocked in accept() (close alone does not): a thread left
+        # there could call accept() on the fd number once a later socket of the test run reuses it.
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._acceptor.join(5)
+        assert not self._acceptor.is_alive(), "the fake dockerd's accept thread did not end"
         self._listener.close()
         self.path.unlink()
         for conn in self._conns:

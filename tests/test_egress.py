@@ -230,7 +230,7 @@ async def test_sandbox_reaches_allowed_hosts_only_and_everything_is_audited(egre
         await gateway.request("DELETE", f"/api/sessions/{sid}")
 
 
-async def test_sessions_cannot_widen_the_operator_policy(egress_gateway, tmp_path):
+async def test_sessions_cannot_widen_the_operator_policy(egress_gateway):
     gateway, _ = egress_gateway
     for network, status in [
         ({"allow": ["evil.test"]}, 403),
@@ -241,9 +241,16 @@ async def test_sessions_cannot_widen_the_operator_policy(egress_gateway, tmp_pat
     ]:
         code, body = await gateway.request("POST", "/api/sessions", {"limits": {"network": network}})
         assert code == status and body["error"] in ("egress_not_permitted", "bad_network"), (network, body)
+
+
+async def test_a_gateway_without_an_egress_policy_grants_no_network(tmp_path):
     plain = await start_gateway(tmp_path)  # no --egress-policy: no network for anyone
     try:
-        code, body = await plain.request("POST", "/api/sessions", {"limits": {"network": "operator"}})
+        # An answer is due at once (nothing is started): a short timeout, so a hang fails here, in
+        # this test's time, not after the suite's per-test timeout has moved on to the next test.
+        code, body = await plain.request(
+            "POST", "/api/sessions", {"limits": {"network": "operator"}}, request_timeout=60
+        )
         assert code == 403 and "--egress-policy" in body["message"]
     finally:
         await stop_gateway(plain)

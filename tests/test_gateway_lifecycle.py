@@ -4,6 +4,8 @@ idle culling, and a graceful shutdown that returns in-flight executes before rem
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 
@@ -98,3 +100,16 @@ async def test_graceful_shutdown_returns_in_flight_executes(tmp_path):
     code, result = await running
     assert code == 200 and result["status"] == "interrupted"
     assert container_ids_of(session["id"]) == []
+
+
+async def test_a_port_in_use_is_a_one_line_error_that_says_what_to_change(gateway, tmp_path):
+    """``sandkernel serve`` on a port another process holds (here the module's gateway): exit 2
+    with the address and what to change, no traceback, and the running gateway unharmed."""
+    command = [sys.executable, "-m", "sandkernel.cli", "serve", "--ip", "127.0.0.1", "--port", str(gateway.port)]
+    command += ["--token", "t" * 32, "--state-dir", str(tmp_path / "state"), "--pool-size", "0", "--on-exit", "delete"]
+    done = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{gateway.port}" in done.stderr and "--port" in done.stderr
+    assert "Traceback" not in done.stderr
+    code, health = await gateway.request("GET", "/api/health", token=None)
+    assert code == 200 and health["status"] == "ok"

@@ -337,6 +337,21 @@ def test_create_ensure_mounted_remove_are_idempotent(state):
 
 
 @needs_root
+def test_a_disk_is_removed_from_its_own_state_dir_after_the_process_switched_to_another(state, tmp_path):
+    """In-process gateways (the tests') each switch the process's state dir: a disk made under
+    one must still be unmounted and deleted there when another is current, not looked for under
+    the current one (which left its mount behind, and the next clean-up failed with EBUSY)."""
+    disk = WorkspaceDisk.create(SID, 16, 1879048200, 10001)
+    use_state_dir(tmp_path / "another-gateways-state")
+    try:
+        assert disk.mount_point.parent == state / "workspaces" and disk.is_mounted()
+    finally:
+        disk.remove()
+    assert_gone(disk)
+    assert mount_source(state / "workspaces" / f"{SID}.mnt") is None
+
+
+@needs_root
 def test_a_disk_set_up_through_a_mount_that_is_gone_is_still_recognised_and_removed(state, tmp_path):
     """As after a gateway container is replaced (a restart, a rolling upgrade): it had opened the
     image through its own bind mount of the state dir, which went with it, so the kernel names the

@@ -112,14 +112,18 @@ def workspaces_dir() -> Path:
 class WorkspaceDisk:
     """One session's workspace image and mount point (a record: pure data and methods).
 
-    The paths are derived from ``session_id`` and the state dir, never stored: a record
-    written by another process (or tampered with) cannot point this class elsewhere.
+    The paths are derived from ``session_id`` and the state dir, never from a record: a record
+    written by another process (or tampered with) cannot point this class elsewhere. The
+    workspaces dir is the state dir's when the object is made, kept for its life: a process
+    whose state dir changes meanwhile (in-process gateways of tests, each switching it) still
+    unmounts and deletes what it made, not a namesake under another state dir.
     """
 
     session_id: str
     size_mb: int
     uid: int  # the sandbox's host uid: owner of the filesystem's root
     gid: int  # the sandbox group (container.SANDBOX_GID)
+    directory: Path = dataclasses.field(default_factory=workspaces_dir, compare=False)
 
     def __post_init__(self) -> None:
         check_session_id(self.session_id)
@@ -134,16 +138,16 @@ class WorkspaceDisk:
 
     @property
     def image(self) -> Path:
-        return workspaces_dir() / f"{self.session_id}{IMAGE_SUFFIX}"
+        return self.directory / f"{self.session_id}{IMAGE_SUFFIX}"
 
     @property
     def owner_file(self) -> Path:
-        return workspaces_dir() / f"{self.session_id}{OWNER_SUFFIX}"
+        return self.directory / f"{self.session_id}{OWNER_SUFFIX}"
 
     @property
     def mount_point(self) -> Path:
         """The host directory bind-mounted into the container at /workspace."""
-        return workspaces_dir() / f"{self.session_id}{MOUNT_SUFFIX}"
+        return self.directory / f"{self.session_id}{MOUNT_SUFFIX}"
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -155,10 +159,10 @@ class WorkspaceDisk:
         Raises ConfigError when not root (:data:`NOT_ROOT`), KernelStartError when the image
         already exists, the host disk has less free space than ``size_mb``, or a tool fails;
         on failure nothing is left behind."""
-        disk = cls(session_id, size_mb, uid, gid)
-        if os.geteuid() != 0:
+        if os.geteuid() != 0:  # before the state dir is touched: not root makes nothing
             raise ConfigError(NOT_ROOT)
-        directory = workspaces_dir()
+        disk = cls(session_id, size_mb, uid, gid)
+        directory = disk.directory
         size = size_mb * 1024 * 1024
         free = os.statvfs(directory)
         if free.f_bavail * free.f_frsize < size:
@@ -359,7 +363,7 @@ def remove_workspace_disk(session_id: str) -> bool:
     if not any(os.path.lexists(directory / f"{session_id}{suffix}") for suffix in SUFFIXES):
         return False
     # size and owner do not matter for removal; 1 and 0 satisfy the record's checks.
-    WorkspaceDisk(session_id, 1, 0, 0).remove()
+    WorkspaceDisk(session_id, 1, 0, 0, directory).remove()
     return True
 
 
