@@ -19,11 +19,13 @@ sent again, since a retry could run the code twice: an execute that loses its ga
 :class:`~sandkernel.agent.errors.GatewayRestarted` after waiting for the gateway to answer
 again, so the next call works. The sync twins live in :mod:`sandkernel.agent.sync_client`.
 
-In a cluster, ``direct_to_owner=True`` sends a session's calls straight to the host that holds
-it once an answer has named that host (sandkernel/owner_hint.py): the endpoint's forwarding hop
-is skipped. A host that cannot be reached is forgotten and the call goes to the endpoint again
-(only when the request never left, as above). Off by default: it needs every host reachable from
-the client, which a cluster behind a load balancer may not be.
+In a cluster, a session's calls go straight to the host that holds it once an answer has named
+that host (sandkernel/owner_hint.py): the endpoint's forwarding hop (about 2 ms here) is skipped.
+On by default, because it costs nothing where the hosts cannot be reached: a host is followed only
+over the endpoint's own scheme (an https endpoint never sends the token to an http host), its
+connection may take :data:`DIRECT_CONNECT_SECONDS`, and a host that cannot be reached is skipped
+for :data:`UNREACHABLE_SECONDS` while the calls go through the endpoint (the one that failed is
+sent again only when it never left, as above). ``direct_to_owner=False`` always uses the endpoint.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlencode
+from urllib.parse import quote, urlencode, urlsplit
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
 from tornado.simple_httpclient import HTTPTimeoutError
@@ -63,6 +65,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_URL = "http://127.0.0.1:8888"
 _SESSION_PATH = re.compile(r"/api/sessions/([^/?]+)")  # a session's own calls: the id they name
+ENDPOINT_CONNECT_SECONDS = 10.0
+# A session's host, named by an answer, may be unreachable from here (a cluster behind a load
+# balancer): its connection gets less time, and once it failed the host is left alone a while.
+DIRECT_CONNECT_SECONDS = 3.0
+UNREACHABLE_SECONDS = 60.0
 RETRYABLE_STATUSES = (502, 503, 504)
 # Gateway error codes that say the request was not run (safe to send again, even an execute).
 # sandbox_engine_unavailable: the gateway's start breaker refused a new session at once (Docker
@@ -107,7 +114,7 @@ class AsyncSandkernel:
         max_retries: int | None = None,
         backoff: float = 0.25,
         max_backoff: float = 2.0,
-        direct_to_owner: bool = False,
+        direct_to_owner: bool = True,
     ) -> None:
         self.url = (url or os.environ.get("SANDKERNEL_URL") or DEFAULT_URL).rstrip("/")
         self.token = token or os.environ.get("SANDKERNEL_TOKEN")
@@ -118,6 +125,7 @@ class AsyncSandkernel:
         self.max_backoff = max_backoff
         self.direct_to_owner = direct_to_owner
         self._owners: dict[str, str] = {}  # session id -> the URL of the host holding it (direct_to_owner)
+        self._unreachable: dict[str, float] = {}  # host URL -> monotonic time until which it is not followed
         self._http: AsyncHTTPClient | None = None
 
     async def __aenter__(self) -> AsyncSandkernel:
@@ -202,13 +210,14 @@ class AsyncSandkernel:
             headers["Authorization"] = f"token {self.token}"
         if body is None and method in ("POST", "PUT"):
             body = b""
+        base = self._base_for(path)
         return HTTPRequest(
-            self._base_for(path) + path,
+            base + path,
             method=method,
             body=body,
             headers=headers,
             request_timeout=timeout or self.request_timeout,
-            connect_timeout=10,
+            connect_timeout=ENDPOINT_CONNECT_SECONDS if base == self.url else DIRECT_CONNECT_SECONDS,
             **kw,
         )
 
@@ -374,11 +383,15 @@ class AsyncSandkernel:
         return self._owners.get(found.group(1), self.url) if found else self.url
 
     def _learn_owner(self, method: str, path: str, response: HTTPResponse) -> None:
-        """Remember the host an answer about a session named (a create: the new session's)."""
+        """Remember the host an answer about a session named (a create: the new session's), if
+        it is reached over the endpoint's scheme and has not just failed."""
         if not self.direct_to_owner:
             return
         host = (response.headers.get(HOST_HEADER) or "").rstrip("/")
-        if not host.startswith(("http://", "https://")):
+        named, endpoint = urlsplit(host), urlsplit(self.url)
+        if named.scheme != endpoint.scheme or not named.netloc:
+            return  # never a downgrade: the token goes over what the endpoint's URL said
+        if self._unreachable.get(host, 0.0) > time.monotonic():
             return
         found = _SESSION_PATH.match(path)
         session_id = found.group(1) if found else None
@@ -392,9 +405,14 @@ class AsyncSandkernel:
             self._owners[session_id] = host
 
     def _forget_owner(self, path: str) -> None:
+        """A call got no answer: if it went to a session's host, that host is not followed for
+        :data:`UNREACHABLE_SECONDS` (every session it holds goes through the endpoint meanwhile)."""
         found = _SESSION_PATH.match(path)
-        if found is not None:
-            self._owners.pop(found.group(1), None)
+        host = self._owners.get(found.group(1)) if found else None
+        if host is None:
+            return
+        self._unreachable[host] = time.monotonic() + UNREACHABLE_SECONDS
+        self._owners = {sid: url for sid, url in self._owners.items() if url != host}
 
     def _transport_failure(self, method: str, path: str, err: Exception, idempotent: bool = True) -> ClientError:
         if isinstance(err, HTTPTimeoutError):

@@ -5,10 +5,10 @@ In a cluster any gateway answers for any session by forwarding the request to th
 holds it; the hop costs about 1.5 ms per call on this project's machine (bench/README.md,
 ``cluster.py``). Every answer a cluster gateway gives carries ``X-Sandkernel-Host: <its
 advertise URL>``; a forwarded answer carries the owner's (the forwarder passes the owner's header
-on, never its own). A client that can reach the hosts (``AsyncSandkernel(direct_to_owner=True)``)
-then sends a session's later calls straight there, and falls back to its own endpoint when the
-host cannot be reached. The header says where, never who: the tenant's token still authenticates
-every call, and a client follows it only when its operator said the hosts are reachable.
+on, never its own). The Python client (``AsyncSandkernel``, unless ``direct_to_owner=False``)
+then sends a session's later calls straight there, over its endpoint's scheme only, and through
+its own endpoint for a while when the host cannot be reached (agent/client.py). The header says
+where, never who: the tenant's token still authenticates every call.
 """
 
 from __future__ import annotations

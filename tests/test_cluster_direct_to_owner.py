@@ -1,5 +1,5 @@
 """A client of a cluster calls a session's host directly once an answer named it
-(``AsyncSandkernel(direct_to_owner=True)``, sandkernel/owner_hint.py), and falls back to its
+(on by default: ``AsyncSandkernel(direct_to_owner=False)`` keeps to the endpoint; sandkernel/owner_hint.py), and falls back to its
 endpoint when that host cannot be reached.
 
 Real parts: two ``sandkernel serve`` in cluster mode on this machine's engine, PostgreSQL, the
@@ -8,7 +8,10 @@ real Python client.
 
 from __future__ import annotations
 
+import pytest
+
 from sandkernel.agent.client import AsyncSandkernel
+from sandkernel.agent.errors import GatewayUnreachableError
 from sandkernel.owner_hint import HOST_HEADER
 
 from .gateway_fixtures import ALICE, call_api, free_port
@@ -35,17 +38,20 @@ async def test_a_client_goes_straight_to_the_sessions_host_and_back_to_its_endpo
         assert headers.get_list(HOST_HEADER) == [a.url]
 
         async with (
-            AsyncSandkernel(a.url, ALICE, direct_to_owner=True) as client,
-            AsyncSandkernel(a.url, ALICE) as plain,
+            AsyncSandkernel(a.url, ALICE) as client,  # on by default
+            AsyncSandkernel(a.url, ALICE, direct_to_owner=False, restart_wait=0, max_retries=0) as pinned,
         ):
             session = await client.get_session(sid)  # through a, which forwards to b: b named
             assert (await session.run("x = 41")).status == "ok"
-            await plain.get_session(sid)
-            assert plain._owners == {}  # off by default: a client that cannot reach the hosts stays put
+            pinned_session = await pinned.get_session(sid)
+            assert (await pinned_session.run("print(x)")).text == "41\n"
 
-            # a goes away: the client's calls for the session never needed it.
+            # a goes away: the client's calls for the session never needed it; a client told to
+            # keep to its endpoint has lost its way to the session.
             a.kill9()
             assert (await session.run("print(x + 1)")).text == "42\n"
+            with pytest.raises(GatewayUnreachableError):
+                await pinned_session.run("print(x)")
 
             # b moves (restarted on another port: the catalog has its new URL). The old address
             # refuses; the client forgets it and goes through its endpoint, which names b again.
