@@ -40,6 +40,13 @@ class GatewayMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=self.registry,
         )
+        self.forwarded = Counter(
+            "sandkernel_forwarded_requests",
+            "HTTP requests passed to the host that holds their session (cluster), by the way they took: "
+            "fast_lane (relayed before tornado reads them) or handler (tornado's request handler)",
+            ["way"],
+            registry=self.registry,
+        )
         self.limit_hits = Counter(
             "sandkernel_limit_hits", "Limits that stopped or cut something", ["limit"], registry=self.registry
         )

@@ -32,6 +32,7 @@ from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.channels import ChannelsHandler
 from sandkernel.gateway.cluster.catalog import ClusterCatalog
+from sandkernel.gateway.cluster.fast_lane import FastLane
 from sandkernel.gateway.cluster.forward import ClusterLink
 from sandkernel.gateway.cluster.membership import ClusterMembership
 from sandkernel.gateway.cluster.signing import load_cluster_secret
@@ -246,6 +247,7 @@ class Gateway:
         self._stopped = False
         self.mcp: McpHttp | None = None  # /mcp, when the mcp extra is installed
         self.membership: ClusterMembership | None = None  # this host's place in a cluster, if any
+        self.fast_lane: FastLane | None = None  # owns the listening socket (plain-HTTP cluster)
 
     @property
     def url(self) -> str:
@@ -278,6 +280,7 @@ class Gateway:
         store = await _open_store(settings)
         cluster = ClusterCatalog(store, settings.cluster_host_id) if isinstance(store, PostgresStore) else None
         membership: ClusterMembership | None = None
+        fast_lane: FastLane | None = None
         mcp: McpHttp | None = None
         controls: SessionControls | None = None
         try:
@@ -326,7 +329,11 @@ class Gateway:
                 ssl_options=tls,
             )
             try:
-                server.listen(settings.port, address=settings.ip)
+                if registry.cluster is not None and tls is None:  # relays what it can before tornado
+                    fast_lane = FastLane(server, registry, auth, registry.cluster, settings.header_timeout)
+                    fast_lane.listen(settings.port, settings.ip)
+                else:
+                    server.listen(settings.port, address=settings.ip)
             except OSError as err:  # in use, or an address this host does not have
                 raise ConfigError(
                     f"cannot listen on {settings.ip}:{settings.port}: {err.strerror or err} "
@@ -335,6 +342,8 @@ class Gateway:
             if cluster is not None:  # listening first: the others may forward to it once it is up
                 membership = await _join(cluster, settings, registry)
         except BaseException:
+            if fast_lane is not None:
+                fast_lane.stop()
             if membership is not None:
                 await membership.stop()
             if mcp is not None:
@@ -349,6 +358,7 @@ class Gateway:
         gateway._previous_state_dir = previous_state_dir  # put back on stop (in-process gateways)
         gateway.mcp = mcp
         gateway.membership = membership
+        gateway.fast_lane = fast_lane
         return gateway
 
     async def stop(self) -> None:
@@ -362,6 +372,8 @@ class Gateway:
         with contextlib.suppress(asyncio.CancelledError):
             await self._culler
         self._server.stop()
+        if self.fast_lane is not None:
+            self.fast_lane.stop()
         try:
             if self.settings.on_exit == "delete":
                 await self.registry.interrupt_busy(self.settings.shutdown_grace)

@@ -16,6 +16,7 @@ import hashlib
 import hmac
 import json
 import os
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -886,6 +887,128 @@ async def test_a_body_over_the_limit_is_a_413_from_the_forwarding_gateway(cluste
     assert head.startswith(b"HTTP/1.1 413") and b"application/json" in head, head
     status, _, _ = await via.call("GET", path)
     assert status == 404
+
+
+async def forwarded_counts(host: Host) -> dict[str, float]:
+    """``sandkernel_forwarded_requests_total`` of a gateway, by the way taken (fast_lane, handler)."""
+    status, text, _ = await host.call("GET", "/metrics")
+    assert status == 200, text
+    found = re.findall(r'^sandkernel_forwarded_requests_total\{way="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+    return {way: float(value) for way, value in found}
+
+
+def counted_since(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {way: after.get(way, 0.0) - before.get(way, 0.0) for way in ("fast_lane", "handler")}
+
+
+async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, Any]]:
+    """One Content-Length answer off a kept-alive connection: (status, JSON body)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 60)
+    length = int(re.search(rb"(?im)^content-length: *(\d+)", head).group(1))
+    body = await asyncio.wait_for(reader.readexactly(length), 60)
+    return int(head.split(b" ", 2)[1]), json.loads(body)
+
+
+async def test_a_kept_alive_client_is_relayed_by_the_fast_lane_with_the_owners_answers(cluster, placed):
+    """Plain requests for a session another host holds are relayed before tornado reads them (one
+    kept-alive connection, a body sent in a second write too); anything else on the same
+    connection (the owner's own session here) goes on through tornado, answered as before."""
+    via = other(cluster, "host-a")
+    sid, own = placed["host-a"]["id"], placed["host-b"]["id"]
+    before = await forwarded_counts(via)
+    reader, writer = await asyncio.open_connection("127.0.0.1", via.serve.port)
+    try:
+        for i in range(4):
+            body = json.dumps({"code": f"relayed = {i}; print(relayed * 2)"}).encode()
+            head = (f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+            if i % 2:  # the body in a write of its own, a moment later
+                writer.write(head)
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.write(body)
+            else:
+                writer.write(head + body)
+            status, result = await read_answer(reader)
+            assert status == 200 and result["outputs"][0]["text"] == f"{i * 2}\n", result
+        middle = counted_since(before, await forwarded_counts(via))
+        writer.write(f"GET /api/sessions/{own} HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n\r\n".encode())
+        status, model = await read_answer(reader)
+        assert status == 200 and model["id"] == own
+        writer.write(f"GET /api/sessions/{sid} HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n\r\n".encode())
+        status, model = await read_answer(reader)
+        assert status == 200 and model["id"] == sid
+    finally:
+        writer.close()
+    assert middle == {"fast_lane": 4.0, "handler": 0.0}, middle
+    # tornado has the connection since the local request: the last one was forwarded by its handler
+    assert counted_since(before, await forwarded_counts(via)) == {"fast_lane": 4.0, "handler": 1.0}
+
+
+async def test_a_request_the_fast_lane_does_not_take_is_refused_or_served_by_tornado_and_nothing_is_smuggled(
+    cluster, placed
+):
+    via = other(cluster, "host-a")
+    owner = next(host for host in cluster if host.host_id == "host-a")
+    sid = placed["host-a"]["id"]
+    before = await forwarded_counts(via)
+    smuggled = json.dumps({"code": "smuggled = 1"}).encode()
+    inner = (f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
+             f"Content-Length: {len(smuggled)}\r\n\r\n").encode() + smuggled  # fmt: skip
+    outer = f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
+    for name, head in {
+        "length and chunked": outer + "Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n",
+        "two lengths": outer + f"Content-Length: 5\r\nContent-Length: {5 + len(inner)}\r\n\r\n",
+    }.items():
+        raw = await raw_request(via, head, b"0\r\n\r\n" + inner)
+        try:
+            answer = await asyncio.wait_for(asyncio.to_thread(raw.recv, 65536), 30)
+        finally:
+            raw.close()
+        assert answer.startswith(b"HTTP/1.1 400"), (name, answer[:300])
+    status, result, _ = await owner.call("POST", f"/api/sessions/{sid}/execute", {"code": "print('smuggled' in dir())"})
+    assert status == 200 and result["outputs"][0]["text"] == "False\n", result
+    # A wrong token, and a query, go to tornado too: its 401, and its forward.
+    status, _, _ = await via.call("GET", f"/api/sessions/{sid}", token="wrong-token")
+    assert status == 401
+    status, model, _ = await via.call("GET", f"/api/sessions/{sid}?detail=1")
+    assert status == 200 and model["id"] == sid
+    assert counted_since(before, await forwarded_counts(via)) == {"fast_lane": 0.0, "handler": 1.0}
+
+
+async def test_a_client_that_goes_away_from_a_relayed_execute_is_no_harm(cluster, placed):
+    """A JSON execute's client that goes away while its code runs on the owner: as with a client
+    of the owner's own (only a stream interrupts on a disconnect), the code runs to its end there;
+    the lane drops the hop and the answer, and its next relayed call is served."""
+    owner = next(host for host in cluster if host.host_id == "host-a")
+    via = other(cluster, "host-a")
+    sid = placed["host-a"]["id"]
+    before = await forwarded_counts(via)
+    body = json.dumps({"code": "import time\ntime.sleep(2); gone_client = 'ran to its end'"}).encode()
+    raw = await raw_request(
+        via,
+        f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n",
+        body,
+    )
+    deadline = time.monotonic() + 60
+    while True:  # the code runs on the owner
+        status, model, _ = await owner.call("GET", f"/api/sessions/{sid}")
+        if model["kernel"]["execution_state"] == "busy":
+            break
+        assert time.monotonic() < deadline, model
+        await asyncio.sleep(0.1)
+    raw.close()
+    reader, writer = await asyncio.open_connection("127.0.0.1", via.serve.port)
+    try:
+        body = json.dumps({"code": "print(gone_client)"}).encode()
+        writer.write(f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        status, result = await read_answer(reader)  # after the first (one execution at a time)
+    finally:
+        writer.close()
+    assert status == 200 and result["outputs"][0]["text"] == "ran to its end\n", result
+    assert counted_since(before, await forwarded_counts(via)) == {"fast_lane": 2.0, "handler": 0.0}
 
 
 async def test_an_owner_that_is_gone_is_a_503_naming_it_and_the_other_host_keeps_serving(cluster, placed):

@@ -339,6 +339,7 @@ async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool
         headers.append((PLACE_HERE_HEADER, "1"))
     relay = _Relay(handler, host)
     handler.forwarding = relay
+    handler.registry.metrics.forwarded.labels("handler").inc()
     body = handler.body
     error: ConnectionError | None = None
     try:

@@ -1,0 +1,457 @@
+"""The fast lane of a cluster gateway: a request for a session another host holds, relayed
+without going through tornado's request handling.
+
+Why: forwarding through tornado cost about 2 ms per call on this project's machine, against a
+target of 1 ms (issue 18). A profile put most of it in tornado's server side (parse, route,
+handler set-up, the answer's write, the access log), around a hop that costs 0.1 ms itself, and
+the thinnest relay Python can be here adds 0.7 ms (bench/README.md). So the gateway owns its
+listening socket when it serves plain HTTP in a cluster, and looks at each request before tornado
+does, with ``MSG_PEEK``, consuming nothing:
+
+- a request this lane can relay is read off the socket and sent to the owner on the kept-alive
+  peer pool, signed like any forwarded request, and the owner's answer is written back as it
+  comes (re-framed, never buffered whole);
+- anything else is left where it is and the connection is handed to tornado
+  (``HTTPServer.handle_stream``), which reads the very same bytes and serves it as before, and
+  keeps the connection.
+
+A request is relayed only if everything about it is plain (:func:`plain_request`): HTTP/1.1, a
+method of the session API, a path ``/api/sessions/<hex id>[/<word>...]`` with no query but
+``?stream=1`` (an NDJSON execute: its lines are passed on as they come), ASCII
+headers with token names, at most one ``Content-Length`` and no ``Transfer-Encoding``,
+``Upgrade``, ``Expect``, ``X-Sandkernel-*`` (gateways' own, checked by tornado's path) or
+``Connection`` other than keep-alive, its head whole in what has arrived (the body may follow), the
+body at most :data:`MAX_BODY_BYTES`; and if its token names a tenant, this host does
+not hold the session, and the catalog (through the owner cache) says an up host holds it for
+that tenant. Everything the lane does not understand goes to tornado, which answers it in full
+(400, 401, 413, the local session, the first call of a session, the stream, the websocket): the
+lane can only be skipped, never wrong in a way the slower path is not. The owner checks the
+signature and the tenant's token again, as for any forwarded request.
+
+With TLS (``--certfile``) tornado owns the socket and every forwarded request takes its path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+import socket
+import time
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any
+
+from tornado import httputil, netutil
+from tornado.httpserver import HTTPServer
+from tornado.iostream import IOStream
+
+from sandkernel.errors import ClusterUnavailableError, KernelNotFoundError, SandkernelError
+from sandkernel.gateway.base import retry_after_of
+from sandkernel.gateway.cluster.forward import HOP_HEADERS, ClusterLink, unreachable
+from sandkernel.gateway.cluster.peer_pool import Hop
+from sandkernel.gateway.cluster.signing import sign
+
+if TYPE_CHECKING:
+    from sandkernel.gateway.auth import TokenAuth
+    from sandkernel.gateway.registry import SessionRegistry
+
+log = logging.getLogger(__name__)
+access_log = logging.getLogger("tornado.access")
+
+FAST_LANE = "fast_lane"  # the metric's label for requests relayed here
+PEEK_BYTES = 65536  # what one look at a connection reads (and leaves there)
+MAX_BODY_BYTES = 32768  # larger bodies take tornado's path (its limits, its 413)
+_REQUEST_LINE = re.compile(
+    r"(GET|POST|PUT|DELETE) "
+    r"(/api/sessions/([0-9a-f][0-9a-f-]{0,63})(?:/[a-z_]+){0,3}(?:\?stream=(?:1|true))?) HTTP/1\.1"
+)
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_NOT_RELAYED = frozenset({"transfer-encoding", "upgrade", "expect", "te", "trailer"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlainRequest:
+    """A request the lane may relay: what :func:`plain_request` read from the head and body."""
+
+    method: str
+    target: str
+    session_id: str
+    headers: list[tuple[str, str]]
+    head_size: int  # bytes up to the body
+    length: int  # the body's (its Content-Length; 0 without one)
+
+    @property
+    def size(self) -> int:
+        """Head and body, in bytes: what the lane takes off the socket."""
+        return self.head_size + self.length
+
+    def header(self, name: str) -> str | None:
+        lower = name.lower()
+        return next((value for key, value in self.headers if key.lower() == lower), None)
+
+
+def plain_request(data: bytes) -> PlainRequest | None:
+    """The request whose head starts ``data`` if the lane may relay it (see the module docstring),
+    else None: tornado's path then reads it. Its body may not have come yet (a client may send
+    it in a second write)."""
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    try:
+        lines = data[:end].decode("ascii").split("\r\n")
+    except UnicodeDecodeError:
+        return None
+    found = _REQUEST_LINE.fullmatch(lines[0])
+    if found is None:
+        return None
+    headers: list[tuple[str, str]] = []
+    length: int | None = None
+    for line in lines[1:]:
+        name, colon, value = line.partition(":")
+        value = value.strip(" \t")
+        if not colon or not _HEADER_NAME.fullmatch(name) or not value.isprintable():
+            return None  # no name, a folded line, a control character
+        lower = name.lower()
+        if lower in _NOT_RELAYED or lower.startswith(("x-sandkernel-", "sec-websocket")):
+            return None  # ours are signed by gateways only: tornado's path checks (401) what a client sent
+        if lower == "connection" and value.lower() != "keep-alive":
+            return None
+        if lower == "content-length":
+            if length is not None or not value.isdigit():
+                return None
+            length = int(value)
+        headers.append((name, value))
+    if (length or 0) > MAX_BODY_BYTES:
+        return None
+    method, target, session_id = found.group(1), found.group(2), found.group(3)
+    return PlainRequest(method, target, session_id, headers, end + 4, length or 0)
+
+
+class _Answer(httputil.HTTPMessageDelegate):
+    """The owner's answer, written to the client as the peer pool reads it: the head once (with
+    the first piece of the body, or at the end), a ``Content-Length`` body as it is, any other
+    re-chunked; a short body's last piece waits for :meth:`tail`, so head and body go in one write."""
+
+    def __init__(self, conn: socket.socket, method: str) -> None:
+        self.conn, self.method = conn, method
+        self.loop = asyncio.get_running_loop()
+        self.code = 0
+        self.head = b""  # not yet written
+        self.pending = b""
+        self.chunked = False
+        self.remaining: int | None = None
+        self.written = False  # something reached the client: a failure now can only cut it
+
+    def headers_received(
+        self, start_line: httputil.RequestStartLine | httputil.ResponseStartLine, headers: httputil.HTTPHeaders
+    ) -> None:
+        assert isinstance(start_line, httputil.ResponseStartLine)
+        self.code = start_line.code
+        lines = [f"HTTP/1.1 {start_line.code} {start_line.reason or httputil.responses.get(start_line.code, '')}"]
+        lines += [f"{name}: {value}" for name, value in headers.get_all() if name.lower() not in HOP_HEADERS]
+        length = headers.get("Content-Length")
+        if self.method == "HEAD" or start_line.code in (204, 304):
+            pass
+        elif length is not None and length.isdigit():
+            lines.append(f"Content-Length: {length}")
+            self.remaining = int(length)
+        else:
+            lines.append("Transfer-Encoding: chunked")
+            self.chunked = True
+        self.head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+    def data_received(self, chunk: bytes) -> Awaitable[None] | None:
+        if self.chunked:
+            chunk = b"%x\r\n%s\r\n" % (len(chunk), chunk)
+        elif self.remaining is not None:
+            self.remaining -= len(chunk)
+            if self.remaining <= 0:  # the last piece: sent with the head, by tail()
+                self.pending += chunk
+                return None
+        return self._send(chunk)
+
+    async def _send(self, piece: bytes) -> None:
+        data, self.head, self.pending = self.head + self.pending + piece, b"", b""
+        self.written = True
+        await self.loop.sock_sendall(self.conn, data)
+
+    def tail(self) -> bytes:
+        """What is left to write once the answer is whole."""
+        end = b"0\r\n\r\n" if self.chunked else b""
+        data, self.head, self.pending = self.head + self.pending + end, b"", b""
+        return data
+
+
+class FastLane:
+    """The listening socket of a plain-HTTP cluster gateway, and the connections it holds between
+    requests it relayed (``tornado`` gets every other connection, and keeps it)."""
+
+    def __init__(
+        self,
+        server: HTTPServer,
+        registry: SessionRegistry,
+        auth: TokenAuth | None,
+        link: ClusterLink,
+        idle_seconds: float,
+    ) -> None:
+        self.server, self.registry, self.auth, self.link = server, registry, auth, link
+        self.idle_seconds = idle_seconds
+        self._listening: list[socket.socket] = []
+        self._stop_accepting: list[Any] = []
+        self._held: dict[socket.socket, asyncio.TimerHandle | None] = {}  # idle: its timer; relaying: None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = False
+
+    # -- the listening socket ------------------------------------------------------------------
+
+    def listen(self, port: int, address: str) -> None:
+        """Bind and accept (OSError when the port is taken, as tornado's listen would)."""
+        for sock in netutil.bind_sockets(port, address=address):
+            self._listening.append(sock)
+            self._stop_accepting.append(netutil.add_accept_handler(sock, self._accepted))
+
+    def stop(self) -> None:
+        """Accept nothing more; close the connections waiting for their next request (a relay
+        under way finishes, and its connection is closed then)."""
+        self._stopped = True
+        for remove in self._stop_accepting:
+            remove()
+        for sock in self._listening:
+            sock.close()
+        self._listening.clear()
+        for conn, timer in list(self._held.items()):
+            if timer is not None:
+                self._close(conn)
+
+    def _accepted(self, conn: socket.socket, address: Any) -> None:
+        conn.setblocking(False)
+        with contextlib.suppress(OSError):
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._wait(conn, address)
+
+    # -- one connection --------------------------------------------------------------------------
+
+    def _wait(self, conn: socket.socket, address: Any) -> None:
+        """Until its next request arrives (or it is idle too long: closed, as tornado would)."""
+        if self._stopped:
+            self._close(conn)
+            return
+        loop = asyncio.get_running_loop()
+        self._held[conn] = loop.call_later(self.idle_seconds, self._close, conn)
+        loop.add_reader(conn.fileno(), self._arrived, conn, address)
+
+    def _arrived(self, conn: socket.socket, address: Any) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(conn.fileno())
+        timer = self._held.get(conn)
+        if timer is not None:
+            timer.cancel()
+        try:
+            data = conn.recv(PEEK_BYTES, socket.MSG_PEEK)
+        except BlockingIOError:
+            self._wait(conn, address)
+            return
+        except OSError:
+            self._close(conn)
+            return
+        if not data:  # the client closed it
+            self._close(conn)
+            return
+        request, tenant = self._relayable(data)
+        if request is None or tenant is None:
+            self._hand_over(conn, address)
+            return
+        self._held[conn] = None
+        found = self.link.owners.get(f"s:{request.session_id}")
+        if found is not None:  # the hot path: no await before the relay starts
+            self._start(conn, self._relay_if_elsewhere(conn, address, request, tenant, found[0], found[1]))
+        else:  # the first call of a session on this connection: the catalog says where it is
+            self._start(conn, self._look_up_and_relay(conn, address, request, tenant))
+
+    def _start(self, conn: socket.socket, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(self._guarded(conn, work))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _guarded(self, conn: socket.socket, work: Awaitable[None]) -> None:
+        """A failure the lane did not foresee is a bug: logged with its traceback, and only this
+        connection is closed (the gateway and every other connection go on)."""
+        try:
+            await work
+        except Exception:
+            log.exception("bug: the fast lane failed on a request; its connection is closed")
+            self._close(conn)
+
+    def _relayable(self, data: bytes) -> tuple[PlainRequest | None, str | None]:
+        """The request at the head of ``data`` and its tenant, if the lane may relay it: a plain
+        request with a good token for a session this host does not hold (else tornado's path)."""
+        if self._stopped or self.registry.stopping or self.auth is None:
+            return None, None
+        request = plain_request(data)
+        if request is None:
+            return None, None
+        tenant = self.auth.tenant_for(request.header("Authorization"))
+        if tenant is None:
+            return None, None  # tornado's 401 (and its count of failures)
+        with contextlib.suppress(KernelNotFoundError):
+            self.registry.find(tenant, request.session_id)
+            return None, None  # held here
+        return request, tenant
+
+    async def _look_up_and_relay(self, conn: socket.socket, address: Any, request: PlainRequest, tenant: str) -> None:
+        """Ask the catalog (and fill the owner cache) as tornado's path would; a session held
+        nowhere else, or a catalog that cannot answer, is tornado's to answer."""
+        try:
+            host = await self.link.owner_elsewhere(tenant, session_id=request.session_id)
+        except (SandkernelError, OSError):
+            host = None
+        if host is None:
+            self._hand_over(conn, address)
+            return
+        await self._relay_if_elsewhere(conn, address, request, tenant, host, tenant)
+
+    async def _relay_if_elsewhere(
+        self, conn: socket.socket, address: Any, request: PlainRequest, tenant: str, host: Any, owner_tenant: str
+    ) -> None:
+        """Relay the request to ``host`` if that up host holds the session for this tenant."""
+        if owner_tenant != tenant or host.host_id == self.link.host_id or host.status != "up" or self._stopped:
+            self._hand_over(conn, address)
+            return
+        try:
+            body = await self._take(conn, request)
+        except (OSError, asyncio.TimeoutError):  # gone, or the body never came: as tornado would
+            self._close(conn)
+            return
+        await self._relay(conn, address, request, body, host)
+
+    async def _take(self, conn: socket.socket, request: PlainRequest) -> bytes:
+        """Read the request off the socket: its head and what came of its body were looked at
+        already; the rest of the body is waited for, up to the idle time."""
+        taken = conn.recv(request.size)
+        if len(taken) < request.head_size:  # what was there a moment ago is not: nothing to trust
+            raise ConnectionError("the request went away")
+        body = taken[request.head_size :]
+        if len(body) < request.length:
+            body += await asyncio.wait_for(self._rest_of_body(conn, request.length - len(body)), self.idle_seconds)
+        return body
+
+    @staticmethod
+    async def _rest_of_body(conn: socket.socket, missing: int) -> bytes:
+        loop = asyncio.get_running_loop()
+        pieces = []
+        while missing:
+            piece = await loop.sock_recv(conn, missing)
+            if not piece:
+                raise ConnectionError("the client closed mid-body")
+            pieces.append(piece)
+            missing -= len(piece)
+        return b"".join(pieces)
+
+    def _hand_over(self, conn: socket.socket, address: Any) -> None:
+        """Tornado serves this connection from now on (the request is still unread on it)."""
+        self._held.pop(conn, None)
+        self.server.handle_stream(IOStream(conn), address)
+
+    def _close(self, conn: socket.socket) -> None:
+        timer = self._held.pop(conn, None)
+        if timer is not None:
+            timer.cancel()
+        with contextlib.suppress(OSError, ValueError):
+            asyncio.get_running_loop().remove_reader(conn.fileno())
+        conn.close()
+
+    # -- one relayed request -----------------------------------------------------------------------
+
+    async def _relay(self, conn: socket.socket, address: Any, request: PlainRequest, body: bytes, host: Any) -> None:
+        """Send it to the owner and its answer back; the connection then waits for its next
+        request (or is closed, when the answer could not be passed on whole)."""
+        loop = asyncio.get_running_loop()
+        began = time.monotonic()
+        self.registry.request_started()
+        self.registry.metrics.forwarded.labels(FAST_LANE).inc()
+        hop = Hop()
+        answer = _Answer(conn, request.method)
+        loop.add_reader(conn.fileno(), self._client_moved, conn, hop)
+        status = 0
+        keep = False
+        try:
+            headers = [(n, v) for n, v in request.headers if n.lower() not in HOP_HEADERS]
+            headers += sign(self.link.secret, request.method, request.target, self.link.host_id).items()
+            sent = body if body or request.method in ("POST", "PUT") else None
+            try:
+                await self.link.peers.fetch(host.url, request.method, request.target, headers, sent, answer, hop)
+                data = answer.tail()
+                status = answer.code
+            except ConnectionError as err:
+                if hop.cut_off:
+                    return  # the client left: the owner saw it go
+                if answer.written:
+                    log.warning("relayed answer from host %s cut: %s", host.host_id, err)
+                    return  # the client has a short answer: its connection closes
+                self.link.owners.forget_host(host.host_id)
+                data, status = _error_answer(unreachable(host, err)), ClusterUnavailableError.status
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(conn.fileno())
+            if hop.cut_off:
+                return
+            await loop.sock_sendall(conn, data)
+            keep = True
+        except OSError:
+            return
+        finally:
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(conn.fileno())
+            self.registry.request_ended()
+            _log_access(status, request, address, began)
+            if keep:
+                self._wait(conn, address)
+            else:
+                self._close(conn)
+
+    def _client_moved(self, conn: socket.socket, hop: Hop) -> None:
+        """The client's side is readable during a relay: gone (the owner then sees its client
+        gone, as a local handler would), or it sent its next request early (read after)."""
+        asyncio.get_running_loop().remove_reader(conn.fileno())
+        try:
+            gone = conn.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            gone = False
+        except OSError:
+            gone = True
+        if gone:
+            hop.cut()
+
+
+def _error_answer(err: ClusterUnavailableError) -> bytes:
+    """The JSON 503 tornado's path gives for the same failure (base.write_error's shape)."""
+    body = json.dumps({"error": err.code, "message": str(err)}).encode()
+    seconds = retry_after_of(err)
+    retry = f"Retry-After: {seconds}\r\n" if seconds is not None else ""
+    head = (
+        f"HTTP/1.1 {err.status} Service Unavailable\r\nContent-Type: application/json\r\n{retry}"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+def _log_access(status: int, request: PlainRequest, address: Any, began: float) -> None:
+    """The access-log line of a relayed request, as tornado's path writes it (server.log_request)
+    and marked as relayed here. An answer the owner gave is its access log's line too: here it
+    is DEBUG (0.1 ms a call on this machine's profile); a failure here is logged as tornado's
+    path would."""
+    level = logging.DEBUG if 0 < status < 400 else logging.WARNING if 0 < status < 500 else logging.ERROR
+    if not access_log.isEnabledFor(level):
+        return
+    remote = address[0] if isinstance(address, tuple) and address else str(address)
+    access_log.log(
+        level,
+        "%d %s %s (%s) %.2fms (fast lane)",
+        status,
+        request.method,
+        request.target,
+        remote,
+        1000.0 * (time.monotonic() - began),
+    )
