@@ -820,11 +820,19 @@ async def test_a_forged_or_stale_forwarded_header_is_401_and_a_forwarded_request
     assert status == 404, (status, answer)
 
 
-async def raw_request(host: Host, head: str, body: bytes = b"") -> socket.socket:
+async def raw_request(host: Host, head: str | bytes, body: bytes = b"") -> socket.socket:
     """A request written on a plain socket (a client the test can cut off mid-answer)."""
     raw = await asyncio.to_thread(socket.create_connection, ("127.0.0.1", host.serve.port))
-    await asyncio.to_thread(raw.sendall, head.encode() + body)
+    await asyncio.to_thread(raw.sendall, (head.encode() if isinstance(head, str) else head) + body)
     return raw
+
+
+def execute_request(sid: str, code: str, query: str = "") -> tuple[bytes, bytes]:
+    """(head, body) of a POST execute of ``code`` as alice, written by hand."""
+    body = json.dumps({"code": code}).encode()
+    head = (f"POST /api/sessions/{sid}/execute{query} HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    return head, body
 
 
 async def test_a_client_that_goes_away_from_a_forwarded_stream_interrupts_its_code_on_the_owner(cluster, placed):
@@ -833,13 +841,8 @@ async def test_a_client_that_goes_away_from_a_forwarded_stream_interrupts_its_co
     owner = next(host for host in cluster if host.host_id == "host-a")
     via = other(cluster, "host-a")
     sid = placed["host-a"]["id"]
-    body = json.dumps({"code": "import time\nprint('working', flush=True)\ntime.sleep(600)"}).encode()
-    raw = await raw_request(
-        via,
-        f"POST /api/sessions/{sid}/execute?stream=1 HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n",
-        body,
-    )
+    code = "import time\nprint('working', flush=True)\ntime.sleep(600)"
+    raw = await raw_request(via, *execute_request(sid, code, "?stream=1"))
     received = b""
     while b"working" not in received:  # the code runs on the owner: its first line came through the hop
         chunk = await asyncio.wait_for(asyncio.to_thread(raw.recv, 4096), 60)
@@ -919,9 +922,7 @@ async def test_a_kept_alive_client_is_relayed_by_the_fast_lane_with_the_owners_a
     reader, writer = await asyncio.open_connection("127.0.0.1", via.serve.port)
     try:
         for i in range(4):
-            body = json.dumps({"code": f"relayed = {i}; print(relayed * 2)"}).encode()
-            head = (f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+            head, body = execute_request(sid, f"relayed = {i}; print(relayed * 2)")
             if i % 2:  # the body in a write of its own, a moment later
                 writer.write(head)
                 await writer.drain()
@@ -952,9 +953,7 @@ async def test_a_request_the_fast_lane_does_not_take_is_refused_or_served_by_tor
     owner = next(host for host in cluster if host.host_id == "host-a")
     sid = placed["host-a"]["id"]
     before = await forwarded_counts(via)
-    smuggled = json.dumps({"code": "smuggled = 1"}).encode()
-    inner = (f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
-             f"Content-Length: {len(smuggled)}\r\n\r\n").encode() + smuggled  # fmt: skip
+    inner = b"".join(execute_request(sid, "smuggled = 1"))
     outer = f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
     for name, head in {
         "length and chunked": outer + "Content-Length: 4\r\nTransfer-Encoding: chunked\r\n\r\n",
@@ -984,13 +983,7 @@ async def test_a_client_that_goes_away_from_a_relayed_execute_is_no_harm(cluster
     via = other(cluster, "host-a")
     sid = placed["host-a"]["id"]
     before = await forwarded_counts(via)
-    body = json.dumps({"code": "import time\ntime.sleep(2); gone_client = 'ran to its end'"}).encode()
-    raw = await raw_request(
-        via,
-        f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n",
-        body,
-    )
+    raw = await raw_request(via, *execute_request(sid, "import time\ntime.sleep(2); gone_client = 'ran to its end'"))
     deadline = time.monotonic() + 60
     while True:  # the code runs on the owner
         status, model, _ = await owner.call("GET", f"/api/sessions/{sid}")
@@ -1001,9 +994,7 @@ async def test_a_client_that_goes_away_from_a_relayed_execute_is_no_harm(cluster
     raw.close()
     reader, writer = await asyncio.open_connection("127.0.0.1", via.serve.port)
     try:
-        body = json.dumps({"code": "print(gone_client)"}).encode()
-        writer.write(f"POST /api/sessions/{sid}/execute HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)  # fmt: skip
+        writer.write(b"".join(execute_request(sid, "print(gone_client)")))
         status, result = await read_answer(reader)  # after the first (one execution at a time)
     finally:
         writer.close()
