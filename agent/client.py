@@ -117,6 +117,7 @@ class AsyncSandkernel:
         direct_to_owner: bool = True,
     ) -> None:
         self.url = (url or os.environ.get("SANDKERNEL_URL") or DEFAULT_URL).rstrip("/")
+        self._scheme = urlsplit(self.url).scheme  # a session's host is followed over this one only
         self.token = token or os.environ.get("SANDKERNEL_TOKEN")
         self.request_timeout = request_timeout
         self.restart_wait = restart_wait
@@ -388,8 +389,8 @@ class AsyncSandkernel:
         if not self.direct_to_owner:
             return
         host = (response.headers.get(HOST_HEADER) or "").rstrip("/")
-        named, endpoint = urlsplit(host), urlsplit(self.url)
-        if named.scheme != endpoint.scheme or not named.netloc:
+        named = urlsplit(host)
+        if named.scheme != self._scheme or not named.netloc:
             return  # never a downgrade: the token goes over what the endpoint's URL said
         if self._unreachable.get(host, 0.0) > time.monotonic():
             return

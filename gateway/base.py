@@ -188,8 +188,7 @@ class BaseHandler(web.RequestHandler):
         not), the request is passed there once its body is in (:meth:`_forward` answers for the
         verb). A session this host holds, or nobody does, or another tenant does, is served here."""
         if session_id is not None:
-            with contextlib.suppress(KernelNotFoundError):
-                self.registry.find(self.tenant, session_id)
+            if self.registry.holds(self.tenant, session_id):
                 return
         elif kernel_id is not None:
             with contextlib.suppress(KernelNotFoundError):

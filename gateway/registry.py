@@ -569,6 +569,15 @@ class SessionRegistry:
             raise paused.error()
         raise KernelNotFoundError(f"no session {session_id!r}")
 
+    def holds(self, tenant: str, session_id: str) -> bool:
+        """Whether this host has the tenant's session, live, paused or lost (what :meth:`find`
+        finds): cluster routing serves it here, else asks where it is."""
+        for table in (self._sessions, self._lost, self._paused):
+            found = table.get(session_id)
+            if found is not None and found.tenant == tenant:
+                return True
+        return False
+
     def find(self, tenant: str, session_id: str) -> ManagedSession | LostSession | PausedSession:
         """The tenant's session, live, paused or lost (what GET and DELETE of a session see)."""
         lost = self._lost.get(session_id)

@@ -24,7 +24,7 @@ headers with token names, at most one ``Content-Length`` and no ``Transfer-Encod
 body at most :data:`MAX_BODY_BYTES`; and if its token names a tenant, this host does
 not hold the session, and the catalog (through the owner cache) says an up host holds it for
 that tenant. Everything the lane does not understand goes to tornado, which answers it in full
-(400, 401, 413, the local session, the first call of a session, the stream, the websocket): the
+(400, 401, 413, the local session, the websocket, files, any other query): the
 lane can only be skipped, never wrong in a way the slower path is not. The owner checks the
 signature and the tenant's token again, as for any forwarded request.
 
@@ -48,9 +48,9 @@ from tornado import httputil, netutil
 from tornado.httpserver import HTTPServer
 from tornado.iostream import IOStream
 
-from sandkernel.errors import ClusterUnavailableError, KernelNotFoundError, SandkernelError
-from sandkernel.gateway.base import retry_after_of
-from sandkernel.gateway.cluster.forward import HOP_HEADERS, ClusterLink, unreachable
+from sandkernel.errors import ClusterUnavailableError, SandkernelError
+from sandkernel.gateway.base import error_reply, retry_after_of
+from sandkernel.gateway.cluster.forward import HOP_HEADERS, ClusterLink, end_to_end, unreachable
 from sandkernel.gateway.cluster.peer_pool import Hop
 from sandkernel.gateway.cluster.signing import sign
 
@@ -135,8 +135,8 @@ class _Answer(httputil.HTTPMessageDelegate):
     the first piece of the body, or at the end), a ``Content-Length`` body as it is, any other
     re-chunked; a short body's last piece waits for :meth:`tail`, so head and body go in one write."""
 
-    def __init__(self, conn: socket.socket, method: str) -> None:
-        self.conn, self.method = conn, method
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
         self.loop = asyncio.get_running_loop()
         self.code = 0
         self.head = b""  # not yet written
@@ -153,7 +153,7 @@ class _Answer(httputil.HTTPMessageDelegate):
         lines = [f"HTTP/1.1 {start_line.code} {start_line.reason or httputil.responses.get(start_line.code, '')}"]
         lines += [f"{name}: {value}" for name, value in headers.get_all() if name.lower() not in HOP_HEADERS]
         length = headers.get("Content-Length")
-        if self.method == "HEAD" or start_line.code in (204, 304):
+        if start_line.code in (204, 304):  # no body (the lane relays no HEAD)
             pass
         elif length is not None and length.isdigit():
             lines.append(f"Content-Length: {length}")
@@ -296,8 +296,7 @@ class FastLane:
         tenant = self.auth.tenant_for(request.header("Authorization"))
         if tenant is None:
             return None, None  # tornado's 401 (and its count of failures)
-        with contextlib.suppress(KernelNotFoundError):
-            self.registry.find(tenant, request.session_id)
+        if self.registry.holds(tenant, request.session_id):
             return None, None  # held here
         return request, tenant
 
@@ -373,12 +372,12 @@ class FastLane:
         self.registry.request_started()
         self.registry.metrics.forwarded.labels(FAST_LANE).inc()
         hop = Hop()
-        answer = _Answer(conn, request.method)
+        answer = _Answer(conn)
         loop.add_reader(conn.fileno(), self._client_moved, conn, hop)
         status = 0
         keep = False
         try:
-            headers = [(n, v) for n, v in request.headers if n.lower() not in HOP_HEADERS]
+            headers = end_to_end(request.headers)
             headers += sign(self.link.secret, request.method, request.target, self.link.host_id).items()
             sent = body if body or request.method in ("POST", "PUT") else None
             try:
@@ -392,7 +391,7 @@ class FastLane:
                     log.warning("relayed answer from host %s cut: %s", host.host_id, err)
                     return  # the client has a short answer: its connection closes
                 self.link.owners.forget_host(host.host_id)
-                data, status = _error_answer(unreachable(host, err)), ClusterUnavailableError.status
+                data, status = _error_answer(unreachable(host, err))
             with contextlib.suppress(ValueError, OSError):
                 loop.remove_reader(conn.fileno())
             if hop.cut_off:
@@ -425,16 +424,18 @@ class FastLane:
             hop.cut()
 
 
-def _error_answer(err: ClusterUnavailableError) -> bytes:
-    """The JSON 503 tornado's path gives for the same failure (base.write_error's shape)."""
-    body = json.dumps({"error": err.code, "message": str(err)}).encode()
+def _error_answer(err: ClusterUnavailableError) -> tuple[bytes, int]:
+    """The JSON error tornado's path gives for the same failure (base.error_reply's mapping,
+    base.write_error's shape), and its status."""
+    status, code, message = error_reply(err)
+    body = json.dumps({"error": code, "message": message}).encode()
     seconds = retry_after_of(err)
     retry = f"Retry-After: {seconds}\r\n" if seconds is not None else ""
     head = (
-        f"HTTP/1.1 {err.status} Service Unavailable\r\nContent-Type: application/json\r\n{retry}"
+        f"HTTP/1.1 {status} {httputil.responses.get(status, '')}\r\nContent-Type: application/json\r\n{retry}"
         f"Content-Length: {len(body)}\r\n\r\n"
     )
-    return head.encode() + body
+    return head.encode() + body, status
 
 
 def _log_access(status: int, request: PlainRequest, address: Any, began: float) -> None:

@@ -27,7 +27,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlsplit
 
@@ -243,16 +243,21 @@ def unreachable(host: HostInfo, err: BaseException | str) -> ClusterUnavailableE
     )
 
 
-def _end_to_end(request: httputil.HTTPServerRequest) -> list[tuple[str, str]]:
+def end_to_end(headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """The client's headers as the owner gets them: the end-to-end ones (Authorization above
-    all), as tornado parsed (and checked) them."""
+    all), never the hop's own nor ours (each hop signs afresh)."""
     return [
         (name, value)
-        for name, value in request.headers.get_all()
+        for name, value in headers
         if (lower := name.lower()) not in HOP_HEADERS
         and not lower.startswith("x-sandkernel-")
         and not lower.startswith("sec-websocket")
     ]
+
+
+def _end_to_end(request: httputil.HTTPServerRequest) -> list[tuple[str, str]]:
+    """:func:`end_to_end` of a request as tornado parsed (and checked) it."""
+    return end_to_end(request.headers.get_all())
 
 
 def _request_headers(request: httputil.HTTPServerRequest) -> httputil.HTTPHeaders:
