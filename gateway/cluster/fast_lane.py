@@ -51,7 +51,7 @@ from tornado.iostream import IOStream
 from sandkernel.errors import ClusterUnavailableError, SandkernelError
 from sandkernel.gateway.base import error_reply, retry_after_of
 from sandkernel.gateway.cluster.forward import HOP_HEADERS, ClusterLink, end_to_end, unreachable
-from sandkernel.gateway.cluster.peer_pool import Hop
+from sandkernel.gateway.cluster.peer_pool import Exchange, Hop
 from sandkernel.gateway.cluster.signing import sign
 
 if TYPE_CHECKING:
@@ -185,6 +185,23 @@ class _Answer(httputil.HTTPMessageDelegate):
         return data
 
 
+class _Client:
+    """A client connection the lane holds: its reader stays registered from accept to close (or
+    to tornado's taking it), so a relayed request costs no epoll change; ``hop`` is the relay
+    under way (None: waiting for its next request)."""
+
+    __slots__ = ("address", "conn", "fd", "hop", "last_active", "reading", "timer")
+
+    def __init__(self, conn: socket.socket, address: Any, now: float) -> None:
+        self.conn = conn
+        self.fd = conn.fileno()
+        self.address = address
+        self.hop: Hop | None = None
+        self.reading = False
+        self.last_active = now
+        self.timer: asyncio.TimerHandle | None = None
+
+
 class FastLane:
     """The listening socket of a plain-HTTP cluster gateway, and the connections it holds between
     requests it relayed (``tornado`` gets every other connection, and keeps it)."""
@@ -201,9 +218,10 @@ class FastLane:
         self.idle_seconds = idle_seconds
         self._listening: list[socket.socket] = []
         self._stop_accepting: list[Any] = []
-        self._held: dict[socket.socket, asyncio.TimerHandle | None] = {}  # idle: its timer; relaying: None
+        self._held: set[_Client] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
+        self._relayed = registry.metrics.forwarded.labels(FAST_LANE)
 
     # -- the listening socket ------------------------------------------------------------------
 
@@ -222,68 +240,102 @@ class FastLane:
         for sock in self._listening:
             sock.close()
         self._listening.clear()
-        for conn, timer in list(self._held.items()):
-            if timer is not None:
-                self._close(conn)
+        for client in list(self._held):
+            if client.hop is None:
+                self._close(client)
 
     def _accepted(self, conn: socket.socket, address: Any) -> None:
+        if self._stopped:
+            conn.close()
+            return
         conn.setblocking(False)
         with contextlib.suppress(OSError):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._wait(conn, address)
+        loop = asyncio.get_running_loop()
+        client = _Client(conn, address, loop.time())
+        self._held.add(client)
+        self._read(client)
+        client.timer = loop.call_later(self.idle_seconds, self._check_idle, client)
 
     # -- one connection --------------------------------------------------------------------------
 
-    def _wait(self, conn: socket.socket, address: Any) -> None:
-        """Until its next request arrives (or it is idle too long: closed, as tornado would)."""
-        if self._stopped:
-            self._close(conn)
-            return
-        loop = asyncio.get_running_loop()
-        self._held[conn] = loop.call_later(self.idle_seconds, self._close, conn)
-        loop.add_reader(conn.fileno(), self._arrived, conn, address)
+    def _read(self, client: _Client) -> None:
+        if not client.reading:
+            asyncio.get_running_loop().add_reader(client.fd, self._readable, client)
+            client.reading = True
 
-    def _arrived(self, conn: socket.socket, address: Any) -> None:
+    def _stop_reading(self, client: _Client) -> None:
+        if client.reading:
+            client.reading = False
+            with contextlib.suppress(ValueError, OSError):
+                asyncio.get_running_loop().remove_reader(client.fd)
+
+    def _check_idle(self, client: _Client) -> None:
+        """A connection waiting longer than the idle time for its next request is closed, as
+        tornado would; one timer a connection, moved on instead of re-made per request."""
         loop = asyncio.get_running_loop()
-        loop.remove_reader(conn.fileno())
-        timer = self._held.get(conn)
-        if timer is not None:
-            timer.cancel()
+        waited = loop.time() - client.last_active
+        if client.hop is None and waited >= self.idle_seconds:
+            self._close(client)
+        else:
+            left = self.idle_seconds - waited if client.hop is None else self.idle_seconds
+            client.timer = loop.call_later(left, self._check_idle, client)
+
+    def _readable(self, client: _Client) -> None:
+        if client.hop is not None:
+            self._client_moved(client, client.hop)
+            return
         try:
-            data = conn.recv(PEEK_BYTES, socket.MSG_PEEK)
+            data = client.conn.recv(PEEK_BYTES, socket.MSG_PEEK)
         except BlockingIOError:
-            self._wait(conn, address)
             return
         except OSError:
-            self._close(conn)
+            self._close(client)
             return
         if not data:  # the client closed it
-            self._close(conn)
+            self._close(client)
             return
         request, tenant = self._relayable(data)
         if request is None or tenant is None:
-            self._hand_over(conn, address)
+            self._hand_over(client)
             return
-        self._held[conn] = None
         found = self.link.owners.get(f"s:{request.session_id}")
-        if found is not None:  # the hot path: no await before the relay starts
-            self._start(conn, self._relay_if_elsewhere(conn, address, request, tenant, found[0], found[1]))
-        else:  # the first call of a session on this connection: the catalog says where it is
-            self._start(conn, self._look_up_and_relay(conn, address, request, tenant))
+        if found is None:  # the first call of a session on this connection: the catalog says where it is
+            client.hop = Hop()  # the connection is busy from now on
+            self._start(client, self._look_up_and_relay(client, request, tenant))
+        elif not self._relays_to(found[0], found[1], tenant):
+            self._hand_over(client)
+        elif len(data) < request.size:  # the body is still coming
+            client.hop = Hop()
+            self._start(client, self._take_and_relay(client, request, found[0]))
+        else:  # the hot path: read, signed and sent before this callback returns
+            try:
+                body = self._take_now(client, request)
+            except OSError:
+                self._close(client)
+                return
+            self._relay(client, request, body, found[0])
 
-    def _start(self, conn: socket.socket, work: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(self._guarded(conn, work))
+    def _relays_to(self, host: Any, owner_tenant: str, tenant: str) -> bool:
+        """Whether a request of ``tenant`` is relayed to ``host``, which holds the session for
+        ``owner_tenant``: another up host, for the same tenant (else tornado's path answers)."""
+        return (
+            owner_tenant == tenant and host.host_id != self.link.host_id and host.status == "up" and not self._stopped
+        )
+
+    def _start(self, client: _Client, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(self._guarded(client, work))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _guarded(self, conn: socket.socket, work: Awaitable[None]) -> None:
+    async def _guarded(self, client: _Client, work: Awaitable[None]) -> None:
         """A failure the lane did not foresee is a bug: logged with its traceback, and only this
         connection is closed (the gateway and every other connection go on)."""
         try:
             await work
         except Exception:
             log.exception("bug: the fast lane failed on a request; its connection is closed")
-            self._close(conn)
+            self._close(client)
 
     def _relayable(self, data: bytes) -> tuple[PlainRequest | None, str | None]:
         """The request at the head of ``data`` and its tenant, if the lane may relay it: a plain
@@ -300,42 +352,40 @@ class FastLane:
             return None, None  # held here
         return request, tenant
 
-    async def _look_up_and_relay(self, conn: socket.socket, address: Any, request: PlainRequest, tenant: str) -> None:
+    async def _look_up_and_relay(self, client: _Client, request: PlainRequest, tenant: str) -> None:
         """Ask the catalog (and fill the owner cache) as tornado's path would; a session held
         nowhere else, or a catalog that cannot answer, is tornado's to answer."""
         try:
             host = await self.link.owner_elsewhere(tenant, session_id=request.session_id)
         except (SandkernelError, OSError):
             host = None
-        if host is None:
-            self._hand_over(conn, address)
+        if host is None or not self._relays_to(host, tenant, tenant):
+            self._hand_over(client)
             return
-        await self._relay_if_elsewhere(conn, address, request, tenant, host, tenant)
+        await self._take_and_relay(client, request, host)
 
-    async def _relay_if_elsewhere(
-        self, conn: socket.socket, address: Any, request: PlainRequest, tenant: str, host: Any, owner_tenant: str
-    ) -> None:
-        """Relay the request to ``host`` if that up host holds the session for this tenant."""
-        if owner_tenant != tenant or host.host_id == self.link.host_id or host.status != "up" or self._stopped:
-            self._hand_over(conn, address)
-            return
+    async def _take_and_relay(self, client: _Client, request: PlainRequest, host: Any) -> None:
         try:
-            body = await self._take(conn, request)
+            body = self._take_now(client, request)
+            if len(body) < request.length:
+                # the reader is off while the body is read here (else both would wake on it)
+                self._stop_reading(client)
+                rest = self._rest_of_body(client.conn, request.length - len(body))
+                body += await asyncio.wait_for(rest, self.idle_seconds)
         except (OSError, asyncio.TimeoutError):  # gone, or the body never came: as tornado would
-            self._close(conn)
+            self._close(client)
             return
-        await self._relay(conn, address, request, body, host)
+        self._read(client)
+        self._relay(client, request, body, host)
 
-    async def _take(self, conn: socket.socket, request: PlainRequest) -> bytes:
-        """Read the request off the socket: its head and what came of its body were looked at
-        already; the rest of the body is waited for, up to the idle time."""
-        taken = conn.recv(request.size)
+    @staticmethod
+    def _take_now(client: _Client, request: PlainRequest) -> bytes:
+        """Read the request off the socket (its head and what came of its body were looked at
+        already): its body, whole or begun."""
+        taken = client.conn.recv(request.size)
         if len(taken) < request.head_size:  # what was there a moment ago is not: nothing to trust
             raise ConnectionError("the request went away")
-        body = taken[request.head_size :]
-        if len(body) < request.length:
-            body += await asyncio.wait_for(self._rest_of_body(conn, request.length - len(body)), self.idle_seconds)
-        return body
+        return taken[request.head_size :]
 
     @staticmethod
     async def _rest_of_body(conn: socket.socket, missing: int) -> bytes:
@@ -349,39 +399,67 @@ class FastLane:
             missing -= len(piece)
         return b"".join(pieces)
 
-    def _hand_over(self, conn: socket.socket, address: Any) -> None:
+    def _hand_over(self, client: _Client) -> None:
         """Tornado serves this connection from now on (the request is still unread on it)."""
-        self._held.pop(conn, None)
-        self.server.handle_stream(IOStream(conn), address)
+        self._forget(client)
+        self.server.handle_stream(IOStream(client.conn), client.address)
 
-    def _close(self, conn: socket.socket) -> None:
-        timer = self._held.pop(conn, None)
-        if timer is not None:
-            timer.cancel()
-        with contextlib.suppress(OSError, ValueError):
-            asyncio.get_running_loop().remove_reader(conn.fileno())
-        conn.close()
+    def _forget(self, client: _Client) -> None:
+        self._held.discard(client)
+        self._stop_reading(client)
+        if client.timer is not None:
+            client.timer.cancel()
+            client.timer = None
+
+    def _close(self, client: _Client) -> None:
+        self._forget(client)
+        client.conn.close()
 
     # -- one relayed request -----------------------------------------------------------------------
 
-    async def _relay(self, conn: socket.socket, address: Any, request: PlainRequest, body: bytes, host: Any) -> None:
-        """Send it to the owner and its answer back; the connection then waits for its next
-        request (or is closed, when the answer could not be passed on whole)."""
-        loop = asyncio.get_running_loop()
+    def _relay(self, client: _Client, request: PlainRequest, body: bytes, host: Any) -> None:
+        """Sign the request and send it to the owner, on a kept-alive connection at once if the
+        peer pool has one; the answer is passed back by a task."""
         began = time.monotonic()
         self.registry.request_started()
-        self.registry.metrics.forwarded.labels(FAST_LANE).inc()
-        hop = Hop()
-        answer = _Answer(conn)
-        loop.add_reader(conn.fileno(), self._client_moved, conn, hop)
+        self._relayed.inc()
+        hop = client.hop = client.hop or Hop()
+        answer = _Answer(client.conn)
+        headers = end_to_end(request.headers)
+        headers += sign(self.link.secret, request.method, request.target, self.link.host_id).items()
+        sent = body if body or request.method in ("POST", "PUT") else None
+        try:
+            exchange = self.link.peers.send_now(host.url, request.method, request.target, headers, sent, hop)
+        except (OSError, ValueError) as err:
+            exchange = err
+        self._start(client, self._pass_answer(client, request, host, headers, sent, exchange, answer, began))
+
+    async def _pass_answer(
+        self,
+        client: _Client,
+        request: PlainRequest,
+        host: Any,
+        headers: list[tuple[str, str]],
+        body: bytes | None,
+        exchange: Exchange | BaseException | None,
+        answer: _Answer,
+        began: float,
+    ) -> None:
+        """Read the owner's answer into the client; the connection then waits for its next
+        request (or is closed, when the answer could not be passed on whole)."""
+        loop = asyncio.get_running_loop()
+        hop = client.hop
+        assert hop is not None
         status = 0
         keep = False
         try:
-            headers = end_to_end(request.headers)
-            headers += sign(self.link.secret, request.method, request.target, self.link.host_id).items()
-            sent = body if body or request.method in ("POST", "PUT") else None
             try:
-                await self.link.peers.fetch(host.url, request.method, request.target, headers, sent, answer, hop)
+                if isinstance(exchange, BaseException):
+                    raise exchange
+                if exchange is None:  # no idle connection to the owner: a new one
+                    await self.link.peers.fetch(host.url, request.method, request.target, headers, body, answer, hop)
+                else:
+                    await self.link.peers.receive(exchange, answer, hop)
                 data = answer.tail()
                 status = answer.code
             except ConnectionError as err:
@@ -392,30 +470,29 @@ class FastLane:
                     return  # the client has a short answer: its connection closes
                 self.link.owners.forget_host(host.host_id)
                 data, status = _error_answer(unreachable(host, err))
-            with contextlib.suppress(ValueError, OSError):
-                loop.remove_reader(conn.fileno())
             if hop.cut_off:
                 return
-            await loop.sock_sendall(conn, data)
+            await loop.sock_sendall(client.conn, data)
             keep = True
         except OSError:
             return
         finally:
-            with contextlib.suppress(ValueError, OSError):
-                loop.remove_reader(conn.fileno())
             self.registry.request_ended()
-            _log_access(status, request, address, began)
-            if keep:
-                self._wait(conn, address)
+            _log_access(status, request, client.address, began)
+            client.hop = None
+            if keep and not self._stopped:
+                client.last_active = loop.time()
+                self._read(client)
             else:
-                self._close(conn)
+                self._close(client)
 
-    def _client_moved(self, conn: socket.socket, hop: Hop) -> None:
+    def _client_moved(self, client: _Client, hop: Hop) -> None:
         """The client's side is readable during a relay: gone (the owner then sees its client
-        gone, as a local handler would), or it sent its next request early (read after)."""
-        asyncio.get_running_loop().remove_reader(conn.fileno())
+        gone, as a local handler would), or it sent its next request early (its reader is off
+        until the answer is written, and the request is read then)."""
+        self._stop_reading(client)
         try:
-            gone = conn.recv(1, socket.MSG_PEEK) == b""
+            gone = client.conn.recv(1, socket.MSG_PEEK) == b""
         except BlockingIOError:
             gone = False
         except OSError:

@@ -245,6 +245,20 @@ class _Connection(asyncio.Protocol):
         return self._take(n)
 
 
+@dataclasses.dataclass(eq=False)
+class Exchange:
+    """A request handed to a connection, and what reading its answer (or sending it again) needs."""
+
+    peer: Peer
+    method: str
+    target: str
+    request: list[bytes]  # as written, for a resend
+    connection: _Connection
+    reused: bool  # kept from an earlier exchange (only such a failure may be sent again)
+    timer: asyncio.TimerHandle  # the exchange's time limit
+    sent: bool = False  # handed to the transport (a failure to send shows on the read)
+
+
 @dataclasses.dataclass
 class _Idle:
     connection: _Connection
@@ -334,35 +348,44 @@ class PeerPool:
         (PeerError, the cause chained) when the peer cannot be reached, closes mid-way, sends a
         malformed or over-limit answer, or times out; the delegate was then told
         ``on_connection_close`` if its headers had come."""
-        peer = self._peers.get(url) or self._peers.setdefault(url, Peer.of(url))
-        head = _request_head(method, target, peer.netloc, headers, body)
-        # One write, so head and body leave in one segment; a large body is not copied for it.
-        request = [head + body] if body and len(body) <= READ_BUFFER_BYTES else [head, body] if body else [head]
-        for attempt in (1, 2):
-            connection, reused = await self._check_out(peer, fresh=attempt > 1)
-            hop.connection = connection
-            if hop.cut_off:
-                connection.abort(PeerError("the client went away"))
-                raise PeerError("the client went away")
-            sent = answered = finished = keep_alive = False
-            failure: BaseException | None = None
-            # A peer that hangs without closing: the connection is aborted (the read then fails).
-            timer = asyncio.get_running_loop().call_later(
-                self.request_timeout, connection.abort, PeerError("timed out")
+        exchange = self.send_now(url, method, target, headers, body, hop)
+        if exchange is None:
+            exchange = await self._send_on_new(
+                self._peer(url), method, target, self._wire(url, method, target, headers, body), hop
             )
+        await self.receive(exchange, delegate, hop)
+
+    def send_now(
+        self, url: str, method: str, target: str, headers: Headers, body: bytes | None, hop: Hop
+    ) -> Exchange | None:
+        """Send the request on a kept-alive connection to ``url`` without awaiting anything, if
+        the pool has an idle one (None: it has none; :meth:`fetch` opens one). Why: a caller in a
+        reader's callback (the fast lane) has the request on its way to the peer before any task
+        is made, and the rest of its work overlaps the peer's. :meth:`receive` reads the answer."""
+        peer = self._peer(url)
+        connection = self._lend(peer)
+        if connection is None:
+            return None
+        return self._send(peer, method, target, self._wire(url, method, target, headers, body), connection, True, hop)
+
+    async def receive(self, exchange: Exchange, delegate: httputil.HTTPMessageDelegate, hop: Hop) -> None:
+        """Read the answer to a sent exchange into ``delegate`` (see :meth:`fetch`); a request that
+        failed on a kept-alive connection before any answer came is sent once more on a new one
+        if nothing of it was sent or its method is idempotent."""
+        while True:
+            connection = exchange.connection
+            answered = finished = keep_alive = False
+            failure: BaseException | None = None
             try:
-                if not connection.usable:
+                if not exchange.sent:
                     raise connection.error or PeerError("the connection closed")
-                sent = True  # handed to the transport: a failure to send shows on the read
-                for data in request:
-                    connection.write(data)
                 start_line, response_headers = await self._read_head(connection)
                 answered = True
                 keep_alive = (
                     start_line.version == "HTTP/1.1" and (response_headers.get("Connection") or "").lower() != "close"
                 )
                 await _maybe(delegate.headers_received(start_line, response_headers))
-                framed = await self._read_body(connection, method, start_line.code, response_headers, delegate)
+                framed = await self._read_body(connection, exchange.method, start_line.code, response_headers, delegate)
                 keep_alive = keep_alive and framed
                 finished = True
                 delegate.finish()
@@ -372,11 +395,11 @@ class PeerPool:
                 connection.abort(PeerError("the exchange was abandoned"))
                 raise
             finally:
-                timer.cancel()
+                exchange.timer.cancel()
             if finished:
                 hop.connection = None  # a late cut must not close it under another exchange
                 if keep_alive and connection.usable:
-                    self._check_in(peer, connection)
+                    self._check_in(exchange.peer, connection)
                 else:
                     connection.close()
                 return
@@ -384,16 +407,58 @@ class PeerPool:
             if answered:
                 delegate.on_connection_close()
             resend = (
-                reused
-                and attempt == 1
+                exchange.reused
                 and not answered
                 and not hop.cut_off
-                and (not sent or method in IDEMPOTENT_METHODS)
+                and (not exchange.sent or exchange.method in IDEMPOTENT_METHODS)
             )
             if not resend:
                 raise PeerError(_reason(failure)) from failure
-            log.info("kept-alive connection to %s closed; %s %s sent again on a new one", peer.netloc, method, target)
-        raise AssertionError("unreachable")  # pragma: no cover
+            log.info(
+                "kept-alive connection to %s closed; %s %s sent again on a new one",
+                exchange.peer.netloc,
+                exchange.method,
+                exchange.target,
+            )
+            exchange = await self._send_on_new(exchange.peer, exchange.method, exchange.target, exchange.request, hop)
+
+    def _peer(self, url: str) -> Peer:
+        return self._peers.get(url) or self._peers.setdefault(url, Peer.of(url))
+
+    def _wire(self, url: str, method: str, target: str, headers: Headers, body: bytes | None) -> list[bytes]:
+        """The request as it is written: one piece, so head and body leave in one segment (a
+        large body is not copied for it)."""
+        head = _request_head(method, target, self._peer(url).netloc, headers, body)
+        return [head + body] if body and len(body) <= READ_BUFFER_BYTES else [head, body] if body else [head]
+
+    async def _send_on_new(self, peer: Peer, method: str, target: str, request: list[bytes], hop: Hop) -> Exchange:
+        connection = await self._connect(peer)
+        connection.busy = True
+        return self._send(peer, method, target, request, connection, False, hop)
+
+    def _send(
+        self,
+        peer: Peer,
+        method: str,
+        target: str,
+        request: list[bytes],
+        connection: _Connection,
+        reused: bool,
+        hop: Hop,
+    ) -> Exchange:
+        """Hand the request to the connection's transport (a failure to send shows when the answer
+        is read), with the exchange's time limit: a peer that hangs without closing is aborted."""
+        hop.connection = connection
+        if hop.cut_off:
+            connection.abort(PeerError("the client went away"))
+            raise PeerError("the client went away")
+        timer = asyncio.get_running_loop().call_later(self.request_timeout, connection.abort, PeerError("timed out"))
+        exchange = Exchange(peer, method, target, request, connection, reused, timer)
+        if connection.usable:
+            exchange.sent = True
+            for data in request:
+                connection.write(data)
+        return exchange
 
     @staticmethod
     async def _read_head(connection: _Connection) -> tuple[httputil.ResponseStartLine, httputil.HTTPHeaders]:
@@ -478,22 +543,20 @@ class PeerPool:
 
     # -- the pool ----------------------------------------------------------------------------------
 
-    async def _check_out(self, peer: Peer, *, fresh: bool) -> tuple[_Connection, bool]:
-        """(a connection to ``peer``, whether it was kept from an earlier exchange)."""
+    def _lend(self, peer: Peer) -> _Connection | None:
+        """An idle connection to ``peer`` kept from an earlier exchange, marked busy (None: none is left)."""
         idle = self._idle.get(peer)
-        if idle and not fresh:
+        if idle:
             self._expire_idle(idle)
-        while idle and not fresh:
+        while idle:
             connection = idle.pop().connection
             connection.on_idle_event = None
             if connection.usable:
                 connection.busy = True
                 self.reused += 1
-                return connection, True
+                return connection
             connection.close()
-        connection = await self._connect(peer)
-        connection.busy = True
-        return connection, False
+        return None
 
     def _check_in(self, peer: Peer, connection: _Connection) -> None:
         """Keep ``connection`` for the next exchange with ``peer`` (closed if the pool is full)."""
