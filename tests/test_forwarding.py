@@ -608,6 +608,65 @@ async def test_an_answer_that_ends_with_the_connection_is_whole_and_the_connecti
         await peer.stop()
 
 
+async def answer_when_whole(pool: PeerPool, exchange: Any, hop: Hop) -> Any:
+    """What :meth:`PeerPool.answer_now` gives, asked each time the connection reports something
+    (as the fast lane asks); None once the head came and the answer is not one it takes whole."""
+    news = asyncio.Event()
+    exchange.connection.on_answer = news.set
+    while True:
+        await asyncio.wait_for(news.wait(), 30)
+        news.clear()
+        whole = pool.answer_now(exchange, hop)
+        if whole is not None or not exchange.head_pending:
+            return whole
+
+
+async def test_a_request_is_sent_at_once_on_a_kept_connection_and_a_short_answer_taken_whole():
+    """send_now writes the request without awaiting (the fast lane's hot path) when the pool
+    keeps an idle connection, and answer_now takes a Content-Length answer whole out of the
+    connection's buffer, the connection going back to the pool."""
+    peer, pool = Peer(), new_pool()
+    try:
+        assert pool.send_now(peer.url, "POST", "/echo", [], b"x", Hop()) is None  # nothing kept yet
+        assert (await fetch(pool, peer.url)).code == 200
+        for i in range(3):
+            hop = Hop()
+            exchange = pool.send_now(peer.url, "POST", "/echo", [("X-Call", str(i))], f"now {i}".encode(), hop)
+            assert exchange is not None and exchange.reused and pool.idle_count(peer.url) == 0
+            whole = await answer_when_whole(pool, exchange, hop)
+            assert whole is not None and whole.start_line.code == 200, whole
+            assert json.loads(whole.body) == {"method": "POST", "body": f"now {i}"}
+            assert whole.headers["Content-Type"].startswith("application/json")
+            assert exchange.connection.on_answer is None and pool.idle_count(peer.url) == 1
+        assert peer.server.accepted == 1 and pool.opened == 1 and pool.reused == 3
+    finally:
+        pool.close()
+        peer.stop()
+
+
+async def test_an_answer_not_taken_whole_is_read_by_receive_as_it_streams():
+    """A chunked (streamed) answer is not taken whole: answer_now says None once its head came,
+    and receive reads it piece by piece from what is already there."""
+    peer, pool = Peer(), new_pool()
+    try:
+        await fetch(pool, peer.url, "GET", "/echo", None)
+        hop = Hop()
+        exchange = pool.send_now(peer.url, "GET", "/stream", [], None, hop)
+        assert exchange is not None
+        assert await answer_when_whole(pool, exchange, hop) is None
+        exchange.connection.on_answer = None
+
+        async def second_line(chunk: bytes) -> None:
+            peer.go.set()
+
+        answer = Collect(on_chunk=second_line)
+        await asyncio.wait_for(pool.receive(exchange, answer, hop), 30)
+        assert b"".join(answer.chunks) == b'{"n": 1}\n{"n": 2}\n' and pool.idle_count(peer.url) == 1
+    finally:
+        pool.close()
+        peer.stop()
+
+
 # -- two real gateways, one catalog ----------------------------------------------------------
 
 
@@ -1000,6 +1059,50 @@ async def test_a_client_that_goes_away_from_a_relayed_execute_is_no_harm(cluster
         writer.close()
     assert status == 200 and result["outputs"][0]["text"] == "ran to its end\n", result
     assert counted_since(before, await forwarded_counts(via)) == {"fast_lane": 2.0, "handler": 0.0}
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+async def test_a_body_that_stops_coming_is_never_relayed_and_its_connection_is_let_go(cluster, placed, tmp_path):
+    """The fast lane reads a body that comes after its head as it comes: one that stops is
+    relayed neither early nor late; the lane closes its connection at the idle time (a third
+    gateway here, with --header-timeout 2), or when the client goes away, and keeps serving."""
+    owner = next(host for host in cluster if host.host_id == "host-a")
+    sid = placed["host-a"]["id"]
+    catalog_url, secret_file = owner.flags[1], Path(owner.flags[3])
+    impatient = Host(tmp_path, "host-c", catalog_url, secret_file)
+    impatient.flags += ("--header-timeout", "2")
+    await impatient.start()
+    try:
+        assert impatient.serve.proc is not None
+        pid = impatient.serve.proc.pid
+        status, result, _ = await impatient.call("POST", f"/api/sessions/{sid}/execute", {"code": "print(1)"})
+        assert status == 200, result  # warm: the owner is cached and a kept connection to it open
+        before, fds = await forwarded_counts(impatient), open_fds(pid)
+        head, body = execute_request(sid, "stalled = 1")
+        idle = await raw_request(impatient, head, body[:5])  # the rest never comes
+        gone = await raw_request(impatient, head, body[:5])
+        began = time.monotonic()
+        gone.close()  # the other goes away mid-body
+        closed = await asyncio.wait_for(asyncio.to_thread(idle.recv, 65536), 30)
+        assert closed == b"" and 1.0 < time.monotonic() - began < 20, closed[:300]  # no answer: closed
+        idle.close()
+        reader, writer = await asyncio.open_connection("127.0.0.1", impatient.serve.port)
+        try:
+            writer.write(b"".join(execute_request(sid, "print('stalled' in dir())")))
+            status, result = await read_answer(reader)
+        finally:
+            writer.close()
+        assert status == 200 and result["outputs"][0]["text"] == "False\n", result  # neither ran
+        assert counted_since(before, await forwarded_counts(impatient)) == {"fast_lane": 1.0, "handler": 0.0}
+        deadline = time.monotonic() + 10
+        while open_fds(pid) > fds:  # both stalled connections are closed on the lane's side too
+            assert time.monotonic() < deadline, f"{open_fds(pid)} fds open, {fds} before"
+            await asyncio.sleep(0.1)
+    finally:
+        assert await impatient.serve.term() == 0, impatient.serve.output[-4000:]
 
 
 async def test_an_owner_that_is_gone_is_a_503_naming_it_and_the_other_host_keeps_serving(cluster, placed):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -190,16 +191,40 @@ class _Client:
     to tornado's taking it), so a relayed request costs no epoll change; ``hop`` is the relay
     under way (None: waiting for its next request)."""
 
-    __slots__ = ("address", "conn", "fd", "hop", "last_active", "reading", "timer")
+    __slots__ = ("address", "conn", "fd", "hop", "last_active", "partial", "reading", "timer")
 
     def __init__(self, conn: socket.socket, address: Any, now: float) -> None:
         self.conn = conn
         self.fd = conn.fileno()
         self.address = address
         self.hop: Hop | None = None
+        self.partial: _Partial | None = None  # a request whose body is still coming
         self.reading = False
         self.last_active = now
         self.timer: asyncio.TimerHandle | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _Partial:
+    """A request read up to part of its body: the rest is read as it comes."""
+
+    request: PlainRequest
+    host: Any
+    pieces: list[bytes]
+    missing: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Relay:
+    """One request being relayed: what passing its answer back needs."""
+
+    client: _Client
+    request: PlainRequest
+    host: Any
+    headers: list[tuple[str, str]]  # as sent to the owner (signed)
+    body: bytes | None
+    answer: _Answer
+    began: float
 
 
 class FastLane:
@@ -285,6 +310,9 @@ class FastLane:
         if client.hop is not None:
             self._client_moved(client, client.hop)
             return
+        if client.partial is not None:
+            self._more_body(client, client.partial)
+            return
         try:
             data = client.conn.recv(PEEK_BYTES, socket.MSG_PEEK)
         except BlockingIOError:
@@ -301,20 +329,13 @@ class FastLane:
             return
         found = self.link.owners.get(f"s:{request.session_id}")
         if found is None:  # the first call of a session on this connection: the catalog says where it is
-            client.hop = Hop()  # the connection is busy from now on
+            self._stop_reading(client)  # the request stays unread until the catalog answers
+            client.last_active = asyncio.get_running_loop().time()
             self._start(client, self._look_up_and_relay(client, request, tenant))
-        elif not self._relays_to(found[0], found[1], tenant):
+        elif self._relays_to(found[0], found[1], tenant):
+            self._take(client, request, found[0])  # the hot path: no task, no await
+        else:
             self._hand_over(client)
-        elif len(data) < request.size:  # the body is still coming
-            client.hop = Hop()
-            self._start(client, self._take_and_relay(client, request, found[0]))
-        else:  # the hot path: read, signed and sent before this callback returns
-            try:
-                body = self._take_now(client, request)
-            except OSError:
-                self._close(client)
-                return
-            self._relay(client, request, body, found[0])
 
     def _relays_to(self, host: Any, owner_tenant: str, tenant: str) -> bool:
         """Whether a request of ``tenant`` is relayed to ``host``, which holds the session for
@@ -359,45 +380,50 @@ class FastLane:
             host = await self.link.owner_elsewhere(tenant, session_id=request.session_id)
         except (SandkernelError, OSError):
             host = None
+        if client not in self._held:
+            return  # closed meanwhile (the lane stopped, or the connection sat idle too long)
         if host is None or not self._relays_to(host, tenant, tenant):
             self._hand_over(client)
             return
-        await self._take_and_relay(client, request, host)
+        self._read(client)
+        self._take(client, request, host)
 
-    async def _take_and_relay(self, client: _Client, request: PlainRequest, host: Any) -> None:
+    def _take(self, client: _Client, request: PlainRequest, host: Any) -> None:
+        """Read the request off the socket (its head and what came of its body were looked at
+        already) and relay it, or, if its body is still coming, read that as it comes
+        (:meth:`_more_body`): a client may write its head and its body apart."""
         try:
-            body = self._take_now(client, request)
-            if len(body) < request.length:
-                # the reader is off while the body is read here (else both would wake on it)
-                self._stop_reading(client)
-                rest = self._rest_of_body(client.conn, request.length - len(body))
-                body += await asyncio.wait_for(rest, self.idle_seconds)
-        except (OSError, asyncio.TimeoutError):  # gone, or the body never came: as tornado would
+            taken = client.conn.recv(request.size)
+        except OSError:
             self._close(client)
             return
-        self._read(client)
-        self._relay(client, request, body, host)
-
-    @staticmethod
-    def _take_now(client: _Client, request: PlainRequest) -> bytes:
-        """Read the request off the socket (its head and what came of its body were looked at
-        already): its body, whole or begun."""
-        taken = client.conn.recv(request.size)
         if len(taken) < request.head_size:  # what was there a moment ago is not: nothing to trust
-            raise ConnectionError("the request went away")
-        return taken[request.head_size :]
+            self._close(client)
+            return
+        body = taken[request.head_size :]
+        if len(body) < request.length:
+            client.partial = _Partial(request, host, [body], request.length - len(body))
+            client.last_active = asyncio.get_running_loop().time()
+        else:
+            self._relay(client, request, body, host)
 
-    @staticmethod
-    async def _rest_of_body(conn: socket.socket, missing: int) -> bytes:
-        loop = asyncio.get_running_loop()
-        pieces = []
-        while missing:
-            piece = await loop.sock_recv(conn, missing)
-            if not piece:
-                raise ConnectionError("the client closed mid-body")
-            pieces.append(piece)
-            missing -= len(piece)
-        return b"".join(pieces)
+    def _more_body(self, client: _Client, partial: _Partial) -> None:
+        """More of a request's body came; the request is relayed once it is whole (a body that
+        does not come within the idle time closes the connection, as tornado would)."""
+        try:
+            piece = client.conn.recv(partial.missing)
+        except BlockingIOError:
+            return
+        except OSError:
+            piece = b""
+        if not piece:  # the client closed mid-body
+            self._close(client)
+            return
+        partial.pieces.append(piece)
+        partial.missing -= len(piece)
+        if partial.missing == 0:
+            client.partial = None
+            self._relay(client, partial.request, b"".join(partial.pieces), partial.host)
 
     def _hand_over(self, client: _Client) -> None:
         """Tornado serves this connection from now on (the request is still unread on it)."""
@@ -419,35 +445,77 @@ class FastLane:
 
     def _relay(self, client: _Client, request: PlainRequest, body: bytes, host: Any) -> None:
         """Sign the request and send it to the owner, on a kept-alive connection at once if the
-        peer pool has one; the answer is passed back by a task."""
-        began = time.monotonic()
+        peer pool has one; a short answer is written back by the connection's callback
+        (:meth:`_answered`), any other by a task (:meth:`_pass_answer`)."""
         self.registry.request_started()
         self._relayed.inc()
-        hop = client.hop = client.hop or Hop()
-        answer = _Answer(client.conn)
+        client.hop = Hop()
         headers = end_to_end(request.headers)
         headers += sign(self.link.secret, request.method, request.target, self.link.host_id).items()
         sent = body if body or request.method in ("POST", "PUT") else None
+        relay = _Relay(client, request, host, headers, sent, _Answer(client.conn), time.monotonic())
         try:
-            exchange = self.link.peers.send_now(host.url, request.method, request.target, headers, sent, hop)
+            exchange = self.link.peers.send_now(host.url, request.method, request.target, headers, sent, client.hop)
         except (OSError, ValueError) as err:
-            exchange = err
-        self._start(client, self._pass_answer(client, request, host, headers, sent, exchange, answer, began))
+            self._start(client, self._pass_answer(relay, err))
+            return
+        if exchange is None:  # no idle connection to the owner: the task opens one
+            self._start(client, self._pass_answer(relay, None))
+        else:
+            exchange.connection.on_answer = functools.partial(self._answered, relay, exchange)
 
-    async def _pass_answer(
-        self,
-        client: _Client,
-        request: PlainRequest,
-        host: Any,
-        headers: list[tuple[str, str]],
-        body: bytes | None,
-        exchange: Exchange | BaseException | None,
-        answer: _Answer,
-        began: float,
-    ) -> None:
-        """Read the owner's answer into the client; the connection then waits for its next
-        request (or is closed, when the answer could not be passed on whole)."""
-        loop = asyncio.get_running_loop()
+    def _answered(self, relay: _Relay, exchange: Exchange) -> None:
+        """Something came from the owner (or its connection ended): a short answer that is whole
+        is written to the client here; an answer still to come in pieces, a stream, a failure,
+        go to a task that reads it as tornado's path would."""
+        try:
+            self._write_whole_answer(relay, exchange)
+        except Exception:  # as _guarded: this runs in the peer connection's callback, not a task
+            log.exception("bug: the fast lane failed on an answer; its connection is closed")
+            exchange.connection.on_answer = None
+            exchange.connection.abort(ConnectionError("the fast lane failed"))
+            self._done(relay, 0, keep=False)
+
+    def _write_whole_answer(self, relay: _Relay, exchange: Exchange) -> None:
+        client, answer = relay.client, relay.answer
+        assert client.hop is not None
+        whole = self.link.peers.answer_now(exchange, client.hop)
+        if whole is None:
+            if not exchange.head_pending:
+                exchange.connection.on_answer = None
+                self._start(client, self._pass_answer(relay, exchange))
+            return
+        answer.headers_received(whole.start_line, whole.headers)
+        if whole.body:
+            answer.data_received(whole.body)  # the only piece: kept for tail(), which writes it with the head
+        data = answer.tail()
+        try:
+            written = client.conn.send(data)
+        except BlockingIOError:
+            written = 0
+        except OSError:
+            self._done(relay, answer.code, keep=False)
+            return
+        if written < len(data):  # the client's socket is full: the rest is written when it drains
+            self._start(client, self._write_rest(relay, data[written:]))
+        else:
+            self._done(relay, answer.code, keep=True)
+
+    async def _write_rest(self, relay: _Relay, data: bytes) -> None:
+        keep = False
+        try:
+            await asyncio.get_running_loop().sock_sendall(relay.client.conn, data)
+            keep = True
+        except OSError:
+            pass
+        finally:
+            self._done(relay, relay.answer.code, keep)
+
+    async def _pass_answer(self, relay: _Relay, exchange: Exchange | BaseException | None) -> None:
+        """Read the owner's answer into the client, piece by piece (or send the request first, on
+        a new connection, when ``exchange`` is None); a failure before any of it was written is
+        answered as tornado's path would."""
+        client, request, host, answer = relay.client, relay.request, relay.host, relay.answer
         hop = client.hop
         assert hop is not None
         status = 0
@@ -456,8 +524,10 @@ class FastLane:
             try:
                 if isinstance(exchange, BaseException):
                     raise exchange
-                if exchange is None:  # no idle connection to the owner: a new one
-                    await self.link.peers.fetch(host.url, request.method, request.target, headers, body, answer, hop)
+                if exchange is None:
+                    await self.link.peers.fetch(
+                        host.url, request.method, request.target, relay.headers, relay.body, answer, hop
+                    )
                 else:
                     await self.link.peers.receive(exchange, answer, hop)
                 data = answer.tail()
@@ -472,19 +542,24 @@ class FastLane:
                 data, status = _error_answer(unreachable(host, err))
             if hop.cut_off:
                 return
-            await loop.sock_sendall(client.conn, data)
+            await asyncio.get_running_loop().sock_sendall(client.conn, data)
             keep = True
         except OSError:
             return
         finally:
-            self.registry.request_ended()
-            _log_access(status, request, client.address, began)
-            client.hop = None
-            if keep and not self._stopped:
-                client.last_active = loop.time()
-                self._read(client)
-            else:
-                self._close(client)
+            self._done(relay, status, keep)
+
+    def _done(self, relay: _Relay, status: int, keep: bool) -> None:
+        """A relayed request ended: logged; its connection waits for the next one (or is closed)."""
+        client = relay.client
+        self.registry.request_ended()
+        _log_access(status, relay.request, client.address, relay.began)
+        client.hop = None
+        if keep and not self._stopped:
+            client.last_active = asyncio.get_running_loop().time()
+            self._read(client)
+        else:
+            self._close(client)
 
     def _client_moved(self, client: _Client, hop: Hop) -> None:
         """The client's side is readable during a relay: gone (the owner then sees its client

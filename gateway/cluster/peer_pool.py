@@ -51,8 +51,8 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 from tornado import httputil
@@ -132,6 +132,8 @@ class _Connection(asyncio.Protocol):
         self.waiter: asyncio.Future[None] | None = None
         self.busy = False  # an exchange is using it (else: idle in the pool, or new)
         self.on_idle_event: Any = None  # the pool's callback while idle: it closed, or sent stray bytes
+        # while busy: called instead of waking a reader (PeerPool.answer_now's caller)
+        self.on_answer: Callable[[], None] | None = None
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
 
@@ -144,22 +146,26 @@ class _Connection(asyncio.Protocol):
         if len(self.buffer) >= READ_BUFFER_BYTES and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        self._wake()
-        if not self.busy and self.on_idle_event is not None:
-            self.on_idle_event(self)
+        self._notify()
 
     def eof_received(self) -> bool:
         self.eof = True
-        self._wake()
-        if not self.busy and self.on_idle_event is not None:
-            self.on_idle_event(self)
+        self._notify()
         return False  # the transport closes itself
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self.error is None:
             self.error = exc or PeerError("the connection closed")
+        self._notify()
+
+    def _notify(self) -> None:
+        """Something arrived or the connection ended: the exchange's reader is woken (or its
+        ``on_answer`` called), or the pool told of an idle connection's close or stray bytes."""
         self._wake()
-        if not self.busy and self.on_idle_event is not None:
+        if self.busy:
+            if self.on_answer is not None:
+                self.on_answer()
+        elif self.on_idle_event is not None:
             self.on_idle_event(self)
 
     def _wake(self) -> None:
@@ -257,6 +263,27 @@ class Exchange:
     reused: bool  # kept from an earlier exchange (only such a failure may be sent again)
     timer: asyncio.TimerHandle  # the exchange's time limit
     sent: bool = False  # handed to the transport (a failure to send shows on the read)
+
+    @property
+    def head_pending(self) -> bool:
+        """The answer's head has not come whole, and may still: worth waiting for before
+        :meth:`PeerPool.answer_now` is asked again."""
+        connection = self.connection
+        return (
+            self.sent
+            and connection.error is None
+            and not connection.eof
+            and len(connection.buffer) < MAX_HEADER_BYTES
+            and b"\r\n\r\n" not in connection.buffer
+        )
+
+
+class WholeAnswer(NamedTuple):
+    """A peer's answer read whole (:meth:`PeerPool.answer_now`)."""
+
+    start_line: httputil.ResponseStartLine
+    headers: httputil.HTTPHeaders
+    body: bytes
 
 
 @dataclasses.dataclass
@@ -397,11 +424,7 @@ class PeerPool:
             finally:
                 exchange.timer.cancel()
             if finished:
-                hop.connection = None  # a late cut must not close it under another exchange
-                if keep_alive and connection.usable:
-                    self._check_in(exchange.peer, connection)
-                else:
-                    connection.close()
+                self._finished(exchange, hop, keep_alive)
                 return
             connection.abort(failure or PeerError("the connection closed"))
             if answered:
@@ -421,6 +444,49 @@ class PeerPool:
                 exchange.target,
             )
             exchange = await self._send_on_new(exchange.peer, exchange.method, exchange.target, exchange.request, hop)
+
+    def answer_now(self, exchange: Exchange, hop: Hop) -> WholeAnswer | None:
+        """The exchange's answer if it is whole in what has arrived and plain: a final status, its
+        body framed by ``Content-Length`` (or none: 204, 304) and at most
+        :data:`READ_BUFFER_BYTES`, in the connection's buffer; the connection then goes back to
+        the pool. None: not (yet); :meth:`receive` reads it, with every check and failure of its
+        own. Why: the fast lane writes a short answer back in the callback that read it, with no
+        task woken for it (see :attr:`Exchange.head_pending` for when to wait for more)."""
+        connection = exchange.connection
+        buffer = connection.buffer
+        end = buffer.find(b"\r\n\r\n")
+        if not exchange.sent or connection.error is not None or not 0 <= end <= MAX_HEADER_BYTES or buffer[:1] == b"\r":
+            return None
+        try:
+            start_line, headers = _parse_head(bytes(buffer[: end + 4]))
+        except (httputil.HTTPInputError, ValueError):
+            return None  # receive reads it again, and fails it with its reason
+        if start_line.code < 200 or "Transfer-Encoding" in headers:
+            return None
+        length = headers.get("Content-Length")
+        if exchange.method == "HEAD" or start_line.code in (204, 304):
+            size = 0
+        elif length is None or not length.isdigit() or int(length) > min(READ_BUFFER_BYTES, self.max_response_bytes):
+            return None
+        else:
+            size = int(length)
+        if len(buffer) < end + 4 + size:
+            return None
+        connection.on_answer = None
+        connection._take(end + 4)
+        body = connection._take(size)
+        exchange.timer.cancel()
+        keep_alive = start_line.version == "HTTP/1.1" and (headers.get("Connection") or "").lower() != "close"
+        self._finished(exchange, hop, keep_alive)
+        return WholeAnswer(start_line, headers, body)
+
+    def _finished(self, exchange: Exchange, hop: Hop, keep_alive: bool) -> None:
+        """An answer was read whole: its connection is kept for the next exchange, or closed."""
+        hop.connection = None  # a late cut must not close it under another exchange
+        if keep_alive and exchange.connection.usable:
+            self._check_in(exchange.peer, exchange.connection)
+        else:
+            exchange.connection.close()
 
     def _peer(self, url: str) -> Peer:
         return self._peers.get(url) or self._peers.setdefault(url, Peer.of(url))
