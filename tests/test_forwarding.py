@@ -1061,6 +1061,45 @@ async def test_a_client_that_goes_away_from_a_relayed_execute_is_no_harm(cluster
     assert counted_since(before, await forwarded_counts(via)) == {"fast_lane": 2.0, "handler": 0.0}
 
 
+async def test_a_large_answer_reaches_a_slow_client_whole_through_the_fast_lane(cluster, placed):
+    """An answer larger than the lane takes whole (a transcript of a few MB) is written as the
+    owner's pieces come; a client that reads slowly (its socket full) gets every byte, the same as
+    the owner's own answer, and its next call on the connection is relayed too."""
+    owner = next(host for host in cluster if host.host_id == "host-a")
+    via = other(cluster, "host-a")
+    sid = placed["host-a"]["id"]
+    status, _, _ = await via.call("POST", f"/api/sessions/{sid}/execute", {"code": "print('x' * 3_000_000)"})
+    assert status == 200
+    status, expected, _ = await owner.call("GET", f"/api/sessions/{sid}/notebook", raw=None)
+    assert status == 200
+    before = await forwarded_counts(via)
+    raw = socket.socket()
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # small: the lane's writes fill it
+    await asyncio.to_thread(raw.connect, ("127.0.0.1", via.serve.port))
+    request = f"GET /api/sessions/{sid}/notebook HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n\r\n"
+    try:
+        raw.sendall(request.encode())
+        await asyncio.sleep(1)  # the owner's answer waits in the lane's buffers and the sockets'
+        received = b""
+        while b"\r\n\r\n" not in received or len(received) < received.index(b"\r\n\r\n") + 4 + int(
+            re.search(rb"(?im)^content-length: *(\d+)", received).group(1)  # type: ignore[union-attr]
+        ):
+            chunk = await asyncio.wait_for(asyncio.to_thread(raw.recv, 65536), 60)
+            assert chunk, f"closed after {len(received)} bytes"
+            received += chunk
+            if len(received) < 1_000_000:
+                await asyncio.sleep(0.001)  # slowly, for the first MB
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        assert json.loads(body)["cells"] == expected["cells"]
+        raw.sendall(request.encode())  # the connection is kept: the next call is relayed too
+        again = await asyncio.wait_for(asyncio.to_thread(raw.recv, 65536), 60)
+        assert again.startswith(b"HTTP/1.1 200"), again[:200]
+    finally:
+        raw.close()
+    assert counted_since(before, await forwarded_counts(via)) == {"fast_lane": 2.0, "handler": 0.0}
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

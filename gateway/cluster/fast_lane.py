@@ -174,10 +174,18 @@ class _Answer(httputil.HTTPMessageDelegate):
                 return None
         return self._send(chunk)
 
-    async def _send(self, piece: bytes) -> None:
+    def _send(self, piece: bytes) -> Awaitable[None] | None:
+        """Write a piece now; what the client's socket cannot take yet is awaited (the peer
+        pool then reads no further: a slow client slows the owner's stream, nothing piles up)."""
         data, self.head, self.pending = self.head + self.pending + piece, b"", b""
         self.written = True
-        await self.loop.sock_sendall(self.conn, data)
+        try:
+            sent = self.conn.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError as err:
+            raise ConnectionError(f"the client's connection failed: {err}") from err
+        return self.loop.sock_sendall(self.conn, data[sent:]) if sent < len(data) else None
 
     def tail(self) -> bytes:
         """What is left to write once the answer is whole."""

@@ -457,6 +457,8 @@ class PeerPool:
         end = buffer.find(b"\r\n\r\n")
         if not exchange.sent or connection.error is not None or not 0 <= end <= MAX_HEADER_BYTES or buffer[:1] == b"\r":
             return None
+        if buffer.find(b"chunked", 0, end) >= 0:
+            return None  # a stream, most likely: not parsed twice (receive reads it)
         try:
             start_line, headers = _parse_head(bytes(buffer[: end + 4]))
         except (httputil.HTTPInputError, ValueError):
