@@ -1100,6 +1100,34 @@ async def test_a_large_answer_reaches_a_slow_client_whole_through_the_fast_lane(
     assert counted_since(before, await forwarded_counts(via)) == {"fast_lane": 2.0, "handler": 0.0}
 
 
+async def test_an_mcp_call_naming_another_hosts_session_is_answered_by_that_host(cluster, placed):
+    """The MCP door in a cluster: a modern MCP request (the SDK client's default) that names a
+    session another host holds (a tool's ``session_id``, the notebook resource) is forwarded to
+    that host's /mcp, signed, and its answer comes back as the client expects; another tenant
+    naming it gets what an unknown id gets, and nothing is forwarded for it."""
+    from .test_mcp_http import MODERN, mcp_client, run, text_of
+
+    owner = next(host for host in cluster if host.host_id == "host-a")
+    via = other(cluster, "host-a")
+    sid = placed["host-a"]["id"]
+    before = await forwarded_counts(via)
+    async with mcp_client(via.serve, MODERN) as client:  # type: ignore[arg-type]
+        result = await run(client, "through_mcp = 6\nprint(through_mcp * 7)", sid)
+        assert not result.is_error and text_of(result).strip().startswith("42"), text_of(result)
+        read = await client.read_resource(f"sandkernel://sessions/{sid}/notebook")
+        cells = json.loads(read.contents[0].text)["cells"]  # type: ignore[union-attr]
+        assert "through_mcp = 6" in "".join(cells[-1]["source"]), cells[-1]
+    async with mcp_client(via.serve, MODERN, token=BOB) as client:  # type: ignore[arg-type]
+        result = await run(client, "print('bob was here')", sid)
+        assert result.is_error and "bob was here" not in text_of(result), text_of(result)
+    assert counted_since(before, await forwarded_counts(via)) == {"fast_lane": 0.0, "handler": 2.0}
+    status, notebook, _ = await owner.call("GET", f"/api/sessions/{sid}/notebook")
+    assert status == 200, notebook
+    sources = ["".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert sources[-1].startswith("through_mcp = 6") and not any("bob" in src for src in sources), sources[-3:]
+    assert notebook["cells"][-1]["metadata"]["sandkernel"]["source"] == "mcp", notebook["cells"][-1]["metadata"]
+
+
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +37,13 @@ if TYPE_CHECKING:
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
     from sandkernel.gateway.auth import TokenAuth
+    from sandkernel.gateway.cluster.catalog import HostInfo
     from sandkernel.gateway.mcp.http_sessions import HttpSessions
 
 log = logging.getLogger(__name__)
 
 MCP_PATH = "/mcp"
+MAX_SESSION_ID_CHARS = 64  # a longer "session id" is nobody's: not looked up in the catalog
 # Request bodies larger than this get a 413 before the SDK parses them (on the event loop): the
 # SDK's own default, far above any tool call's code or arguments.
 MAX_MCP_BODY_BYTES = 4 * 1024 * 1024
@@ -153,6 +156,29 @@ class McpHttp:
                 await self._runner
 
 
+def session_named(body: bytes) -> str | None:
+    """The sandbox session one MCP request acts on, if it names one: a ``tools/call``'s
+    ``session_id`` argument, or the notebook resource's URI in a ``resources/read``; None for
+    anything else (a batch, a call without one, what does not parse: the SDK answers it)."""
+    from sandkernel.gateway.mcp.tools import notebook_session
+
+    try:
+        message = json.loads(body)
+    except ValueError:
+        return None
+    params = message.get("params") if isinstance(message, dict) else None
+    if not isinstance(params, dict):
+        return None
+    if message.get("method") == "tools/call":
+        arguments = params.get("arguments")
+        named = arguments.get("session_id") if isinstance(arguments, dict) else None
+    elif message.get("method") == "resources/read":
+        named = notebook_session(params.get("uri"))
+    else:
+        return None
+    return named if isinstance(named, str) and 0 < len(named) <= MAX_SESSION_ID_CHARS else None
+
+
 def asgi_scope(
     method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], client: tuple[str, int] | None = None
 ) -> Message:
@@ -204,7 +230,30 @@ class McpHandler(BaseHandler):
             self._uncount()
 
     async def post(self) -> None:
+        host = await self._held_elsewhere()
+        if host is not None:
+            from sandkernel.gateway.cluster.forward import forward_http
+
+            await forward_http(self, host)  # the owner's /mcp answers it, streamed back as it comes
+            return
         await self._bridge()
+
+    async def _held_elsewhere(self) -> HostInfo | None:
+        """In a cluster, the up host that holds the session a modern MCP request names, when that
+        is not this one (None: this gateway answers). A modern request is self-contained, so the
+        owner's SDK answers it as if the client had called there; a legacy one belongs to the
+        MCP session this gateway's SDK holds, and is answered here (a session held elsewhere is
+        then unknown to it, as the docs say)."""
+        from sandkernel.gateway.mcp.http_sessions import MCP_SESSION_HEADER
+
+        cluster = self.cluster
+        if cluster is None or self.forwarded_from is not None or self.request.headers.get(MCP_SESSION_HEADER):
+            return None
+        session_id = session_named(self.body)
+        if session_id is None or self.registry.holds(self.tenant, session_id):
+            return None
+        host = await cluster.owner_elsewhere(self.tenant, session_id=session_id)  # 503 if the catalog is away
+        return host if host is not None and host.status == "up" else None
 
     async def get(self) -> None:
         await self._bridge()

@@ -632,6 +632,15 @@ class McpTools:
         return json.dumps(managed.recorder.notebook)
 
 
+def notebook_session(uri: Any) -> str | None:
+    """The session id in a notebook resource's URI (:data:`NOTEBOOK_URI`), or None."""
+    prefix, _, suffix = NOTEBOOK_URI.partition("{session_id}")
+    if not isinstance(uri, str) or not uri.startswith(prefix) or not uri.endswith(suffix):
+        return None
+    session_id = uri[len(prefix) : len(uri) - len(suffix)]
+    return session_id if session_id and "/" not in session_id else None
+
+
 def _summary(managed: ManagedSession) -> dict[str, Any]:
     return {
         "session_id": managed.id,
