@@ -644,6 +644,19 @@ async def test_a_request_is_sent_at_once_on_a_kept_connection_and_a_short_answer
         peer.stop()
 
 
+async def test_a_request_that_cannot_be_written_leaves_the_kept_connection_in_the_pool():
+    peer, pool = Peer(), new_pool()
+    try:
+        await fetch(pool, peer.url)
+        with pytest.raises(ValueError, match="line break"):
+            pool.send_now(peer.url, "POST", "/echo", [("X-Bad", "a\r\nX-Smuggled: 1")], b"x", Hop())
+        assert pool.idle_count(peer.url) == 1  # not lent for a request that never went
+        assert (await fetch(pool, peer.url, body=b"next")).json["body"] == "next" and pool.opened == 1
+    finally:
+        pool.close()
+        peer.stop()
+
+
 async def test_an_answer_not_taken_whole_is_read_by_receive_as_it_streams():
     """A chunked (streamed) answer is not taken whole: answer_now says None once its head came,
     and receive reads it piece by piece from what is already there."""

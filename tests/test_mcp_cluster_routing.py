@@ -43,6 +43,7 @@ def test_the_notebook_resource_names_its_session() -> None:
         message("resources/read", {"uri": None}),
         json.dumps([json.loads(message("tools/call", {"arguments": {"session_id": "ab12"}}))]).encode(),  # a batch
         b"{not json",
+        b"[" * 200_000,  # nested past the parser's depth (RecursionError, not ValueError)
         b"\xff\xfe",
         b"",
     ],

@@ -275,8 +275,9 @@ class FastLane:
             self._stop_accepting.append(netutil.add_accept_handler(sock, self._accepted))
 
     def stop(self) -> None:
-        """Accept nothing more; close the connections waiting for their next request (a relay
-        under way finishes, and its connection is closed then)."""
+        """Accept nothing more; close the connections waiting for their next request (a relay,
+        a look-up or a body under way finishes, and its connection is closed then, or handed to
+        tornado, which answers 503 while the gateway stops)."""
         self._stopped = True
         for remove in self._stop_accepting:
             remove()
@@ -284,7 +285,7 @@ class FastLane:
             sock.close()
         self._listening.clear()
         for client in list(self._held):
-            if client.hop is None:
+            if client.hop is None and client.partial is None:  # a body under way is read, then relayed
                 self._close(client)
 
     def _accepted(self, conn: socket.socket, address: Any) -> None:
@@ -325,6 +326,16 @@ class FastLane:
             client.timer = loop.call_later(left, self._check_idle, client)
 
     def _readable(self, client: _Client) -> None:
+        """The client's socket is readable: its next request, more of a body, or (during a relay)
+        its going away. A failure the lane did not foresee is a bug: logged, and only this
+        connection is closed (a reader left on unread bytes would wake the loop for ever)."""
+        try:
+            self._on_readable(client)
+        except Exception:
+            log.exception("bug: the fast lane failed on a request; its connection is closed")
+            self._close(client)
+
+    def _on_readable(self, client: _Client) -> None:
         if client.hop is not None:
             self._client_moved(client, client.hop)
             return
@@ -348,7 +359,7 @@ class FastLane:
         found = self.link.owners.get(f"s:{request.session_id}")
         if found is None:  # the first call of a session on this connection: the catalog says where it is
             self._stop_reading(client)  # the request stays unread until the catalog answers
-            client.last_active = asyncio.get_running_loop().time()
+            client.hop = Hop()  # busy: neither the idle time nor a stop closes it under the look-up
             self._start(client, self._look_up_and_relay(client, request, tenant))
         elif self._relays_to(found[0], found[1], tenant):
             self._take(client, request, found[0])  # the hot path: no task, no await
@@ -398,10 +409,11 @@ class FastLane:
             host = await self.link.owner_elsewhere(tenant, session_id=request.session_id)
         except (SandkernelError, OSError):
             host = None
+        client.hop = None
         if client not in self._held:
-            return  # closed meanwhile (the lane stopped, or the connection sat idle too long)
+            return  # closed meanwhile (a bug elsewhere: nothing closes a busy connection)
         if host is None or not self._relays_to(host, tenant, tenant):
-            self._hand_over(client)
+            self._hand_over(client)  # (a stopping gateway's tornado answers 503, come back later)
             return
         self._read(client)
         self._take(client, request, host)
@@ -465,16 +477,16 @@ class FastLane:
         """Sign the request and send it to the owner, on a kept-alive connection at once if the
         peer pool has one; a short answer is written back by the connection's callback
         (:meth:`_answered`), any other by a task (:meth:`_pass_answer`)."""
-        self.registry.request_started()
-        self._relayed.inc()
-        client.hop = Hop()
         headers = end_to_end(request.headers)
         headers += sign(self.link.secret, request.method, request.target, self.link.host_id).items()
         sent = body if body or request.method in ("POST", "PUT") else None
         relay = _Relay(client, request, host, headers, sent, _Answer(client.conn), time.monotonic())
+        client.hop = Hop()
+        self.registry.request_started()  # from here on every way ends in _done
+        self._relayed.inc()
         try:
             exchange = self.link.peers.send_now(host.url, request.method, request.target, headers, sent, client.hop)
-        except (OSError, ValueError) as err:
+        except Exception as err:  # the task answers it (a bug is logged there), and ends the request
             self._start(client, self._pass_answer(relay, err))
             return
         if exchange is None:  # no idle connection to the owner: the task opens one

@@ -375,11 +375,11 @@ class PeerPool:
         (PeerError, the cause chained) when the peer cannot be reached, closes mid-way, sends a
         malformed or over-limit answer, or times out; the delegate was then told
         ``on_connection_close`` if its headers had come."""
-        exchange = self.send_now(url, method, target, headers, body, hop)
+        peer = self._peer(url)
+        request = self._wire(url, method, target, headers, body)
+        exchange = self._send_kept(peer, method, target, request, hop)
         if exchange is None:
-            exchange = await self._send_on_new(
-                self._peer(url), method, target, self._wire(url, method, target, headers, body), hop
-            )
+            exchange = await self._send_on_new(peer, method, target, request, hop)
         await self.receive(exchange, delegate, hop)
 
     def send_now(
@@ -389,11 +389,7 @@ class PeerPool:
         the pool has an idle one (None: it has none; :meth:`fetch` opens one). Why: a caller in a
         reader's callback (the fast lane) has the request on its way to the peer before any task
         is made, and the rest of its work overlaps the peer's. :meth:`receive` reads the answer."""
-        peer = self._peer(url)
-        connection = self._lend(peer)
-        if connection is None:
-            return None
-        return self._send(peer, method, target, self._wire(url, method, target, headers, body), connection, True, hop)
+        return self._send_kept(self._peer(url), method, target, self._wire(url, method, target, headers, body), hop)
 
     async def receive(self, exchange: Exchange, delegate: httputil.HTTPMessageDelegate, hop: Hop) -> None:
         """Read the answer to a sent exchange into ``delegate`` (see :meth:`fetch`); a request that
@@ -498,6 +494,14 @@ class PeerPool:
         large body is not copied for it)."""
         head = _request_head(method, target, self._peer(url).netloc, headers, body)
         return [head + body] if body and len(body) <= READ_BUFFER_BYTES else [head, body] if body else [head]
+
+    def _send_kept(self, peer: Peer, method: str, target: str, request: list[bytes], hop: Hop) -> Exchange | None:
+        """Send on an idle kept-alive connection, if there is one (the request is built first: a
+        bad header fails before a connection is lent)."""
+        connection = self._lend(peer)
+        if connection is None:
+            return None
+        return self._send(peer, method, target, request, connection, True, hop)
 
     async def _send_on_new(self, peer: Peer, method: str, target: str, request: list[bytes], hop: Hop) -> Exchange:
         connection = await self._connect(peer)

@@ -164,7 +164,7 @@ def session_named(body: bytes) -> str | None:
 
     try:
         message = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep: the SDK answers it
         return None
     params = message.get("params") if isinstance(message, dict) else None
     if not isinstance(params, dict):
