@@ -1130,9 +1130,14 @@ async def test_an_mcp_call_naming_another_hosts_session_is_answered_by_that_host
         read = await client.read_resource(f"sandkernel://sessions/{sid}/notebook")
         cells = json.loads(read.contents[0].text)["cells"]  # type: ignore[union-attr]
         assert "through_mcp = 6" in "".join(cells[-1]["source"]), cells[-1]
+        listed = await client.call_tool("list_sessions", {})  # the tenant's, on both hosts
+        states = {s["session_id"]: s["state"] for s in listed.structured_content["sessions"]}  # type: ignore[index]
+        assert states.get(sid) in ("idle", "busy") and placed["host-b"]["id"] in states, states
     async with mcp_client(via.serve, MODERN, token=BOB) as client:  # type: ignore[arg-type]
         result = await run(client, "print('bob was here')", sid)
         assert result.is_error and "bob was here" not in text_of(result), text_of(result)
+        listed = await client.call_tool("list_sessions", {})
+        assert sid not in text_of(listed), text_of(listed)
     assert counted_since(before, await forwarded_counts(via)) == {"fast_lane": 0.0, "handler": 2.0}
     status, notebook, _ = await owner.call("GET", f"/api/sessions/{sid}/notebook")
     assert status == 200, notebook

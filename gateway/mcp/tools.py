@@ -496,6 +496,7 @@ class McpTools:
         if isinstance(resolver, TenantScope):
             paused = [p for p in resolver.registry.paused_sessions() if p.tenant == resolver.tenant]
             sessions += [_paused_summary(p) for p in paused]
+            sessions += await _held_elsewhere(resolver, {s["session_id"] for s in sessions})
         lines = [f"{s['session_id']}  {s['name'] or '-'}  {s['profile']}  {s['state']}" for s in sessions]
         return _result("\n".join(lines) or "(no sessions yet)", {"sessions": sessions})
 
@@ -639,6 +640,37 @@ def notebook_session(uri: Any) -> str | None:
         return None
     session_id = uri[len(prefix) : len(uri) - len(suffix)]
     return session_id if session_id and "/" not in session_id else None
+
+
+async def _held_elsewhere(scope: TenantScope, listed: set[str]) -> list[dict[str, Any]]:
+    """In a cluster, the tenant's sessions other hosts hold, from the catalog (what GET
+    /api/sessions lists for them): a modern MCP call naming one is forwarded to its host
+    (gateway/mcp/http.py). A catalog that cannot answer is a tool error saying so."""
+    from sandkernel.gateway.cluster.forward import record_model
+
+    cluster = getattr(scope.registry, "cluster", None)
+    if cluster is None:
+        return []
+    try:
+        records = await cluster.tenant_sessions(scope.tenant)
+    except SandkernelError as err:
+        raise _tool_error(err) from err
+    summaries = []
+    for record in records:
+        if record.session_id in listed:
+            continue
+        model = record_model(record)
+        summaries.append(
+            {
+                "session_id": model["id"],
+                "name": model["name"],
+                "profile": model["profile"].get("name", ""),
+                "state": model["kernel"]["execution_state"] if model["state"] == "running" else model["state"],
+                "created": model["created"],
+                "notebook": NOTEBOOK_URI.format(session_id=model["id"]),
+            }
+        )
+    return summaries
 
 
 def _summary(managed: ManagedSession) -> dict[str, Any]:
