@@ -76,13 +76,12 @@ print(sorted(os.listdir(bindir)), sorted(os.listdir(site)))
 
 SURVEY = f"""
 import json, os
-def daemons():
-    found = []
+def processes():
+    found = {{}}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{{pid}}/cmdline", "rb") as f:
-                if {DAEMON_ARG!r}.encode() in f.read():
-                    found.append(int(pid))
+                found[int(pid)] = f.read().replace(b"\\0", b" ").decode(errors="replace")[:120]
         except OSError:
             pass
     return found
@@ -90,7 +89,10 @@ markers = {{}}
 for name in sorted(os.listdir({MARKERS!r}) if os.path.isdir({MARKERS!r}) else []):
     with open(os.path.join({MARKERS!r}, name)) as f:
         markers[name] = f.read()[-300:]
-print(json.dumps({{"markers": markers, "daemons": daemons()}}))
+running = processes()
+daemons = [pid for pid, cmdline in running.items() if {DAEMON_ARG!r} in cmdline]
+# every process, for the failure message: whether the kernel was restarted under the test, say
+print(json.dumps({{"markers": markers, "daemons": daemons, "processes": running}}))
 """
 
 
