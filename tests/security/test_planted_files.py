@@ -89,10 +89,10 @@ markers = {{}}
 for name in sorted(os.listdir({MARKERS!r}) if os.path.isdir({MARKERS!r}) else []):
     with open(os.path.join({MARKERS!r}, name)) as f:
         markers[name] = f.read()[-300:]
-running = processes()
-daemons = [pid for pid, cmdline in running.items() if {DAEMON_ARG!r} in cmdline]
-# every process, for the failure message: whether the kernel was restarted under the test, say
-print(json.dumps({{"markers": markers, "daemons": daemons, "processes": running}}))
+def daemons():
+    return [pid for pid, cmdline in processes().items() if {DAEMON_ARG!r} in cmdline]
+# every process too, for a failure's message: whether the kernel was restarted under the test, say
+print(json.dumps({{"markers": markers, "daemons": daemons(), "processes": processes()}}))
 """
 
 
