@@ -221,17 +221,21 @@ def _restore_text(summary: dict[str, Any]) -> str:
     return "; ".join([text, *summary["notes"]])
 
 
-def _paused_summary(paused: PausedSession) -> dict[str, Any]:
-    model = paused.session_model()
+def _model_summary(model: dict[str, Any]) -> dict[str, Any]:
+    """What list_sessions says of a session known by its model (paused here, or on another host)."""
     return {
-        "session_id": paused.id,
+        "session_id": model["id"],
         "name": model["name"],
         "profile": model["profile"].get("name", ""),
-        "state": model["state"],
+        "state": model["kernel"]["execution_state"] if model["state"] == "running" else model["state"],
         "created": model["created"],
-        "notebook": NOTEBOOK_URI.format(session_id=paused.id),
-        "snapshot": model["snapshot"],
+        "notebook": NOTEBOOK_URI.format(session_id=model["id"]),
     }
+
+
+def _paused_summary(paused: PausedSession) -> dict[str, Any]:
+    model = paused.session_model()
+    return {**_model_summary(model), "snapshot": model["snapshot"]}
 
 
 class McpTools:
@@ -655,22 +659,7 @@ async def _held_elsewhere(scope: TenantScope, listed: set[str]) -> list[dict[str
         records = await cluster.tenant_sessions(scope.tenant)
     except SandkernelError as err:
         raise _tool_error(err) from err
-    summaries = []
-    for record in records:
-        if record.session_id in listed:
-            continue
-        model = record_model(record)
-        summaries.append(
-            {
-                "session_id": model["id"],
-                "name": model["name"],
-                "profile": model["profile"].get("name", ""),
-                "state": model["kernel"]["execution_state"] if model["state"] == "running" else model["state"],
-                "created": model["created"],
-                "notebook": NOTEBOOK_URI.format(session_id=model["id"]),
-            }
-        )
-    return summaries
+    return [_model_summary(record_model(r)) for r in records if r.session_id not in listed]
 
 
 def _summary(managed: ManagedSession) -> dict[str, Any]:
