@@ -58,7 +58,7 @@ class Serve:
         self.port = free_port()
         self.lines = []
         argv = [
-            sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(self.port), "--token", self.token,
+            sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(self.port), f"--token={self.token}",
             "--state-dir", str(self.state), "--notebook-dir", str(self.notebooks), "--pool-size", "0",
             "--default-runtime", self.runtime, "--max-sessions", str(self.n + 5),
             "--max-sessions-total", str(self.n + 10), *extra,

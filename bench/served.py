@@ -11,7 +11,6 @@ unmounted first, so the bench's temp dir can go and the machine keeps nothing.
 from __future__ import annotations
 
 import contextlib
-import secrets
 import signal
 import subprocess
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 from execute_roundtrip import free_port, wait_http
 
 from sandkernel.agent.client import AsyncSandkernel
+from sandkernel.gateway.auth import new_token
 
 LOG_TAIL_CHARS = 4000
 STOP_SECONDS = 180
@@ -54,10 +54,10 @@ def unmount_all(points: list[str]) -> None:
 async def served_gateway(flags: list[str], request_timeout: float = 300) -> AsyncIterator[AsyncSandkernel]:
     """A gateway process started with ``flags`` (after the bench's common ones) and a client for
     it. On exit: SIGTERM, then a check that it left no mount in its state dir."""
-    port, token = free_port(), secrets.token_urlsafe(24)
+    port, token = free_port(), new_token()
     with tempfile.TemporaryDirectory(prefix="sandkernel-bench-") as state:
         log = Path(state).with_suffix(".log")
-        command = [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), "--token", token]
+        command = [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), f"--token={token}"]
         command += ["--state-dir", state, "--notebook-dir", f"{state}/notebooks", "--pool-size", "0"]
         command += ["--on-exit", "delete", *flags]
         try:

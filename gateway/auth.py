@@ -31,6 +31,12 @@ AUTH_FAILURE_WINDOW = 60.0  # seconds
 MAX_TRACKED_ADDRESSES = 10_000
 
 
+def new_token() -> str:
+    """A fresh 256-bit gateway token. Hex, not ``token_urlsafe``: one urlsafe token in 64 starts
+    with ``-``, which a command line such as ``--token $TOKEN`` then reads as an option."""
+    return secrets.token_hex(32)
+
+
 class FailedAuthLimiter:
     """Counts failed authentications per client address over a sliding window."""
 
@@ -87,7 +93,7 @@ class TokenAuth:
             ):
                 raise ConfigError('tokens file must be a JSON object {"tenant": "token"} with tokens of 16+ chars')
             return cls({token: tenant for tenant, token in tenants.items()}), None
-        chosen = token or secrets.token_urlsafe(32)
+        chosen = token or new_token()
         return cls({chosen: DEFAULT_TENANT}), chosen
 
     def tenant_for(self, authorization: str | None, query_token: str | None = None) -> str | None:
@@ -118,6 +124,5 @@ def _refuse_shared_secret_file(path: str | os.PathLike[str]) -> None:
         raise ConfigError(f"cannot read tokens file {path}: {err}") from err
     if mode & 0o077:
         raise ConfigError(
-            f"tokens file {path} is readable or writable by group or others (mode {mode:04o}); "
-            f"run: chmod 600 {path}"
+            f"tokens file {path} is readable or writable by group or others (mode {mode:04o}); run: chmod 600 {path}"
         )

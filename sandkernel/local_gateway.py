@@ -8,7 +8,6 @@ the CLI layer, not in ``agent/``: the agent is a client library and must not pul
 from __future__ import annotations
 
 import contextlib
-import secrets
 import socket
 import tempfile
 from collections.abc import AsyncIterator
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from sandkernel.agent.client import AsyncSandkernel
+from sandkernel.gateway.auth import new_token
 from sandkernel.gateway.server import Gateway
 from sandkernel.gateway.settings import GatewaySettings
 
@@ -38,7 +38,7 @@ def free_port() -> int:
 async def local_gateway(notebook_dir: Path | None = None, **options: Any) -> AsyncIterator[AsyncSandkernel]:
     """A gateway in this process (loopback, fresh token) and a client for it; stopped on exit.
     ``options`` are :class:`GatewaySettings` fields (``default_runtime="runsc"``, ...)."""
-    token = secrets.token_urlsafe(24)
+    token = new_token()
     with tempfile.TemporaryDirectory(prefix="sandkernel-local-") as state:
         settings = GatewaySettings(
             ip="127.0.0.1",

@@ -29,7 +29,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -76,7 +75,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 async def serve_stdio(args: argparse.Namespace) -> int:
     """Serve until the client goes away; then delete every session and stop the gateway."""
-    from sandkernel.gateway.auth import DEFAULT_TENANT
+    from sandkernel.gateway.auth import DEFAULT_TENANT, new_token
     from sandkernel.gateway.mcp.resolver import TenantResolver
     from sandkernel.gateway.mcp.tools import build_mcp_server
     from sandkernel.gateway.server import Gateway
@@ -90,7 +89,7 @@ async def serve_stdio(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     state = Path(tempfile.mkdtemp(prefix="sandkernel-mcp-"))
     _start_undertaker(owner_label(), state)
-    token = secrets.token_urlsafe(24)
+    token = new_token()
     settings = GatewaySettings(
         ip="127.0.0.1",
         port=args.port or free_port(),

@@ -86,10 +86,17 @@ async def test_cpu_seconds_of_a_cpu_bound_cell(metered):
     result, acc = await measured(session, meter, code)
     assert result.status is ExecutionStatus.OK, result.text
     guest_cpu = float(result.text)
-    # The cgroup counts at least what the kernel process itself used (gVisor adds its own work),
-    # and no more than every host CPU for the whole cell.
-    assert 0.8 * guest_cpu <= acc["cpu_seconds"] <= acc["wall_seconds"] * os.cpu_count() + 0.1, (guest_cpu, acc)
-    assert acc["cpu_seconds"] >= 0.7 * 1.5
+    # No more than every host CPU for the whole cell.
+    assert acc["cpu_seconds"] <= acc["wall_seconds"] * os.cpu_count() + 0.1, (guest_cpu, acc)
+    if session.profile.runtime.value == "runc":
+        # process_time is the host kernel's count for the kernel process, which the cgroup holds.
+        assert acc["cpu_seconds"] >= 0.8 * guest_cpu, (guest_cpu, acc)
+    else:
+        # gVisor's process_time (ptrace platform) is the time the task spent in the application,
+        # host preemption included: under load it runs ahead of the CPU the host gave (seen: 1.5
+        # guest, 1.18 cgroup). The work shows instead against an idle cell of the same length.
+        _, idle = await measured(session, meter, "import time\ntime.sleep(1.5)")
+        assert acc["cpu_seconds"] >= max(0.5, 3 * idle["cpu_seconds"]), (guest_cpu, acc, idle)
     assert acc["cpu_user_seconds"] is not None and acc["cpu_system_seconds"] is not None
     assert acc["cpu_user_seconds"] + acc["cpu_system_seconds"] == pytest.approx(acc["cpu_seconds"], abs=2e-6)
 

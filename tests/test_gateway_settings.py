@@ -15,6 +15,7 @@ import pytest
 
 from sandkernel.cli import build_parser
 from sandkernel.errors import ConfigError
+from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.settings import GatewaySettings, env_name, flag_name
 
@@ -147,8 +148,15 @@ def test_serve_help_is_generated_from_every_field():
         assert flag_name(field) in help_text, field.name
         assert f"${env_name(field)})" in help_text, field.name
     assert "--config FILE" in help_text and "flags > environment > config file > defaults" in help_text
-    for example in ("--pool-size N", "--tokens-file FILE", "--profiles FILE", "--allow-origin ORIGIN",
-                    "--egress-policy FILE", "--default-runtime {auto,runc,runsc}", "--allow-token-in-url"):
+    for example in (
+        "--pool-size N",
+        "--tokens-file FILE",
+        "--profiles FILE",
+        "--allow-origin ORIGIN",
+        "--egress-policy FILE",
+        "--default-runtime {auto,runc,runsc}",
+        "--allow-token-in-url",
+    ):
         assert example in help_text, example
     assert "(default: 2; $SANDKERNEL_POOL_SIZE)" in help_text
     assert "(default: 65536; $SANDKERNEL_OUTPUT_BUDGET)" in help_text
@@ -165,3 +173,12 @@ def test_serve_with_a_bad_config_says_so_in_one_line(tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"sandkernel: config file {path}: unknown settings ['max_sesions']")
+
+
+def test_a_generated_token_can_be_given_back_on_a_command_line():
+    """The token ``serve`` prints goes back as ``--token $TOKEN`` (attach, a second gateway). A
+    urlsafe token starts with ``-`` once in 64, and argparse then reads it as an option."""
+    for _ in range(1000):
+        _, printed = TokenAuth.from_sources()
+        assert printed is not None and len(printed) >= 32
+        assert settings_from(["--token", printed]).token == printed

@@ -64,6 +64,8 @@ async def test_a_printed_secret_goes_only_to_the_reply_and_the_transcript(arena)
         root.removeHandler(logs)
         root.setLevel(previous)
     assert reply["text"] == f"{secret}\n"
+    status, _ = await arena.gateway.request("GET", f"/api/sessions/{arena.attacker['id']}/notebook")
+    assert status == 200  # the notebook GET returns once the file holds every cell (it is written behind)
     transcript = Path(arena.attacker["path"])
     assert secret in transcript.read_text()
     others = [p for p in transcript.parent.glob("*.ipynb") if p != transcript and secret in p.read_text()]
