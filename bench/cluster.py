@@ -570,6 +570,12 @@ def line(name: str, row: dict[str, Any], extra: str = "") -> str:
     return f"{name:68} {row['p50_ms']:9.2f} {row['p95_ms']:9.2f}  {extra}"
 
 
+def verdict(met: bool, quick: bool) -> str:
+    """A target's verdict; a --quick run's few samples on a busy machine judge nothing."""
+    said = "met" if met else "MISSED"
+    return f"{said} (--quick: a few samples, not the measure; judge the full run)" if quick else said
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=300, help="calls kept per contender (5 rounds more not kept)")
@@ -634,9 +640,9 @@ async def main() -> None:
         added_text += ")  " if added_text else ""
         print(line(name, row, added_text + cpu))
     print(f"\ntarget: {target['target']}: {added:+.2f} ms (median of paired differences {paired:+.2f} ms): "
-          f"{'met' if target['met'] else 'MISSED'}")  # fmt: skip
+          f"{verdict(target['met'], args.quick)}")  # fmt: skip
     print(f"target: {client_target['target']}: {client_target['value']:+.2f} ms (paired "
-          f"{client_target['paired_value']:+.2f} ms): {'met' if client_target['met'] else 'MISSED'}")  # fmt: skip
+          f"{client_target['paired_value']:+.2f} ms): {verdict(client_target['met'], args.quick)}")  # fmt: skip
     print(f"load average at the end of the forwarding phase: {load_then} ({cpus} cores)")
     print("\nthe hop's client alone (in process, to one tornado server; CPU of this process):")
     for name, row in client.items():
