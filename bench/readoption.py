@@ -23,7 +23,6 @@ import asyncio
 import json
 import platform
 import re
-import secrets
 import signal
 import socket
 import statistics
@@ -36,6 +35,8 @@ from pathlib import Path
 
 from results_dir import results_path
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+
+from sandkernel.gateway.auth import new_token
 
 RESULTS = results_path("readoption.json")
 
@@ -112,7 +113,7 @@ async def main() -> None:
     parser.add_argument("--runtime", default="runc", choices=["runc", "runsc"])
     parser.add_argument("--rounds", type=int, default=3, help="kill -9 + restart rounds (and empty starts)")
     args = parser.parse_args()
-    token = secrets.token_urlsafe(24)
+    token = new_token()
     baselines: list[float] = []
     listening: list[float] = []
     serving: list[float] = []
