@@ -18,7 +18,8 @@ import runpy
 import sys
 
 import sandkernel_variables  # noqa: F401  bound in sys.modules before user code: no workspace file can shadow it
-from seccomp_bpf import compile_profile, install  # beside this file in /opt/sandkernel
+from iopub_budget import bound_iopub_bytes  # beside this file in /opt/sandkernel, as the next one
+from seccomp_bpf import compile_profile, install
 
 
 def main() -> None:
@@ -37,6 +38,7 @@ def main() -> None:
         "--IPKernelApp.exec_lines=import os as _sk_os; _sk_os.umask(0o022); del _sk_os",
     ]
     bound_iopub_queue()
+    bound_iopub_bytes()
     join_workspace_when_started()
     runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
 
@@ -82,6 +84,7 @@ def join_workspace_when_started() -> None:
 # Not fewer than 64: ordinary widget code sends bursts (one tqdm.notebook bar is 13 comm_opens
 # and 6 comm_msgs in a row), and at 16 the cell's own print after it was dropped in 13 of 100
 # runs (tests/test_kernel_image.py); 64 x 1 MiB still fits the flood tests' 384 MiB sandbox.
+# Larger messages are bounded in bytes as well (iopub_budget.py): 64 of them could be gigabytes.
 IOPUB_SEND_QUEUE = 64
 
 
