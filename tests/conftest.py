@@ -2,11 +2,15 @@
 
 Tiers. Pure-logic tests run anywhere in seconds (``pytest -m "not docker"``: no engine, no
 image); container tests need a real Docker engine and the real kernel image, as the README's test
-command sets up. Which tier a test is in is decided here, in one place
-(:func:`pytest_collection_modifyitems`), not in each file: a test is ``docker`` when it uses a
-fixture of :data:`DOCKER_FIXTURES`, is parametrised over :data:`RUNTIMES`, or is listed in
-:data:`DOCKER_TESTS`; ``runsc`` when one of its parameters is runsc; ``security`` under
-tests/security. When the selection holds no docker test, the session checks are skipped and the
+command sets up. Each test says its tier itself: ``pytestmark = pytest.mark.docker`` on a module
+whose tests all need Docker, ``@pytest.mark.docker`` on a test of a mixed module, and the runtime
+parameters of :data:`RUNTIME_PARAMS` (docker, and runsc for runsc) wherever a test or fixture is
+parametrised over the runtimes; every module of tests/security carries ``pytest.mark.security``.
+Nothing is inferred: the collection hook only checks (:func:`missing_marks`) that a test using a
+fixture that starts containers (:data:`CONTAINER_FIXTURES`), parametrised over a runtime, or
+under tests/security carries its marks, and refuses to run otherwise, so a forgotten mark fails
+every run instead of quietly moving a container test into the pure tier.
+When the selection holds no docker test, the session checks are skipped and the
 engine is made unreachable (:data:`UNREACHABLE_DOCKER_HOST`) for the run, so a pure test that
 touches Docker fails on every machine instead of passing where an engine happens to run.
 
@@ -36,6 +40,11 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 # The throwaway PostgreSQL server's fixtures (postgres_server, postgres_url, fresh_postgres_url),
 # for every module: made only when a test asks for one.
 from .postgres_fixtures import fresh_postgres_url, postgres_server, postgres_url  # noqa: F401
+
+# Parallel runs (pytest-xdist): the groups, their order and the exclusive tests' lock, see
+# tests/scheduling.py; what each tier cost, printed at the end of a run: tests/tier_times.py.
+from .scheduling import assign_groups, pytest_configure, pytest_runtest_protocol  # noqa: F401
+from .tier_times import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401
 
 REQUIRE_RUNSC_ENV = "SANDKERNEL_REQUIRE_RUNSC"
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,110 +114,63 @@ def pytest_runtest_makereport(item, call):
 
 
 RUNTIMES = ["runc", "runsc"]
+# The runtimes as parameters carrying their tiers' marks: what container tests are parametrised
+# over, ``@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)`` or ``@pytest.fixture(params=RUNTIME_PARAMS)``
+# (a fixture's marks reach every test using it). The ids keep the node ids ``...[runc]``, ``...[runsc]``.
+RUNC = pytest.param("runc", marks=pytest.mark.docker, id="runc")
+RUNSC = pytest.param("runsc", marks=[pytest.mark.docker, pytest.mark.runsc], id="runsc")
+RUNTIME_PARAMS = [RUNC, RUNSC]
 
-# Fixtures that start a kernel container, or a gateway that starts them (and checks the engine).
-DOCKER_FIXTURES = frozenset(
-    {"session", "arena", "gateway", "client", "stack", "egress_gateway", "fast_ladder", "inspected",
-     "kernelspec_prefix", "nothing_left"}
+# Fixtures that start containers (a kernel, a gateway that starts them, the Swarm lab) or reach
+# the engine: a test using one, directly or through another fixture, must carry the docker mark.
+CONTAINER_FIXTURES = frozenset(
+    {"kernel_session", "arena", "gateway", "gw", "client", "stack", "egress_gateway", "mcp_stack", "agent_gateway",
+     "swarm_lab", "fast_ladder", "inspected", "kernelspec_prefix", "nothing_left"}
 )
-# Tests that reach the engine without such a fixture: a whole module ("*") or the named tests
-# (original names, before parametrisation). A pure test wrongly left out fails the pure tier.
-DOCKER_TESTS: dict[str, str | frozenset[str]] = {
-    "tests/test_bad_input.py": "*",
-    "tests/test_gateway_lifecycle.py": "*",
-    "tests/test_snapshots.py": "*",
-    "tests/test_client_snapshots.py": frozenset(
-        {"test_pause_then_execute_resumes_with_variables_and_files", "test_fork_copies_the_state_and_the_forks_diverge",
-         "test_rewind_forgets_what_later_cells_made", "test_a_pause_while_code_runs_is_refused_as_busy",
-         "test_the_sync_client_forks_into_sync_sessions"}
-    ),
-    "tests/test_jupyter_server_gateway.py": "*",
-    "tests/test_jupyter_tools.py": "*",
-    "tests/test_lifecycle.py": "*",
-    "tests/test_pool.py": "*",
-    "tests/test_egress.py": frozenset({"test_a_gateway_without_an_egress_policy_grants_no_network"}),
-    # Many hosts (issue 18): a real PostgreSQL (installed by the host set-up), gateways, engines.
-    "tests/test_cluster_catalog.py": "*",
-    "tests/test_cluster_membership.py": "*",
-    "tests/test_cluster_catalog_outage.py": "*",
-    "tests/test_cluster_direct_to_owner.py": "*",
-    "tests/test_cluster_kernelspecs.py": "*",
-    "tests/test_cluster_launcher.py": "*",
-    "tests/test_gateway_tls.py": frozenset({"test_gateways_serve_https_and_wss_and_forward_to_each_other_over_tls"}),
-    "tests/test_cluster_paused_elsewhere.py": frozenset(
-        {"test_only_a_host_sharing_the_down_hosts_snapshot_store_takes_its_paused_session_and_only_once",
-         "test_a_session_paused_on_a_host_that_died_resumes_on_a_host_sharing_the_snapshot_dir"}
-    ),
-    "tests/test_forwarding.py": "*",
-    "tests/test_cluster_kernels_api.py": frozenset(
-        {"test_a_kernel_created_through_a_lands_on_the_host_with_more_room_and_is_listed_by_both",
-         "test_code_runs_through_a_websocket_on_the_gateway_that_does_not_hold_the_kernel",
-         "test_busy_shows_cluster_wide_and_interrupt_and_restart_through_a_reach_the_kernel",
-         "test_another_tenant_sees_none_of_it_anywhere", "test_a_kernel_is_deleted_through_the_gateway_that_does_not_hold_it",
-         "test_kernel_creates_count_against_the_tenants_limit_across_the_cluster",
-         "test_bad_kernel_requests_are_400_saying_what_to_send",
-         "test_jupyter_server_pointed_at_one_gateway_uses_a_kernel_placed_on_the_other",
-         "test_a_full_cluster_and_a_lost_catalog_refuse_kernels_and_the_held_one_keeps_working"}
-    ),
-    "tests/test_cluster_lab.py": "*",
-    "tests/test_cluster_swarm.py": "*",
-    "tests/test_cluster_deploy.py": frozenset({"test_cluster_up_on_an_engine_that_is_not_a_swarm_manager_says_what_to_do"}),
-    "tests/test_gateway_image.py": frozenset(
-        {"test_the_image_runs_this_checkouts_sandkernel_with_the_disk_tools",
-         "test_doctor_in_the_image_makes_and_mounts_a_disk_workspace"}
-    ),
-    "tests/test_cli.py": frozenset(
-        {"test_doctor_reports_a_ready_machine", "test_run_prints_the_result_and_json",
-         "test_bad_input_gets_a_one_line_error_not_a_traceback",
-         "test_demo_runs_the_sales_agent_offline_and_leaves_a_valid_notebook",
-         "test_agent_cli_end_to_end_against_the_scripted_api"}
-    ),
-    "tests/test_notebooks.py": frozenset(
-        {"test_sigkill_of_the_gateway_leaves_a_valid_notebook", "test_examples_replay_the_same",
-         "test_a_changed_cell_is_reported_with_a_diff", "test_replay_restores_uploads_and_asks_for_files_too_large_to_embed"}
-    ),
-    "tests/test_replay.py": frozenset(
-        {"test_public_notebook_with_odd_metadata_replays_to_a_valid_notebook",
-         "test_an_output_the_schema_rejects_does_not_stop_the_replay",
-         "test_a_cell_that_kills_its_kernel_is_judged_and_the_rest_continue",
-         "test_an_endless_cell_times_out_and_the_replay_goes_on", "test_a_recorded_death_replayed_is_not_a_difference",
-         "test_widget_notebook_replays_the_same", "test_nbformat_3_notebook_is_converted_and_replayed",
-         "test_until_leaves_later_cells_not_run", "test_a_cell_refused_when_recorded_is_not_run"}
-    ),
-    "tests/test_mcp_http.py": frozenset({"test_the_gateway_serves_without_the_mcp_extra"}),
-    "tests/test_controls_gateway.py": frozenset({"test_the_operator_can_turn_accounting_off"}),
-    "tests/security/test_reaper.py": "*",
-    "tests/security/test_sandbox_uids.py": frozenset(
-        {"test_allocation_skips_subid_ranges_and_uids_in_use", "test_concurrent_processes_never_share_a_uid"}
-    ),
-    "tests/security/test_settings.py": "*",
-}
 # The engine address used when a run selects no docker test: a socket that cannot exist.
 UNREACHABLE_DOCKER_HOST = "unix:///nonexistent/sandkernel-pure-tier/docker.sock"
 
 
-def is_docker_test(item: pytest.Item) -> bool:
-    """The tier rule (see the module docstring); pure, so a planted case can be checked."""
-    if DOCKER_FIXTURES & set(getattr(item, "fixturenames", ())):
-        return True
+def missing_marks(item: pytest.Item) -> list[str]:
+    """The marks ``item`` should carry and does not (see the module docstring): docker when it
+    uses a fixture of :data:`CONTAINER_FIXTURES` or has a runtime parameter, runsc when that
+    parameter is runsc, security under tests/security. Pure, so a planted item can be checked."""
     callspec = getattr(item, "callspec", None)
-    if callspec is not None and any(v in RUNTIMES for v in callspec.params.values() if isinstance(v, str)):
-        return True
-    listed = DOCKER_TESTS.get(Path(str(item.path)).relative_to(ROOT).as_posix())
-    return listed == "*" or (listed is not None and getattr(item, "originalname", item.name) in listed)
+    params = [v for v in callspec.params.values() if isinstance(v, str)] if callspec is not None else []
+    needed = set()
+    if CONTAINER_FIXTURES & set(getattr(item, "fixturenames", ())) or any(v in RUNTIMES for v in params):
+        needed.add("docker")
+    if "runsc" in params:
+        needed.add("runsc")
+    if SECURITY_DIR in Path(str(item.path)).parents:
+        needed.add("security")
+    return sorted(needed - {mark.name for mark in item.iter_markers()})
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every collected test with its tier (and runsc, security) before ``-m`` selects."""
-    for item in items:
-        if is_docker_test(item):
-            item.add_marker(pytest.mark.docker)
-        callspec = getattr(item, "callspec", None)
-        if callspec is not None and "runsc" in callspec.params.values():
-            item.add_marker(pytest.mark.runsc)
-        if SECURITY_DIR in Path(str(item.path)).parents:
-            item.add_marker(pytest.mark.security)
+    """Refuse to run when a test lacks a mark its fixtures, parameters or folder call for: a
+    forgotten docker mark would otherwise move a container test into the pure tier, where it fails
+    (or, with runsc, out of ``-m runsc``). Runs before ``-m`` deselects, so every tier's run checks
+    every test. Then groups the tests for parallel runs (tests/scheduling.py)."""
+    unmarked = [f"{item.nodeid}: add {', '.join(missing)}" for item in items if (missing := missing_marks(item))]
+    if unmarked:
+        listed = "\n  ".join(unmarked)
+        raise pytest.UsageError(f"{len(unmarked)} test(s) lack marks they need (tests/conftest.py):\n  {listed}")
+    assign_groups(items, module_of, runtime_of, lambda item: item.get_closest_marker("docker") is not None)
+
+
+def module_of(item: pytest.Item) -> str:
+    """The test's module, relative to the repository (``tests/test_x.py``)."""
+    return Path(str(item.path)).relative_to(ROOT).as_posix()
+
+
+def runtime_of(item: pytest.Item) -> str | None:
+    """The runtime a test is parametrised over, if any."""
+    callspec = getattr(item, "callspec", None)
+    values = [part for v in callspec.params.values() for part in (v if isinstance(v, tuple) else (v,))] if callspec else []
+    found = [v for v in values if isinstance(v, str) and v in RUNTIMES]
+    return found[0] if found else None
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -248,9 +210,9 @@ def require_runtime(runtime: str) -> None:
         pytest.fail(reason)
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
-async def session(request):
-    """A shared session per runtime for tests that only read or probe."""
+@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
+async def kernel_session(request):
+    """A shared KernelSession (no gateway) per runtime, for tests that only read or probe."""
     require_runtime(request.param)
     s = await KernelSession.start(overrides={"runtime": request.param, "pids": 128, "cpus": 0.5, "memory_mb": 512})
     yield s

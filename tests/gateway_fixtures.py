@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.httputil import HTTPHeaders
 
 from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.server import Gateway as RunningGateway
 from sandkernel.gateway.settings import GatewaySettings
+
+from .conftest import RUNTIME_PARAMS, require_runtime
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef00"
@@ -64,6 +69,7 @@ class Gateway:
     url: str
     port: int
     server: RunningGateway  # its registry is there for tests that must reach behind the API
+    runtime: str | None = None  # the runtime a fixture parametrised over the runtimes started it for
 
     @property
     def settings(self) -> GatewaySettings:
@@ -107,6 +113,39 @@ async def start_gateway(
 
 async def stop_gateway(gateway: Gateway) -> None:
     await asyncio.wait_for(gateway.server.stop(), 120)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(tmp_path, **options: Any) -> AsyncIterator[Gateway]:
+    """``async with running_gateway(tmp_path, **options) as gw:`` a gateway of :func:`start_gateway`,
+    stopped on the way out even when the block fails: for fixtures that do more than start one."""
+    gateway = await start_gateway(tmp_path, **options)
+    try:
+        yield gateway
+    finally:
+        await stop_gateway(gateway)
+
+
+def gateway_fixture(scope: str = "module", runtimes: bool = False, **options: Any):
+    """A fixture yielding a gateway of :func:`start_gateway` with ``options``, so a module's gateway
+    is one line: ``gateway = gateway_fixture(max_sessions=3)`` (pytest names the fixture after the
+    module-level name it is bound to). With ``runtimes``, one gateway per runtime of
+    RUNTIME_PARAMS (their marks reach the tests), each defaulting to its runtime (``gw.runtime``)."""
+
+    @pytest.fixture(scope=scope, params=RUNTIME_PARAMS if runtimes else None)
+    async def gateway(
+        request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+    ) -> AsyncIterator[Gateway]:
+        runtime = request.param if runtimes else None
+        chosen = dict(options)
+        if runtime is not None:
+            require_runtime(runtime)
+            chosen["default_runtime"] = runtime
+        async with running_gateway(tmp_path_factory.mktemp(f"gateway-{runtime or 'default'}"), **chosen) as gw:
+            gw.runtime = runtime
+            yield gw
+
+    return gateway
 
 
 def rss_mib() -> float:

@@ -23,8 +23,10 @@ from sandkernel.kernels.execution.accounting import MEMORY_WORKSPACE, NOT_WATCHE
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 
-from .conftest import RUNTIMES, require_runtime
+from .conftest import RUNTIME_PARAMS, require_runtime
 from .test_execute import _make_wheel
+
+pytestmark = pytest.mark.docker
 
 MiB = 1024 * 1024
 NO_FILES = {"created": [], "modified": [], "deleted": [], "hashed": 0, "unhashed": 0, "omitted": 0}
@@ -43,7 +45,7 @@ async def measured(
     return result, await meter.finish(time.monotonic() - t0)
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
+@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
 async def metered(request, tmp_path_factory):
     """A session per runtime with room for a 200 MB cell and a wheelhouse, and its meter."""
     require_runtime(request.param)
@@ -195,7 +197,7 @@ async def test_the_hash_cap_is_said(metered):
     assert _found(acc, "created")["many/000"]["sha256"] == hashlib.sha256(b"0").hexdigest()
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_memory_workspace_says_files_are_not_known(runtime):
     require_runtime(runtime)
     async with await KernelSession.start(overrides={"runtime": runtime, "workspace_storage": "memory"}) as s:
@@ -206,7 +208,7 @@ async def test_a_memory_workspace_says_files_are_not_known(runtime):
         assert acc["cpu_seconds"] is not None and acc["egress"] is None
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_egress_refusals_are_counted(runtime):
     require_runtime(runtime)
     async with await KernelSession.start(overrides={"runtime": runtime, "network": {"allow": ["allowed.test"]}}) as s:
@@ -299,7 +301,7 @@ def _without_cap_sys_admin() -> Iterator[None]:
         assert libc.capset(ctypes.byref(header), data) == 0, os.strerror(ctypes.get_errno())
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_when_fanotify_is_refused_every_cell_is_walked(runtime):
     require_runtime(runtime)
     async with await KernelSession.start(overrides={"runtime": runtime}) as s:
@@ -331,7 +333,7 @@ def _fds_held(container_ids: list[str]) -> tuple[int, int]:
     return fanotify, cgroup_files
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_closed_sessions_leave_no_fanotify_or_cgroup_fd(runtime):
     require_runtime(runtime)
     before, _ = _fds_held([])

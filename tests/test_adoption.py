@@ -24,8 +24,10 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import state_dir
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
 
-from .conftest import RUNTIMES, container_ids_of, require_runtime
+from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
 from .test_egress import Upstream, policy_for
+
+pytestmark = pytest.mark.docker
 
 CHILD = textwrap.dedent(
     """
@@ -93,7 +95,7 @@ async def adopted(record: dict) -> tuple[KernelSession, Recorded]:
     return session, recorded
 
 
-@pytest.fixture(params=RUNTIMES)
+@pytest.fixture(params=RUNTIME_PARAMS)
 def runtime(request):
     require_runtime(request.param)
     return request.param

@@ -20,14 +20,12 @@ from sandkernel.agent.runner import run_task
 from sandkernel.agent.scenarios import LOG_FILES, SALES_ROWS, SCENARIOS, sales_by_quarter
 from sandkernel.notebooks.replay import replay_notebook
 
-from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, gateway_fixture
+
+pytestmark = pytest.mark.docker
 
 
-@pytest.fixture(scope="module")
-async def gateway(tmp_path_factory):
-    gw = await start_gateway(tmp_path_factory.mktemp("agent"))
-    yield gw
-    await stop_gateway(gw)
+gateway = gateway_fixture()
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +64,7 @@ def assert_replays_the_same(path):
     assert [v.verdict for v in verdicts] == ["same"] * len(cells), [(v.index, v.verdict, v.diff) for v in verdicts]
 
 
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
 async def test_sales_scenario_report_and_chart_back_to_the_model(sandkernel, tmp_path):
     outcome, server, events = await play("sales", sandkernel, tmp_path)
     run = outcome.run

@@ -32,7 +32,7 @@ from sandkernel.gateway.audit.verify import main, verify
 from sandkernel.kernels.execution.events import ExecutionRequest
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, refused_result
 
-from .conftest import RUNTIMES, require_runtime
+from .conftest import RUNTIME_PARAMS, require_runtime
 from .gateway_fixtures import start_gateway, stop_gateway
 
 
@@ -441,7 +441,7 @@ async def test_the_observer_records_an_execution_with_its_accounting_policy_and_
 # -- through a real gateway (Docker, both runtimes) ------------------------------------------------
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_gateway_records_every_change_of_state_in_a_chain_that_verifies(tmp_path, runtime):
     require_runtime(runtime)
     audit_dir = tmp_path / "audit"

@@ -17,6 +17,8 @@ from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.runtime_dir import default_base_dir
 
+pytestmark = pytest.mark.docker
+
 
 def _our_containers() -> set[str]:
     return {

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.docker
+
 BENCH = Path(__file__).parents[1] / "bench"
 
 

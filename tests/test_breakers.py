@@ -42,7 +42,7 @@ from sandkernel.kernels.execution.events import ExecutionRequest
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, TimeoutStep
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine
 
-from .conftest import RUNTIMES, RunscState, require_runtime, runsc_required, runsc_state
+from .conftest import RUNTIME_PARAMS, RunscState, require_runtime, runsc_required, runsc_state
 from .gateway_fixtures import ALICE, start_gateway, stop_gateway
 from .test_docker_restart import (
     FakeDockerd,
@@ -370,7 +370,7 @@ def scraped(text: str, name: str) -> float:
     return float(match.group(1)) if match else 0.0
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_three_ooms_in_a_row_quarantine_the_session_and_a_restart_clears_it(gateway, runtime):
     require_runtime(runtime)
     hog, other = await asyncio.gather(create(gateway, runtime), create(gateway, runtime))
@@ -402,7 +402,9 @@ async def test_three_ooms_in_a_row_quarantine_the_session_and_a_restart_clears_i
     assert scraped(metrics, 'sandkernel_refused_executions_total{by="breaker"}') == 1.0
 
 
+@pytest.mark.docker
 @pytest.mark.slow
+@pytest.mark.exclusive  # it stops the engine every other test of a parallel run talks to
 async def test_a_stopped_engine_makes_new_sessions_fail_fast_and_they_start_again_once_it_is_back(gateway):
     """STOPS THE MACHINE'S DOCKERD for a few seconds (live-restore keeps the containers)."""
     if os.geteuid() != 0 or shutil.which("dockerd") is None or (pid := dockerd_pid()) is None:
@@ -471,7 +473,7 @@ async def post_session(gw) -> tuple[int, str | None, int | None]:
     return response.code, code, int(retry_after) if retry_after is not None else None
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_quarantine_outlives_a_gateway_restart(tmp_path, runtime):
     """The catalog records the quarantine with the session: the next gateway process adopts the
     session still quarantined (a restart of the gateway is not a way around the breaker)."""

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import nbformat
+import pytest
 
 
 def sandkernel(
@@ -29,6 +30,7 @@ def test_help_lists_every_command():
         assert command in out
 
 
+@pytest.mark.docker
 def test_doctor_reports_a_ready_machine():
     proc = sandkernel("doctor")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -38,6 +40,8 @@ def test_doctor_reports_a_ready_machine():
     assert "runtime runsc" in proc.stdout
 
 
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
+@pytest.mark.docker
 def test_run_prints_the_result_and_json():
     proc = sandkernel("run", "print(6 * 7)")
     assert proc.returncode == 0 and proc.stdout == "42\n"
@@ -47,6 +51,7 @@ def test_run_prints_the_result_and_json():
     assert result["status"] == "error" and result["error"]["name"] == "ZeroDivisionError"
 
 
+@pytest.mark.docker
 def test_bad_input_gets_a_one_line_error_not_a_traceback():
     proc = sandkernel("run", "--profile", "nope", "1")
     assert proc.returncode == 2
@@ -54,6 +59,7 @@ def test_bad_input_gets_a_one_line_error_not_a_traceback():
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.docker
 def test_demo_runs_the_sales_agent_offline_and_leaves_a_valid_notebook(tmp_path):
     path = tmp_path / "demo.ipynb"
     proc = sandkernel(
@@ -90,6 +96,7 @@ def test_agent_help_reads_well():
         assert phrase in out
 
 
+@pytest.mark.docker
 async def test_agent_cli_end_to_end_against_the_scripted_api(tmp_path):
     """The CLI as a user runs it, the real SDK reaching the scripted server through ANTHROPIC_BASE_URL."""
     import asyncio

@@ -23,14 +23,9 @@ from sandkernel.agent import (
     Sandkernel,
 )
 
-from .gateway_fixtures import ALICE, BOB, free_port, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, BOB, free_port, gateway_fixture
 
-
-@pytest.fixture(scope="module")
-async def gateway(tmp_path_factory):
-    gw = await start_gateway(tmp_path_factory.mktemp("client"), max_sessions=3)
-    yield gw
-    await stop_gateway(gw)
+gateway = gateway_fixture(max_sessions=3)
 
 
 @pytest.fixture(scope="module")
@@ -40,31 +35,37 @@ async def client(gateway):
 
 
 @pytest.fixture(scope="module")
-async def session(client):
+async def client_session(client):
+    """A session of the SDK (AsyncSandkernel.session), shared by the module's tests."""
     async with client.session(profile="small", metadata={"test": "client"}) as s:
         yield s
 
 
-async def test_run_keeps_state_and_returns_ordered_outputs(session):
-    first = await session.run("import sys\nrows = [1, 2, 3]\nprint('out'); print('err', file=sys.stderr)\nsum(rows)")
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
+@pytest.mark.docker
+async def test_run_keeps_state_and_returns_ordered_outputs(client_session):
+    first = await client_session.run(
+        "import sys\nrows = [1, 2, 3]\nprint('out'); print('err', file=sys.stderr)\nsum(rows)"
+    )
     assert first.ok and first.status == "ok" and first.execution_count >= 1
     assert [o["output_type"] for o in first.outputs] == ["stream", "stream", "execute_result"]
     assert first.stdout == "out\n" and first.stderr == "err\n"
     assert first.results[0]["text/plain"] == "6" and first.duration > 0
-    shell = await session.run("!echo shell works in $PWD")
+    shell = await client_session.run("!echo shell works in $PWD")
     assert shell.ok and shell.text.strip() == "shell works in /workspace"  # a pty: \r\n
-    second = await session.run("rows.append(4); len(rows)", tag="toolu_01")
+    second = await client_session.run("rows.append(4); len(rows)", tag="toolu_01")
     assert second.text == "4\n" and second.execution_count == first.execution_count + 2
-    nb = await session.notebook()
+    nb = await client_session.notebook()
     tags = [c["metadata"]["sandkernel"].get("tag") for c in nb["cells"] if c["cell_type"] == "code"]
     assert "toolu_01" in tags
 
 
-async def test_streaming_callbacks_see_outputs_as_they_happen(session):
+@pytest.mark.docker
+async def test_streaming_callbacks_see_outputs_as_they_happen(client_session):
     seen: list[tuple[str, float]] = []
     started = time.monotonic()
     code = "import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.4)\n'done'"
-    result = await session.run(
+    result = await client_session.run(
         code,
         on_stdout=lambda text: seen.append((text, time.monotonic() - started)),
         on_result=lambda bundle: seen.append((bundle["text/plain"], time.monotonic() - started)),
@@ -74,40 +75,43 @@ async def test_streaming_callbacks_see_outputs_as_they_happen(session):
     assert result.ok and result.stdout == "0\n1\n2\n"
 
 
-async def test_images_errors_and_check(session):
-    result = await session.run("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2]); plt.show()")
+@pytest.mark.docker
+async def test_images_errors_and_check(client_session):
+    result = await client_session.run("import matplotlib.pyplot as plt\nplt.plot([1, 3, 2]); plt.show()")
     assert len(result.images) == 1 and result.images[0].data.startswith(b"\x89PNG")
-    failed = await session.run("1 / 0")
+    failed = await client_session.run("1 / 0")
     assert failed.status == "error" and failed.error.name == "ZeroDivisionError"
     assert "division by zero" in "".join(failed.error.traceback)
     with pytest.raises(CodeError) as err:
-        await session.run("undefined_name", check=True)
+        await client_session.run("undefined_name", check=True)
     assert err.value.execution.error.name == "NameError"
 
 
-async def test_files_variables_interrupt_restart(session):
-    written = await session.upload("data/in.csv", "a,b\n1,2\n")
+@pytest.mark.docker
+async def test_files_variables_interrupt_restart(client_session):
+    written = await client_session.upload("data/in.csv", "a,b\n1,2\n")
     assert written["size"] == 8
-    names = [entry["name"] for entry in await session.list_files("data")]
+    names = [entry["name"] for entry in await client_session.list_files("data")]
     assert names == ["in.csv"]
-    assert await session.download("data/in.csv") == b"a,b\n1,2\n"
-    await session.run("import pandas as pd\nframe = pd.read_csv('data/in.csv')")
-    variables = {v["name"]: v for v in await session.variables()}
+    assert await client_session.download("data/in.csv") == b"a,b\n1,2\n"
+    await client_session.run("import pandas as pd\nframe = pd.read_csv('data/in.csv')")
+    variables = {v["name"]: v for v in await client_session.variables()}
     assert variables["frame"]["type"] == "pandas.DataFrame"
     with pytest.raises(NotFoundError):
-        await session.download("nope.txt")
+        await client_session.download("nope.txt")
     with pytest.raises(BadRequestError):
-        await session.upload("../escape.txt", "x")
-    running = asyncio.create_task(session.run("import time; time.sleep(60)"))
+        await client_session.upload("../escape.txt", "x")
+    running = asyncio.create_task(client_session.run("import time; time.sleep(60)"))
     await asyncio.sleep(1.5)
-    await session.interrupt()
+    await client_session.interrupt()
     assert (await running).status == "interrupted"
-    await session.restart()
-    after = await session.run("print('frame' in globals())")
+    await client_session.restart()
+    after = await client_session.run("print('frame' in globals())")
     assert after.text == "False\n"
-    assert await session.download("data/in.csv") == b"a,b\n1,2\n"  # files survive a restart
+    assert await client_session.download("data/in.csv") == b"a,b\n1,2\n"  # files survive a restart
 
 
+@pytest.mark.docker
 async def test_failure_kinds_raise_their_exception(gateway, client):
     with pytest.raises(AuthenticationError) as err:
         await AsyncSandkernel(gateway.url, "wrong-token").list_sessions()
@@ -135,6 +139,7 @@ async def test_failure_kinds_raise_their_exception(gateway, client):
         assert (await s.run("print('alive')")).text == "alive\n"  # the session recovers
 
 
+@pytest.mark.docker
 async def test_session_limit_is_a_limit_error(client):
     async with client.session(profile="small"), client.session(profile="small"):
         with pytest.raises(LimitExceededError) as err:  # max_sessions=3 per token, one is the module's
@@ -142,6 +147,7 @@ async def test_session_limit_is_a_limit_error(client):
         assert err.value.status == 429
 
 
+@pytest.mark.docker
 async def test_session_context_manager_deletes_and_keeps_notebook(client):
     async with client.session(profile="small") as s:
         await s.run("print('kept')")
@@ -157,6 +163,7 @@ async def test_session_context_manager_deletes_and_keeps_notebook(client):
     assert nb.cells[-1].outputs[0]["text"] == "kept\n"
 
 
+@pytest.mark.docker
 async def test_sync_client_works_from_any_thread(gateway):
     def use_it() -> tuple[str, list[str], str]:
         with Sandkernel(gateway.url, ALICE) as sk, sk.session(profile="small") as s:

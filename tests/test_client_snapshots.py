@@ -25,14 +25,9 @@ from sandkernel.agent import (
 )
 from sandkernel.agent.errors import CODE_ERRORS, error_for_status
 
-from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, gateway_fixture
 
-
-@pytest.fixture(scope="module")
-async def gateway(tmp_path_factory):
-    gw = await start_gateway(tmp_path_factory.mktemp("client-snapshots"), max_sessions=6)
-    yield gw
-    await stop_gateway(gw)
+gateway = gateway_fixture(max_sessions=6)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +61,7 @@ async def _names(session: AsyncSession, *names: str) -> list[str]:
     return ast.literal_eval(probe.text)
 
 
+@pytest.mark.docker
 async def test_pause_then_execute_resumes_with_variables_and_files(client):
     async with client.session(profile="small") as s:
         await s.run("total = 41", check=True)
@@ -90,6 +86,7 @@ async def test_pause_then_execute_resumes_with_variables_and_files(client):
         assert await s.download("note.txt") == b"kept"
 
 
+@pytest.mark.docker
 async def test_fork_copies_the_state_and_the_forks_diverge(client):
     async with client.session(profile="small") as parent:
         await parent.run("trail = ['parent']", check=True)
@@ -108,6 +105,7 @@ async def test_fork_copies_the_state_and_the_forks_diverge(client):
                 await fork.delete()
 
 
+@pytest.mark.docker
 async def test_rewind_forgets_what_later_cells_made(client):
     async with client.session(profile="small") as s:
         for code in ("a = 1", "b = 2", "c = 3\nopen('c.txt', 'w').write('three')"):
@@ -119,6 +117,7 @@ async def test_rewind_forgets_what_later_cells_made(client):
         assert "c.txt" not in {entry["name"] for entry in await s.list_files()}
 
 
+@pytest.mark.docker
 async def test_a_pause_while_code_runs_is_refused_as_busy(client):
     async with client.session(profile="small") as s:
         running = asyncio.create_task(s.run("import time; time.sleep(3); 'done'"))
@@ -129,6 +128,7 @@ async def test_a_pause_while_code_runs_is_refused_as_busy(client):
         assert (await s.refresh())["state"] == "running"
 
 
+@pytest.mark.docker
 async def test_the_sync_client_forks_into_sync_sessions(gateway):
     def use_it() -> tuple[str, str | None, str]:
         with Sandkernel(gateway.url, ALICE) as sk, sk.session(profile="small") as s:

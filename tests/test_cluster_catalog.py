@@ -39,6 +39,8 @@ from .postgres_fixtures import PostgresServer, running_postgres
 from .test_cluster_membership import clean_up_hosts, cluster_flags, rows
 from .test_durable_sessions import Serve
 
+pytestmark = pytest.mark.docker
+
 # The fixtures, bound here so pytest finds them (an import would read as unused to the linter).
 postgres_server = postgres_fixtures.postgres_server
 fresh_postgres_url = postgres_fixtures.fresh_postgres_url

@@ -14,11 +14,14 @@ import time
 import urllib.parse
 
 import psycopg
+import pytest
 
 from sandkernel.gateway.cluster.catalog import ClusterCatalog
 from sandkernel.gateway.cluster.membership import ClusterMembership
 from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.records import SandboxRecord
+
+pytestmark = pytest.mark.docker
 
 INTERVAL = 0.2  # host-a's
 SLOW_INTERVAL = 0.8  # host-b beats less often: after the outage, host-a gets through first

@@ -98,6 +98,7 @@ def test_the_launcher_finds_its_container_from_the_files_docker_mounts_into_it()
     assert own_container_id(f"2 1 8:1 /containers/{CONTAINER_ID[:12]}/hostname /etc/hostname rw\n") is None
 
 
+@pytest.mark.docker
 def test_cluster_up_on_an_engine_that_is_not_a_swarm_manager_says_what_to_do(tmp_path: Path):
     url = tmp_path / "catalog.url"
     url.write_text("postgresql://u:p@127.0.0.1/x")

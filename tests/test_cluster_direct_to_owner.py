@@ -18,6 +18,8 @@ from .gateway_fixtures import ALICE, call_api, free_port
 from .test_cluster_membership import clean_up_hosts, cluster_flags, rows
 from .test_durable_sessions import Serve
 
+pytestmark = pytest.mark.docker
+
 
 async def test_a_client_goes_straight_to_the_sessions_host_and_back_to_its_endpoint_when_that_host_moves(
     tmp_path, fresh_postgres_url

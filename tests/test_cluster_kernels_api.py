@@ -129,6 +129,7 @@ async def kernel(kcluster: tuple[Host, Host]) -> dict[str, Any]:
     return model
 
 
+@pytest.mark.docker
 async def test_a_kernel_created_through_a_lands_on_the_host_with_more_room_and_is_listed_by_both(kcluster, kernel):
     a, b = kcluster
     kid = kernel["id"]
@@ -144,6 +145,7 @@ async def test_a_kernel_created_through_a_lands_on_the_host_with_more_room_and_i
     assert status == 200 and model["id"] == kid and model["name"] == "sandkernel-python", (status, model)
 
 
+@pytest.mark.docker
 async def test_code_runs_through_a_websocket_on_the_gateway_that_does_not_hold_the_kernel(kcluster, kernel):
     a, _ = kcluster
     ws = await channels(a, kernel["id"])
@@ -154,6 +156,7 @@ async def test_code_runs_through_a_websocket_on_the_gateway_that_does_not_hold_t
         ws.close()
 
 
+@pytest.mark.docker
 async def test_busy_shows_cluster_wide_and_interrupt_and_restart_through_a_reach_the_kernel(kcluster, kernel):
     a, b = kcluster
     kid = kernel["id"]
@@ -190,6 +193,7 @@ async def test_busy_shows_cluster_wide_and_interrupt_and_restart_through_a_reach
     assert [k["id"] for k in await listing(b, local=True)] == [kid]  # still where it was placed
 
 
+@pytest.mark.docker
 async def test_another_tenant_sees_none_of_it_anywhere(kcluster, kernel):
     kid = kernel["id"]
     for host in kcluster:
@@ -209,6 +213,7 @@ async def test_another_tenant_sees_none_of_it_anywhere(kcluster, kernel):
     assert status == 200  # bob's attempts left it alone
 
 
+@pytest.mark.docker
 async def test_a_kernel_is_deleted_through_the_gateway_that_does_not_hold_it(kcluster, kernel):
     a, b = kcluster
     kid = kernel["id"]
@@ -223,6 +228,7 @@ async def test_a_kernel_is_deleted_through_the_gateway_that_does_not_hold_it(kcl
     assert status == 200 and sessions == [], sessions  # nothing left of it in the catalog
 
 
+@pytest.mark.docker
 async def test_kernel_creates_count_against_the_tenants_limit_across_the_cluster(kcluster):
     a, b = kcluster
     made: list[str] = []
@@ -254,6 +260,7 @@ async def test_kernel_creates_count_against_the_tenants_limit_across_the_cluster
         assert await listing(host) == []
 
 
+@pytest.mark.docker
 async def test_bad_kernel_requests_are_400_saying_what_to_send(kcluster):
     a, _ = kcluster
     status, answer, _ = await a.call("POST", "/api/kernels", {"name": "python3"})
@@ -264,6 +271,7 @@ async def test_bad_kernel_requests_are_400_saying_what_to_send(kcluster):
         assert await listing(host) == []
 
 
+@pytest.mark.docker
 async def test_jupyter_server_pointed_at_one_gateway_uses_a_kernel_placed_on_the_other(kcluster, tmp_path):
     """What JupyterLab does with ``--gateway-url`` at host-a: the kernel lands on host-b."""
     a, b = kcluster
@@ -289,6 +297,7 @@ async def test_jupyter_server_pointed_at_one_gateway_uses_a_kernel_placed_on_the
 # -- a full cluster, then no catalog -------------------------------------------------------------
 
 
+@pytest.mark.docker
 async def test_a_full_cluster_and_a_lost_catalog_refuse_kernels_and_the_held_one_keeps_working(tmp_path: Path):
     require_runtime("runc")
     with running_postgres() as server:  # a server of this test's own: it is stopped halfway

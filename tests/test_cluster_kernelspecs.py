@@ -21,6 +21,8 @@ from .postgres_fixtures import postgres_server  # noqa: F401 (pytest finds it he
 from .test_cluster_membership import rows
 from .test_forwarding import CLUSTER_SECRET, Host
 
+pytestmark = pytest.mark.docker
+
 RUNC_SPEC, GVISOR_SPEC = "sandkernel-python", "sandkernel-python-gvisor"
 
 

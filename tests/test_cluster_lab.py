@@ -25,6 +25,8 @@ import pytest
 from .cluster import BASE_IMAGE, LAB_NET, RUNSC_LABEL, SWITCH_NET, Lab, LabError, main_runtimes
 from .cluster.fixtures import swarm_lab_fixture  # noqa: F401  (the swarm_lab fixture)
 
+# The Swarm lab's namespaces and addresses are one per machine: its modules run one after another.
+pytestmark = [pytest.mark.docker, pytest.mark.xdist_group("swarm-lab")]
 SWARM_LAB = {"runsc_hosts": (1, 2) if "runsc" in main_runtimes() else ()}
 OUTSIDE = "203.0.113.1"  # TEST-NET-3: never routed anywhere. (Not 192.0.2.1: this machine's own uplink is 192.0.2.0/24.)
 CONNECT_PROBE = f"""

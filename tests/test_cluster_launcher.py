@@ -17,6 +17,8 @@ import pytest
 
 from sandkernel.gateway.cluster.launcher import _watch_exit
 
+pytestmark = pytest.mark.docker
+
 IMAGE = "sandkernel-kernel:0.1.0"
 # Exits with 3 on SIGTERM and waits for it otherwise, the way a gateway stops on `docker stop`.
 EXIT_ON_TERM = "import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(3)); signal.pause()"

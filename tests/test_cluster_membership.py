@@ -19,6 +19,7 @@ from typing import Any
 
 import nbformat
 import psycopg
+import pytest
 
 from sandkernel.kernels.lifecycle.reaper import reap_sync
 
@@ -26,6 +27,8 @@ from .conftest import container_ids_of
 from .gateway_fixtures import BOB
 from .postgres_fixtures import create_database, running_postgres
 from .test_durable_sessions import Serve, clean_up
+
+pytestmark = pytest.mark.docker
 
 HEARTBEAT = "0.5"
 DOWN_AFTER = "3"

@@ -40,6 +40,7 @@ def mark_down(url: str, host_id: str) -> None:
     rows(url, "UPDATE hosts SET status = 'down' WHERE host_id = %s RETURNING 1", host_id)
 
 
+@pytest.mark.docker
 async def test_only_a_host_sharing_the_down_hosts_snapshot_store_takes_its_paused_session_and_only_once(
     fresh_postgres_url,
 ):
@@ -115,6 +116,7 @@ def test_a_part_the_gateway_wrote_is_read_back_only_as_signed(tmp_path):
         store.read_part(loaded, "files")
 
 
+@pytest.mark.docker
 async def test_a_session_paused_on_a_host_that_died_resumes_on_a_host_sharing_the_snapshot_dir(
     tmp_path, fresh_postgres_url
 ):

@@ -62,7 +62,8 @@ from .conftest import require_runtime
 from .gateway_fixtures import ALICE, BOB
 from .kernel_websocket import run_cell
 
-pytestmark = pytest.mark.timeout(1800)
+# The Swarm lab's namespaces and addresses are one per machine: its modules run one after another.
+pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800), pytest.mark.xdist_group("swarm-lab")]
 
 SESSIONS = 60
 TENANT_LIMIT = SESSIONS + 2  # alice may have two more than the 60; bob is counted apart

@@ -11,34 +11,36 @@ import pytest
 
 from sandkernel.agent import AsyncSandkernel, ExecutionRefusedError
 
-from .conftest import RUNTIMES, require_runtime
-from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+from .conftest import RUNTIME_PARAMS, require_runtime
+from .gateway_fixtures import ALICE, running_gateway, start_gateway, stop_gateway
+
+pytestmark = pytest.mark.docker
 
 POLICY = 'default = "allow"\n[rules]\nos_system = "warn"\nctypes = "deny"\n'
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
+@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
 async def gw(request, tmp_path_factory):
     require_runtime(request.param)
     tmp = tmp_path_factory.mktemp("controls")
     policy = tmp / "policy.toml"
     policy.write_text(POLICY)
-    gateway = await start_gateway(tmp, default_runtime=request.param, exec_policy_file=policy)
-    yield gateway
-    await stop_gateway(gateway)
+    async with running_gateway(tmp, default_runtime=request.param, exec_policy_file=policy) as gateway:
+        yield gateway
 
 
 @pytest.fixture(scope="module")
-async def session(gw):
+async def gateway_session(gw):
+    """A session made through the gateway's API on ``gw``: its JSON model (``id``, ``kernel``, ...)."""
     status, body = await gw.request("POST", "/api/sessions", {})
     assert status == 201, body
     yield body
     await gw.request("DELETE", f"/api/sessions/{body['id']}")
 
 
-async def test_the_transcript_carries_each_cells_accounting_and_findings(gw, session):
+async def test_the_transcript_carries_each_cells_accounting_and_findings(gw, gateway_session):
     code = "import os\nopen('made.txt', 'w').write('hello')\nos.system('true')\nprint('done')"
-    status, reply = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": code})
+    status, reply = await gw.request("POST", f"/api/sessions/{gateway_session['id']}/execute", {"code": code})
     assert status == 200 and reply["status"] == "ok", reply
     accounting = reply["accounting"]
     created = {item["path"]: item for item in accounting["files"]["created"]}
@@ -47,7 +49,7 @@ async def test_the_transcript_carries_each_cells_accounting_and_findings(gw, ses
     assert accounting["wall_seconds"] > 0 and accounting["cpu_seconds"] is not None
     assert [(f["rule"], f["action"], f["line"]) for f in reply["policy"]] == [("os_system", "warn", 3)]
 
-    status, notebook = await gw.request("GET", f"/api/sessions/{session['id']}/notebook")
+    status, notebook = await gw.request("GET", f"/api/sessions/{gateway_session['id']}/notebook")
     assert status == 200
     nbformat.validate(nbformat.from_dict(notebook))
     cell = next(c for c in notebook["cells"] if c["cell_type"] == "code" and "made.txt" in c["source"])
@@ -56,7 +58,7 @@ async def test_the_transcript_carries_each_cells_accounting_and_findings(gw, ses
     assert recorded["policy"] == reply["policy"]
 
 
-async def test_health_shows_the_breakers_to_a_tenant_only(gw, session):
+async def test_health_shows_the_breakers_to_a_tenant_only(gw, gateway_session):
     status, health = await gw.request("GET", "/api/health")
     assert status == 200 and health["status"] == "ok"
     assert health["breakers"]["sandbox_starts"]["state"] == "closed"
@@ -79,18 +81,18 @@ async def test_the_operator_can_turn_accounting_off(tmp_path):
         await stop_gateway(gateway)
 
 
-async def test_an_upload_is_not_charged_to_the_next_cell(gw, session):
-    status, _ = await gw.request("PUT", f"/api/sessions/{session['id']}/files/uploaded.csv", raw=b"a,b\n1,2\n")
+async def test_an_upload_is_not_charged_to_the_next_cell(gw, gateway_session):
+    status, _ = await gw.request("PUT", f"/api/sessions/{gateway_session['id']}/files/uploaded.csv", raw=b"a,b\n1,2\n")
     assert status == 201
     code = "open('derived.txt', 'w').write(open('uploaded.csv').read().upper())"
-    _, reply = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": code})
+    _, reply = await gw.request("POST", f"/api/sessions/{gateway_session['id']}/execute", {"code": code})
     created = [item["path"] for item in reply["accounting"]["files"]["created"]]
     assert created == ["derived.txt"], reply["accounting"]
 
 
-async def test_the_client_raises_a_refusal_as_its_own_error(gw, session):
+async def test_the_client_raises_a_refusal_as_its_own_error(gw, gateway_session):
     async with AsyncSandkernel(gw.url, ALICE) as client:
-        remote = await client.get_session(session["id"])
+        remote = await client.get_session(gateway_session["id"])
         refused = await remote.run("import ctypes")
         assert refused.status == "refused" and refused.refusal["rule"] == "ctypes"
         with pytest.raises(ExecutionRefusedError) as raised:

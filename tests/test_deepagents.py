@@ -32,19 +32,13 @@ from sandkernel.agent.scenarios import SALES_ROWS, SALES_TASK, make_sales_files,
 from sandkernel.integrations.deepagents import SandkernelSandbox, run_python_tool, workspace_path
 from sandkernel.notebooks.replay import replay_notebook
 
-from .conftest import RUNTIMES, require_runtime
-from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, gateway_fixture
 
 FLAVORS = ["sync", "async"]
 BINARY = bytes(range(256)) * 64 + b"\x00\r\n\x89PNG\r\n\x1a\n"  # every byte value, CRLFs, NULs
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
-async def gateway(request, tmp_path_factory):
-    require_runtime(request.param)
-    gw = await start_gateway(tmp_path_factory.mktemp("deepagents"), default_runtime=request.param)
-    yield gw
-    await stop_gateway(gw)
+gateway = gateway_fixture(runtimes=True)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +75,7 @@ def use(request, sessions):
 # -- execute ---------------------------------------------------------------------------------
 
 
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
 async def test_execute_runs_a_shell_command_with_its_exit_code(use, sessions):
     sandbox = use.sandbox
     assert sandbox.id == sessions[use.flavor].id

@@ -17,7 +17,9 @@ import zmq.asyncio
 
 from sandkernel.kernels.execution.events import SessionObserver
 from sandkernel.kernels.execution.session import KernelSession
-from tests.conftest import RUNTIMES, require_runtime
+from tests.conftest import RUNTIME_PARAMS, require_runtime
+
+pytestmark = pytest.mark.docker
 
 # A timer thread prints after the cell returned: output no execution reads.
 LATE_PRINT = "import threading\nthreading.Timer(0.2, print, ['late']).start()"
@@ -31,7 +33,7 @@ class Notes(SessionObserver):
         self.notes.append(text)
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_an_idle_session_does_not_poll_and_still_drains_late_output(runtime, monkeypatch):
     require_runtime(runtime)
     polls = 0
@@ -69,7 +71,7 @@ def gateway_threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_an_idle_session_adds_no_thread_to_the_gateway(runtime):
     """Each session used to bring three threads (its zmq context's I/O and reaper threads, and
     jupyter_client's heartbeat thread, which woke every second and nothing read): 609 threads

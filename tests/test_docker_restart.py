@@ -267,6 +267,7 @@ async def interrupted(session: KernelSession) -> ExecutionStatus:
 
 @pytest.mark.docker
 @pytest.mark.slow
+@pytest.mark.exclusive  # it stops the engine every other test of a parallel run talks to
 async def test_sessions_ride_through_a_dockerd_restart():
     if os.geteuid() != 0 or shutil.which("dockerd") is None or (pid := dockerd_pid()) is None:
         pytest.skip(f"needs root and a dockerd to restart (its pid in {dockerd_pidfile()})")

@@ -31,8 +31,10 @@ from tornado.websocket import websocket_connect
 
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
-from .conftest import RUNTIMES, container_ids_of, require_runtime
+from .conftest import RUNC, RUNSC, RUNTIME_PARAMS, container_ids_of, require_runtime
 from .gateway_fixtures import ALICE, BOB, call_api, free_port
+
+pytestmark = pytest.mark.docker
 
 START_TIMEOUT = 180.0
 
@@ -182,7 +184,7 @@ def profiles_with_wheelhouse(tmp_path: Path) -> Path:
     return profiles
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_kill9_with_ten_live_sessions_every_session_carries_on(tmp_path, runtime):
     require_runtime(runtime)
     serve = Serve(tmp_path, runtime)
@@ -253,7 +255,7 @@ async def test_kill9_with_ten_live_sessions_every_session_carries_on(tmp_path, r
         await clean_up(serve, ids)
 
 
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 async def test_kill9_during_a_running_cell_its_end_is_recorded_by_the_next_gateway(tmp_path, runtime):
     serve = Serve(tmp_path, runtime)
     await serve.start()
@@ -288,7 +290,7 @@ async def test_kill9_during_a_running_cell_its_end_is_recorded_by_the_next_gatew
         await clean_up(serve, ids)
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_sigterm_during_a_running_cell_detaches_it_and_the_next_gateway_records_its_end(tmp_path, runtime):
     require_runtime(runtime)
     serve = Serve(tmp_path, runtime)
@@ -359,7 +361,7 @@ def container_state(sid: str) -> dict[str, Any]:
     return engine.client.api.inspect_container(container_id)["State"]
 
 
-@pytest.mark.parametrize("runtime", ["runsc"])
+@pytest.mark.parametrize("runtime", [RUNSC])
 async def test_a_restart_lists_dead_sandboxes_as_lost_with_the_reason(tmp_path, runtime):
     """runsc: an OOM kill takes the whole sandbox down (under runc only the kernel dies, and the
     adopted session restarts it, saying so). Docker ``rm -f`` of another. Both are lost, the
@@ -426,7 +428,7 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 @pytest.mark.parametrize("damage", ["corrupt", "newer"])
 async def test_an_unusable_catalog_stops_the_gateway_and_nothing_is_touched(tmp_path, runtime, damage):
     serve = Serve(tmp_path, runtime)
@@ -463,7 +465,7 @@ async def test_an_unusable_catalog_stops_the_gateway_and_nothing_is_touched(tmp_
         await clean_up(serve, ids)
 
 
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 async def test_tenants_cannot_see_or_reach_each_others_adopted_sessions(tmp_path, runtime):
     serve = Serve(tmp_path, runtime)
     await serve.start()
@@ -514,7 +516,7 @@ async def warm_pool_size(serve: Serve, size: int) -> None:
     raise AssertionError(f"the warm pool never held {size}:\n{serve.output}")
 
 
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 async def test_warm_pool_sandboxes_are_adopted_back_into_the_pool_or_removed(tmp_path, runtime):
     """Nothing unaccounted: a pooled sandbox outlives a restart in the catalog (kind pool), goes
     back into the pool of a gateway whose pool takes it, and is removed by one whose pool does not."""
@@ -546,7 +548,7 @@ async def test_warm_pool_sandboxes_are_adopted_back_into_the_pool_or_removed(tmp
         await clean_up(serve, ids)
 
 
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 async def test_an_adopted_session_keeps_its_idle_clock(tmp_path, runtime):
     """Idle 5 s of an 8 s idle timeout before the restart: culled about 3 s after it, not 8."""
     serve = Serve(tmp_path, runtime)
@@ -574,7 +576,7 @@ async def test_an_adopted_session_keeps_its_idle_clock(tmp_path, runtime):
         await clean_up(serve, ids)
 
 
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 async def test_a_gateway_on_another_state_dir_does_not_reap_recorded_sandboxes(tmp_path, runtime):
     """After a crash, a sandbox's owner label names a dead process; a gateway (or `sandkernel
     agent`'s local one) started on another state dir must leave it to the catalog that holds it."""
@@ -596,7 +598,7 @@ async def test_a_gateway_on_another_state_dir_does_not_reap_recorded_sandboxes(t
         await clean_up(first, ids)
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_websocket_cell_cut_off_by_a_restart_gets_its_reply_when_its_client_reconnects(tmp_path, runtime):
     """JupyterLab marks a cell done on its execute_reply, which the kernel sent to the dead
     gateway's socket: the next gateway answers it once the settled cell ends."""

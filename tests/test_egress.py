@@ -19,8 +19,8 @@ from sandkernel.errors import ConfigError
 from sandkernel.kernels.egress.policy import EgressNotPermitted, EgressPolicy
 from sandkernel.kernels.egress.proxy import EgressProxy
 
-from .conftest import RUNTIMES, require_runtime
-from .gateway_fixtures import start_gateway, stop_gateway
+from .conftest import RUNTIME_PARAMS, require_runtime
+from .gateway_fixtures import running_gateway, start_gateway, stop_gateway
 
 
 class Upstream:
@@ -182,13 +182,13 @@ async def test_rate_limit_is_enforced(proxy, upstream):
 @pytest.fixture(scope="module")
 async def egress_gateway(tmp_path_factory):
     up = await Upstream().start()
-    gw = await start_gateway(tmp_path_factory.mktemp("egress"), egress_policy=EgressPolicy.from_config(policy_for(up)))
-    yield gw, up
-    await stop_gateway(gw)
+    policy = EgressPolicy.from_config(policy_for(up))
+    async with running_gateway(tmp_path_factory.mktemp("egress"), egress_policy=policy) as gw:
+        yield gw, up
     up.close()
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_sandbox_reaches_allowed_hosts_only_and_everything_is_audited(egress_gateway, runtime):
     require_runtime(runtime)
     gateway, up = egress_gateway
@@ -230,6 +230,7 @@ async def test_sandbox_reaches_allowed_hosts_only_and_everything_is_audited(egre
         await gateway.request("DELETE", f"/api/sessions/{sid}")
 
 
+@pytest.mark.docker
 async def test_sessions_cannot_widen_the_operator_policy(egress_gateway):
     gateway, _ = egress_gateway
     for network, status in [
@@ -243,6 +244,7 @@ async def test_sessions_cannot_widen_the_operator_policy(egress_gateway):
         assert code == status and body["error"] in ("egress_not_permitted", "bad_network"), (network, body)
 
 
+@pytest.mark.docker
 async def test_a_gateway_without_an_egress_policy_grants_no_network(tmp_path):
     plain = await start_gateway(tmp_path)  # no --egress-policy: no network for anyone
     try:
@@ -264,7 +266,7 @@ def index_addresses() -> list[str]:
 
 
 @pytest.mark.index
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_pip_install_through_the_proxy_persists_across_restart(tmp_path, runtime):
     """The one test that leaves the machine: to the package index this machine's pip uses."""
     require_runtime(runtime)

@@ -12,11 +12,14 @@ import pytest
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 
-from .conftest import require_runtime
+from .conftest import RUNTIME_PARAMS, require_runtime
+
+pytestmark = pytest.mark.docker
 
 
-async def test_outputs_are_ordered_and_nbformat_shaped(session):
-    result = await session.execute(
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
+async def test_outputs_are_ordered_and_nbformat_shaped(kernel_session):
+    result = await kernel_session.execute(
         """import sys
 from IPython.display import display, HTML
 print('one'); print('two')
@@ -38,18 +41,18 @@ print('three')
     assert "one\ntwo\n" in result.text and "42\n" in result.text
 
 
-async def test_errors_are_data_not_exceptions(session):
-    result = await session.execute("def f():\n    raise ValueError('bad value')\nf()", timeout=30)
+async def test_errors_are_data_not_exceptions(kernel_session):
+    result = await kernel_session.execute("def f():\n    raise ValueError('bad value')\nf()", timeout=30)
     assert result.status is ExecutionStatus.ERROR
     assert result.error.name == "ValueError" and result.error.value == "bad value"
     assert any("bad value" in line for line in result.error.traceback)
     assert result.outputs[-1]["output_type"] == "error"
-    after = await session.execute("print('still fine')", timeout=30)
+    after = await kernel_session.execute("print('still fine')", timeout=30)
     assert after.status is ExecutionStatus.OK and after.execution_count == result.execution_count + 1
 
 
-async def test_plots_come_back_as_png(session):
-    result = await session.execute(
+async def test_plots_come_back_as_png(kernel_session):
+    result = await kernel_session.execute(
         "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2]); plt.title('t'); plt.show()", timeout=60
     )
     images = [o["data"]["image/png"] for o in result.outputs if "image/png" in o.get("data", {})]
@@ -57,39 +60,41 @@ async def test_plots_come_back_as_png(session):
     assert base64.b64decode(images[0])[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-async def test_state_persists_between_executes(session):
-    await session.execute(
+async def test_state_persists_between_executes(kernel_session):
+    await kernel_session.execute(
         "import pandas as pd\ndf = pd.DataFrame({'a': [1, 2, 3]})\nopen('/workspace/note.txt', 'w').write('kept')",
         timeout=60,
     )
-    result = await session.execute("print(df['a'].sum(), pd.__name__, open('/workspace/note.txt').read())", timeout=30)
+    result = await kernel_session.execute(
+        "print(df['a'].sum(), pd.__name__, open('/workspace/note.txt').read())", timeout=30
+    )
     assert result.text == "6 pandas kept\n"
 
 
-async def test_concurrent_executes_are_serialised(session):
-    slow = session.execute("import time; time.sleep(1.0); print('slow done')", timeout=30)
-    fast = session.execute("print('fast done')", timeout=30)
+async def test_concurrent_executes_are_serialised(kernel_session):
+    slow = kernel_session.execute("import time; time.sleep(1.0); print('slow done')", timeout=30)
+    fast = kernel_session.execute("print('fast done')", timeout=30)
     first, second = await asyncio.gather(slow, fast)
     assert first.text == "slow done\n" and second.text == "fast done\n"
     assert second.execution_count == first.execution_count + 1
     assert second.started_at >= first.started_at
 
 
-async def test_interrupt_ends_the_running_execution(session):
+async def test_interrupt_ends_the_running_execution(kernel_session):
     task = asyncio.create_task(
-        session.execute("import time\nprint('started', flush=True)\ntime.sleep(600)", timeout=120)
+        kernel_session.execute("import time\nprint('started', flush=True)\ntime.sleep(600)", timeout=120)
     )
     # Wait for the kernel to be busy on our code: the execution has started once the lock is held.
     for _ in range(200):
-        if session._lock.locked():
+        if kernel_session._lock.locked():
             break
         await asyncio.sleep(0.01)
     await asyncio.sleep(0.5)
-    await session.interrupt()
+    await kernel_session.interrupt()
     result = await asyncio.wait_for(task, 30)
     assert result.status is ExecutionStatus.INTERRUPTED
     assert result.error.name == "KeyboardInterrupt"
-    assert (await session.execute("print('ok')", timeout=30)).text == "ok\n"
+    assert (await kernel_session.execute("print('ok')", timeout=30)).text == "ok\n"
 
 
 def _make_wheel(directory, name="sk_demo_pkg", version="1.0"):
@@ -108,7 +113,7 @@ def _make_wheel(directory, name="sk_demo_pkg", version="1.0"):
     return path
 
 
-@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_packages_from_a_wheelhouse_persist_across_restart(tmp_path, runtime):
     require_runtime(runtime)
     wheelhouse = tmp_path / "wheels"

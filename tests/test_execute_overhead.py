@@ -103,19 +103,19 @@ class _Events(SessionObserver):
         self.log.append(f"finished {result.execution_count}")
 
 
-async def test_the_door_answers_before_the_observers_and_they_still_record(session):
+async def test_the_door_answers_before_the_observers_and_they_still_record(kernel_session):
     log: list[str] = []
     observer = _Events(log)
-    session.add_observer(observer)
+    kernel_session.add_observer(observer)
     try:
-        result = await session.execute("1+1", on_result=lambda r: log.append(f"answered {r.execution_count}"))
+        result = await kernel_session.execute("1+1", on_result=lambda r: log.append(f"answered {r.execution_count}"))
         assert log == [f"answered {result.execution_count}", f"finished {result.execution_count}"]
 
         def broken(result: ExecutionResult) -> None:
             raise ConnectionResetError("the client went away")
 
         with pytest.raises(ConnectionResetError):
-            await session.execute("2+2", on_result=broken)
+            await kernel_session.execute("2+2", on_result=broken)
         assert log[-1] == f"finished {result.execution_count + 1}"  # recorded all the same
     finally:
-        session.remove_observer(observer)
+        kernel_session.remove_observer(observer)

@@ -52,6 +52,8 @@ from .kernel_websocket import run_cell
 from .postgres_fixtures import create_database, drop_database, postgres_server  # noqa: F401 (pytest finds it here)
 from .test_durable_sessions import Serve
 
+pytestmark = pytest.mark.docker
+
 SECRET = b"s" * 40
 CLUSTER_SECRET = b"cluster-secret-for-the-forwarding-tests-0123456789"
 URI = "/api/sessions/abc/execute?stream=1"

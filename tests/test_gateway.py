@@ -13,14 +13,12 @@ from tornado.websocket import websocket_connect
 from sandkernel.gateway.budget import OutputBudget
 
 from .conftest import container_ids_of
-from .gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, BOB, gateway_fixture
+
+pytestmark = pytest.mark.docker
 
 
-@pytest.fixture(scope="module")
-async def gateway(tmp_path_factory):
-    gw = await start_gateway(tmp_path_factory.mktemp("gw"), budget=OutputBudget(max_text_bytes=2000, max_images=1))
-    yield gw
-    await stop_gateway(gw)
+gateway = gateway_fixture(budget=OutputBudget(max_text_bytes=2000, max_images=1))
 
 
 def execute_request(code: str) -> dict:
@@ -97,6 +95,7 @@ async def test_kernelspecs(gateway):
     assert body["kernelspecs"]["sandkernel-python"]["spec"]["language"] == "python"
 
 
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
 async def test_kernel_lifecycle_over_http_and_websocket(gateway):
     code, kernel = await gateway.request("POST", "/api/kernels", {"name": "sandkernel-python"})
     assert code == 201 and kernel["name"] == "sandkernel-python"
@@ -124,13 +123,17 @@ async def test_kernel_lifecycle_over_http_and_websocket(gateway):
     assert code == 200 and restarted["id"] == kid
     assert (await gateway.request("DELETE", f"/api/kernels/{kid}"))[0] == 204
     assert (await gateway.request("GET", f"/api/kernels/{kid}"))[0] == 404
-    assert not [c for c in docker_containers() if c.labels.get("sandkernel.kernel") == kid]
+    assert not kernel_containers(kid)
 
 
-def docker_containers():
+def kernel_containers(kernel_id: str):
+    """The kernel's containers. Sparse (one listing, no inspect of each): another test process
+    may remove one of its own between the listing and an inspect, which would raise NotFound."""
     from sandkernel.kernels.sandbox.docker_engine import default_engine
 
-    return default_engine().client.containers.list(all=True, filters={"label": "sandkernel.kernel"})
+    return default_engine().client.containers.list(
+        all=True, sparse=True, filters={"label": f"sandkernel.kernel={kernel_id}"}
+    )
 
 
 async def test_tenants_cannot_see_each_other(gateway):
@@ -163,6 +166,7 @@ async def test_tenants_cannot_see_each_other(gateway):
     assert container_ids_of(sid) == []
 
 
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
 async def test_session_api_execute_budget_and_bad_input(gateway):
     code, body = await gateway.request("POST", "/api/sessions", {"limits": {"memory_mb": 1}})
     assert code == 400 and "memory_mb=1 is out of range" in body["message"]

@@ -131,6 +131,7 @@ def gateway_image() -> str:
     return image_id
 
 
+@pytest.mark.docker
 def test_the_image_runs_this_checkouts_sandkernel_with_the_disk_tools(gateway_image):
     image = default_engine().client.images.get(GATEWAY_IMAGE)
     assert image.id == gateway_image
@@ -144,6 +145,7 @@ def test_the_image_runs_this_checkouts_sandkernel_with_the_disk_tools(gateway_im
     assert sorted(Path(line).name for line in output.splitlines()[:-1]) == sorted(TOOLS)
 
 
+@pytest.mark.docker
 def test_doctor_in_the_image_makes_and_mounts_a_disk_workspace(gateway_image):
     """With the grants the Swarm launcher gives the gateway's container (gateway/cluster/launcher.py:
     SYS_ADMIN, the loop devices only, the engine's socket), ``doctor`` passes its disk check."""

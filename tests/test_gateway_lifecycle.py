@@ -10,14 +10,12 @@ import sys
 import pytest
 
 from .conftest import container_ids_of
-from .gateway_fixtures import PeakRss, start_gateway, stop_gateway
+from .gateway_fixtures import PeakRss, gateway_fixture, start_gateway, stop_gateway
+
+pytestmark = pytest.mark.docker
 
 
-@pytest.fixture(scope="module")
-async def gateway(tmp_path_factory):
-    gw = await start_gateway(tmp_path_factory.mktemp("gwl"))
-    yield gw
-    await stop_gateway(gw)
+gateway = gateway_fixture()
 
 
 async def test_health_and_metrics_need_no_token(gateway):

@@ -72,6 +72,7 @@ def test_a_certificate_that_cannot_be_used_stops_the_start_with_what_to_fix(tmp_
         assert not (tmp_path / "state" / "catalog.sqlite3").exists()  # stopped before the catalog was opened
 
 
+@pytest.mark.docker
 async def test_gateways_serve_https_and_wss_and_forward_to_each_other_over_tls(
     tmp_path, fresh_postgres_url, monkeypatch
 ):

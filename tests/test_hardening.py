@@ -12,6 +12,8 @@ from sandkernel.kernels.sandbox.container import SANDBOX_UID_RANGE, host_pids_li
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.runtime_dir import CONTAINER_DIR
 
+pytestmark = pytest.mark.docker
+
 
 async def probe(session, code: str):
     """Run code that prints one JSON document and return it decoded."""
@@ -21,30 +23,30 @@ async def probe(session, code: str):
 
 
 @pytest.fixture
-def inspected(session):
-    return default_engine().client.api.inspect_container(session.container.id)
+def inspected(kernel_session):
+    return default_engine().client.api.inspect_container(kernel_session.container.id)
 
 
-async def test_only_loopback_network(session, inspected):
+async def test_only_loopback_network(kernel_session, inspected):
     assert inspected["HostConfig"]["NetworkMode"] == "none"
     assert inspected["NetworkSettings"]["Ports"] in ({}, None)
     found = await probe(
-        session,
+        kernel_session,
         "import socket, json\nprint(json.dumps([n for _, n in socket.if_nameindex()]))",
     )
     assert found == ["lo"]
 
 
-async def test_root_is_read_only_and_tmpfs_are_capped(session, inspected):
+async def test_root_is_read_only_and_tmpfs_are_capped(kernel_session, inspected):
     assert inspected["HostConfig"]["ReadonlyRootfs"] is True
     tmpfs = inspected["HostConfig"]["Tmpfs"]
-    assert "size=64m" not in tmpfs["/tmp"] and f"size={session.profile.tmp_mb}m" in tmpfs["/tmp"]
+    assert "size=64m" not in tmpfs["/tmp"] and f"size={kernel_session.profile.tmp_mb}m" in tmpfs["/tmp"]
     # /workspace is the session's own disk image (its cap: tests/test_workspace_disk.py)
     assert "/workspace" not in tmpfs
-    disk = session._kernel.provisioner.workspace_disk
+    disk = kernel_session._kernel.provisioner.workspace_disk
     assert [m["Source"] for m in inspected["Mounts"] if m["Destination"] == "/workspace"] == [str(disk.mount_point)]
     found = await probe(
-        session,
+        kernel_session,
         """import os, json
 out = {}
 for path in ["/etc/x", "/usr/x", "/opt/kernel/x", "/x"]:
@@ -58,12 +60,12 @@ print(json.dumps(out))""",
     )
     for path in ["/etc/x", "/usr/x", "/opt/kernel/x", "/x"]:
         assert found[path] in ("Read-only file system", "Permission denied"), found
-    assert found["/tmp"] <= session.profile.tmp_mb
-    assert found["/workspace"] <= session.profile.workspace_mb
+    assert found["/tmp"] <= kernel_session.profile.tmp_mb
+    assert found["/workspace"] <= kernel_session.profile.workspace_mb
 
 
-async def test_tmp_fills_up_at_its_cap_not_the_host(session):
-    result = await session.execute(
+async def test_tmp_fills_up_at_its_cap_not_the_host(kernel_session):
+    result = await kernel_session.execute(
         """import os
 try:
     with open('/tmp/fill', 'wb') as f:
@@ -76,10 +78,10 @@ finally:
         timeout=60,
     )
     assert "stopped: No space left on device" in result.text, result.text
-    assert int(result.text.split()[-1]) <= session.profile.tmp_mb
+    assert int(result.text.split()[-1]) <= kernel_session.profile.tmp_mb
 
 
-async def test_unprivileged_no_caps_no_new_privs_seccomp(session, inspected):
+async def test_unprivileged_no_caps_no_new_privs_seccomp(kernel_session, inspected):
     uid, gid = (int(part) for part in inspected["Config"]["User"].split(":"))
     assert SANDBOX_UID_RANGE[0] <= uid < SANDBOX_UID_RANGE[1] and gid == 10001  # a host uid of its own
     assert inspected["Config"]["Labels"]["sandkernel.uid"] == str(uid)
@@ -91,7 +93,7 @@ async def test_unprivileged_no_caps_no_new_privs_seccomp(session, inspected):
     assert json.loads(seccomp[0][len("seccomp=") :])["syscalls"], "the profile must deny something"
     assert inspected["HostConfig"]["Privileged"] is False
     found = await probe(
-        session,
+        kernel_session,
         """import ctypes, os, json
 status = dict(line.split(':\\t', 1) for line in open('/proc/self/status').read().splitlines() if ':\\t' in line)
 found = {k: status.get(k, '').strip() for k in ['Uid', 'CapEff', 'CapPrm', 'CapBnd']}
@@ -106,9 +108,9 @@ print(json.dumps(found))""",
     assert found["Seccomp"] == 2
 
 
-async def test_seccomp_denies_namespaces_and_io_uring(session):
+async def test_seccomp_denies_namespaces_and_io_uring(kernel_session):
     found = await probe(
-        session,
+        kernel_session,
         """import ctypes, errno, json, os
 libc = ctypes.CDLL(None, use_errno=True)
 out = {}
@@ -131,18 +133,18 @@ print(json.dumps(out))""",
     assert found["vsock"] != "created"
 
 
-async def test_pids_memory_cpu_limits(session, inspected):
+async def test_pids_memory_cpu_limits(kernel_session, inspected):
     host = inspected["HostConfig"]
-    assert host["PidsLimit"] == host_pids_limit(session.profile)
+    assert host["PidsLimit"] == host_pids_limit(kernel_session.profile)
     assert host["Memory"] == 512 * 2**20 and host["MemorySwap"] == host["Memory"]
     assert host["NanoCpus"] == int(0.5 * 1e9)
-    if session.profile.runtime.value == "runsc":
-        await _gvisor_pids_are_bounded(session)
+    if kernel_session.profile.runtime.value == "runsc":
+        await _gvisor_pids_are_bounded(kernel_session)
     else:
-        await _runc_threads_are_bounded(session)
+        await _runc_threads_are_bounded(kernel_session)
     # cpu: two busy processes for 1.5 s of wall time get about 0.5 cores between them.
     found = await probe(
-        session,
+        kernel_session,
         """import json, multiprocessing as mp, os, time
 def spin(deadline):
     while time.time() < deadline: pass
@@ -196,19 +198,19 @@ except OSError as e:
     assert after.text == "alive\n"
 
 
-async def test_ulimits(session, inspected):
+async def test_ulimits(kernel_session, inspected):
     limits = {u["Name"]: (u["Soft"], u["Hard"]) for u in inspected["HostConfig"]["Ulimits"]}
-    fsize = session.profile.fsize_mb * 2**20
+    fsize = kernel_session.profile.fsize_mb * 2**20
     assert limits == {"nofile": (1024, 1024), "core": (0, 0), "fsize": (fsize, fsize)}
     found = await probe(
-        session,
+        kernel_session,
         """import resource, json
 print(json.dumps({n: resource.getrlimit(getattr(resource, 'RLIMIT_' + n.upper())) for n in ['nofile', 'core', 'fsize']}))""",
     )
     assert found == {"nofile": [1024, 1024], "core": [0, 0], "fsize": [fsize, fsize]}
 
 
-async def test_no_docker_socket_and_no_writable_host_path(session, inspected):
+async def test_no_docker_socket_and_no_writable_host_path(kernel_session, inspected):
     binds = inspected["HostConfig"]["Binds"] or []
     mounts = inspected["Mounts"]
     # the runtime dir, and the session's own workspace disk (nothing else of the host's)
@@ -217,7 +219,7 @@ async def test_no_docker_socket_and_no_writable_host_path(session, inspected):
     assert inspected["HostConfig"]["IpcMode"] == "private"
     assert inspected["HostConfig"]["LogConfig"]["Config"].get("max-size") == "1m"
     found = await probe(
-        session,
+        kernel_session,
         """import os, json
 socks = [p for p in ['/var/run/docker.sock', '/run/docker.sock', '/run/containerd/containerd.sock'] if os.path.exists(p)]
 writable = []
@@ -234,11 +236,11 @@ print(json.dumps({"sockets": socks, "writable": writable, "rundir_writable": os.
     assert found["rundir_writable"] is False, "the runtime dir must be locked once the kernel has bound"
 
 
-async def test_no_secrets_in_kernel_environment(session):
+async def test_no_secrets_in_kernel_environment(kernel_session):
     os.environ["SANDKERNEL_TEST_SECRET"] = "hunter2"  # set on the host after start: must not leak on restart
     try:
-        await session.restart()
-        found = await probe(session, "import os, json\nprint(json.dumps(dict(os.environ)))")
+        await kernel_session.restart()
+        found = await probe(kernel_session, "import os, json\nprint(json.dumps(dict(os.environ)))")
     finally:
         del os.environ["SANDKERNEL_TEST_SECRET"]
     assert "hunter2" not in json.dumps(found)
@@ -248,9 +250,9 @@ async def test_no_secrets_in_kernel_environment(session):
     assert not any(key.endswith(("_KEY", "_TOKEN", "_SECRET", "PASSWORD")) for key in found)
 
 
-async def test_labels_and_runtime(session, inspected):
+async def test_labels_and_runtime(kernel_session, inspected):
     labels = inspected["Config"]["Labels"]
-    assert labels["sandkernel.session"] == session.id
-    assert labels["sandkernel.kernel"] == session.kernel_id
+    assert labels["sandkernel.session"] == kernel_session.id
+    assert labels["sandkernel.kernel"] == kernel_session.kernel_id
     assert labels["sandkernel.owner"]
-    assert inspected["HostConfig"]["Runtime"] == session.profile.runtime.value
+    assert inspected["HostConfig"]["Runtime"] == kernel_session.profile.runtime.value

@@ -12,19 +12,20 @@ import uuid
 import pytest
 from tornado.websocket import websocket_connect
 
-from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, running_gateway
 from .jupyter_server import JupyterServer, jupyter_server
 from .test_gateway import execute_request
+
+pytestmark = pytest.mark.docker
 
 
 @pytest.fixture(scope="module")
 async def stack(tmp_path_factory):
-    gateway = await start_gateway(tmp_path_factory.mktemp("gw"))
-    try:
-        async with jupyter_server(gateway.url, tmp_path_factory.mktemp("root")) as lab:
-            yield gateway, lab
-    finally:
-        await stop_gateway(gateway)
+    async with (
+        running_gateway(tmp_path_factory.mktemp("gw")) as gateway,
+        jupyter_server(gateway.url, tmp_path_factory.mktemp("root")) as lab,
+    ):
+        yield gateway, lab
 
 
 async def run_through_jupyter(lab: JupyterServer, kernel_id: str, code: str) -> dict:
@@ -46,6 +47,7 @@ async def run_through_jupyter(lab: JupyterServer, kernel_id: str, code: str) -> 
         ws.close()
 
 
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
 async def test_jupyter_server_uses_the_gateway(stack):
     gateway, lab = stack
     code, specs = await lab.call("GET", "/api/kernelspecs")

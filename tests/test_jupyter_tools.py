@@ -15,6 +15,8 @@ from sandkernel.kernels.sandbox.kernelspec import install_kernelspecs
 
 from .conftest import container_ids_of, require_runtime
 
+pytestmark = pytest.mark.docker
+
 
 @pytest.fixture(scope="module")
 def kernelspec_prefix(tmp_path_factory):
@@ -49,7 +51,8 @@ def _run_with_jupyter_client(kernel_name: str) -> tuple[str, str, str]:
 
 
 @pytest.mark.parametrize(
-    ("kernel_name", "runtime"), [("sandkernel-python", "runc"), ("sandkernel-python-gvisor", "runsc")]
+    ("kernel_name", "runtime"),
+    [("sandkernel-python", "runc"), pytest.param("sandkernel-python-gvisor", "runsc", marks=pytest.mark.runsc)],
 )
 async def test_start_new_kernel_by_name(kernelspec_prefix, kernel_name, runtime):
     require_runtime(runtime)
@@ -71,6 +74,7 @@ def _run_notebook() -> nbformat.NotebookNode:
     return nb
 
 
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
 async def test_nbclient_runs_a_notebook_in_the_sandbox(kernelspec_prefix):
     nb = await asyncio.to_thread(_run_notebook)
     assert nb.cells[1].outputs[0]["text"] == "45\n"

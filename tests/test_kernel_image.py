@@ -14,6 +14,8 @@ import pytest
 
 from sandkernel.kernels.execution import variables as variables_module
 
+pytestmark = pytest.mark.docker
+
 # The expression the session sends (kernels/execution/variables.py VARIABLES_EXPRESSION once it
 # is switched; set here so the test proves the module path either way). It looks the module up in
 # sys.modules, where start_kernel.py bound it: no import by name, so sys.path is never searched.
@@ -35,13 +37,13 @@ def module_expression(request, monkeypatch):
     monkeypatch.setattr(variables_module, "VARIABLES_EXPRESSION", request.param)
 
 
-async def test_widgets_and_tqdm_notebook_work_and_keep_the_cells_output(session):
+async def test_widgets_and_tqdm_notebook_work_and_keep_the_cells_output(kernel_session):
     """ipywidgets and tqdm.notebook import (they did not: ModuleNotFoundError), and the burst of
     comm messages a progress bar sends does not push the cell's own print out of the kernel's
     iopub send queue (at 16 messages it did, in about one run in eight)."""
     lost = []
     for attempt in range(20):
-        result = await session.execute(
+        result = await kernel_session.execute(
             "import ipywidgets, tqdm\nfrom tqdm.notebook import tqdm as bar\n"
             "print(sum(bar(range(3))), ipywidgets.IntSlider(value=2).value)",
             timeout=60,
@@ -52,30 +54,30 @@ async def test_widgets_and_tqdm_notebook_work_and_keep_the_cells_output(session)
     assert lost == []
 
 
-async def test_variables_listing_comes_from_the_image_module(session, module_expression):
-    await session.execute(
+async def test_variables_listing_comes_from_the_image_module(kernel_session, module_expression):
+    await kernel_session.execute(
         "import numpy as np, pandas as pd\n"
         "grid = np.zeros((3, 4))\nframe = pd.DataFrame({'a': [1, 2]})\nname = 'abc'\n_hidden = 1\n"
         "def helper():\n    pass",
         timeout=60,
     )
-    found = {v["name"]: v for v in await session.variables()}
+    found = {v["name"]: v for v in await kernel_session.variables()}
     assert found["grid"] == {"name": "grid", "type": "numpy.ndarray", "size": 96, "shape": [3, 4]}
     assert found["frame"]["type"] == "pandas.DataFrame" and found["frame"]["shape"] == [2, 1]
     assert found["name"] == {"name": "name", "type": "str", "size": 3, "shape": None}
     assert "_hidden" not in found and "helper" not in found and "np" not in found
-    where = await session.execute(
+    where = await kernel_session.execute(
         "import os, sandkernel_variables\nprint(sandkernel_variables.__file__, os.access(sandkernel_variables.__file__, os.W_OK))",
         timeout=30,
     )
     assert where.text == "/opt/sandkernel/sandkernel_variables.py False\n"
 
 
-async def test_a_planted_module_never_answers_the_listing(session, module_expression):
+async def test_a_planted_module_never_answers_the_listing(kernel_session, module_expression):
     """Files named like the module in the workspace and its site-packages, with the workspace
     put first on sys.path, do not take over; nor after a restart (the image module is bound
     again before user code)."""
-    planted = await session.execute(
+    planted = await kernel_session.execute(
         "import os, sys\n"
         f"open('/workspace/sandkernel_variables.py', 'w').write({PLANTED!r})\n"
         "site = '/workspace/.local/lib/python3.11/site-packages'\nos.makedirs(site, exist_ok=True)\n"
@@ -85,14 +87,14 @@ async def test_a_planted_module_never_answers_the_listing(session, module_expres
     )
     assert planted.status.value == "ok", planted.outputs
     try:
-        names = [v["name"] for v in await session.variables()]
+        names = [v["name"] for v in await kernel_session.variables()]
         assert "planted" not in names and "marker" in names, names
-        await session.restart()
-        await session.execute("import sys\nsys.path.insert(0, '/workspace')\nafter_restart = 2", timeout=30)
-        names = [v["name"] for v in await session.variables()]
+        await kernel_session.restart()
+        await kernel_session.execute("import sys\nsys.path.insert(0, '/workspace')\nafter_restart = 2", timeout=30)
+        names = [v["name"] for v in await kernel_session.variables()]
         assert "planted" not in names and "after_restart" in names, names
     finally:
-        await session.execute(
+        await kernel_session.execute(
             "import os\nfor p in ('/workspace/sandkernel_variables.py', "
             "'/workspace/.local/lib/python3.11/site-packages/sandkernel_variables.py'):\n"
             "    os.path.exists(p) and os.remove(p)",

@@ -15,10 +15,12 @@ from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.reaper import reap
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
-from .conftest import RUNTIMES, container_ids_of, require_runtime
+from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
+
+pytestmark = pytest.mark.docker
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
+@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
 async def fast_ladder(request):
     """A session with a short ladder; the grace is long enough for a loaded gVisor host to answer an interrupt."""
     require_runtime(request.param)
@@ -80,7 +82,7 @@ async def test_kernel_death_is_reported(fast_ladder):
     assert after.text == "back\n" and "died" in after.state_lost
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_restart_keeps_files_drops_memory_and_stray_processes(runtime):
     require_runtime(runtime)
     async with await KernelSession.start(overrides={"runtime": runtime}) as s:

@@ -25,8 +25,10 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult
 
-from .conftest import RUNTIMES, container_ids_of, require_runtime
-from .gateway_fixtures import ALICE, BOB, Gateway, start_gateway, stop_gateway
+from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
+from .gateway_fixtures import ALICE, BOB, Gateway, gateway_fixture, start_gateway, stop_gateway
+
+pytestmark = pytest.mark.docker
 
 LEGACY = "legacy"
 MODERN = "2026-07-28"
@@ -35,12 +37,7 @@ FIGURE = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
 MODERN_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": MODERN}
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
-async def gateway(request, tmp_path_factory) -> AsyncIterator[Gateway]:
-    require_runtime(request.param)
-    gw = await start_gateway(tmp_path_factory.mktemp("mcp-http"), default_runtime=request.param, max_sessions=6)
-    yield gw
-    await stop_gateway(gw)
+gateway = gateway_fixture(runtimes=True, max_sessions=6)
 
 
 @contextlib.asynccontextmanager
@@ -87,6 +84,7 @@ async def close_all(gw: Gateway, tenant: str, ids: set[str]) -> None:
 # -- state, transcripts, tenants ----------------------------------------------------------------
 
 
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
 @pytest.mark.parametrize("mode", MODES)
 async def test_state_is_kept_across_calls_and_recorded_as_mcp(gateway: Gateway, mode: str) -> None:
     before = live_ids(gateway, "alice")
@@ -321,7 +319,7 @@ async def test_the_sdk_runs_on_the_gateway_loop_and_a_long_call_blocks_nothing(g
 # -- the gateway's lifecycle ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_gateway_stops_promptly_under_open_mcp_sessions(tmp_path, runtime: str) -> None:
     """The SDK's session manager stops with the gateway: an open legacy MCP session (with its
     server-to-client GET stream) and a modern client do not hold the stop up, and no container

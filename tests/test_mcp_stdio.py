@@ -29,7 +29,9 @@ from mcp_types import TextContent
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, SESSION_LABEL
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL
-from tests.conftest import RUNTIMES, require_runtime
+from tests.conftest import RUNC, RUNTIME_PARAMS, require_runtime
+
+pytestmark = pytest.mark.docker
 
 CLEANUP_BOUND = 60.0  # seconds for a gone client's containers to be removed (a loaded 2-core host)
 
@@ -79,7 +81,8 @@ def text_of(result) -> str:
     return "\n".join(block.text for block in result.content if isinstance(block, TextContent))
 
 
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
+@pytest.mark.parametrize("runtime", [RUNC])
 async def test_stdio_server_keeps_state_records_the_notebook_and_cleans_up_on_exit(runtime, tmp_path):
     require_runtime(runtime)
     notebooks = tmp_path / "notebooks"
@@ -142,7 +145,7 @@ def start_client(tmp_path: Path, runtime: str) -> tuple[subprocess.Popen, str, i
     return client, session_id, server_pid, container.labels[STATE_DIR_LABEL]
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 def test_a_sigkilled_client_leaves_no_container(runtime, tmp_path):
     require_runtime(runtime)
     client, session_id, server_pid, _ = start_client(tmp_path, runtime)
@@ -153,7 +156,7 @@ def test_a_sigkilled_client_leaves_no_container(runtime, tmp_path):
     assert wait_until(lambda: not pid_alive(server_pid), 30), "the server outlived its client"
 
 
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_a_signalled_server_leaves_no_container(runtime, sig, tmp_path):
     """SIGTERM: the server cleans up and exits though its client still holds stdin open. SIGKILL
@@ -171,7 +174,7 @@ def test_a_signalled_server_leaves_no_container(runtime, sig, tmp_path):
         client.wait(10)
 
 
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 def test_a_bad_profile_is_refused_at_start_on_stderr_with_stdout_untouched(runtime):
     require_runtime(runtime)
     args = [sys.executable, "-m", "sandkernel.cli", "mcp", "--runtime", runtime, "--profile", "nosuch"]

@@ -23,7 +23,7 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import use_state_dir
 
 from .conftest import container_ids_of
-from .gateway_fixtures import free_port, start_gateway, stop_gateway
+from .gateway_fixtures import free_port, running_gateway
 from .test_gateway import connect, execute_request, ws_execute
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "notebooks" / "examples"
@@ -31,9 +31,9 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "notebooks" / "examples"
 
 @pytest.fixture(scope="module")
 async def gateway(tmp_path_factory):
-    gw = await start_gateway(tmp_path_factory.mktemp("gwn"), notebook_dir=tmp_path_factory.mktemp("notebooks"))
-    yield gw
-    await stop_gateway(gw)
+    notebooks = tmp_path_factory.mktemp("notebooks")
+    async with running_gateway(tmp_path_factory.mktemp("gwn"), notebook_dir=notebooks) as gw:
+        yield gw
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -42,6 +42,7 @@ def run_cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.docker
 async def test_notebook_records_every_door_in_order(gateway):
     _, session = await gateway.request("POST", "/api/sessions", {"metadata": {"agent": "t"}})
     sid = session["id"]
@@ -84,6 +85,7 @@ async def test_notebook_records_every_door_in_order(gateway):
     assert Path(session["path"]).exists(), "deleting a session keeps its notebook by default"
 
 
+@pytest.mark.docker
 async def test_hostile_html_is_never_trusted(gateway, tmp_path):
     _, session = await gateway.request("POST", "/api/sessions", {})
     sid = session["id"]
@@ -119,6 +121,7 @@ async def test_hostile_html_is_never_trusted(gateway, tmp_path):
         await gateway.request("DELETE", f"/api/sessions/{session['id']}")
 
 
+@pytest.mark.docker
 async def test_debug_request_passes_through_the_gateway(gateway):
     _, kernel = await gateway.request("POST", "/api/kernels", {})
     try:
@@ -144,6 +147,7 @@ async def test_debug_request_passes_through_the_gateway(gateway):
         await gateway.request("DELETE", f"/api/kernels/{kernel['id']}")
 
 
+@pytest.mark.docker
 async def test_sigkill_of_the_gateway_leaves_a_valid_notebook(tmp_path):
     port, token = free_port(), uuid.uuid4().hex + "0123456789"
     notebooks = tmp_path / "nb"
@@ -223,6 +227,7 @@ async def test_sigkill_of_the_gateway_leaves_a_valid_notebook(tmp_path):
     assert not list((tmp_path / "state" / "workspaces").glob("*.img"))
 
 
+@pytest.mark.docker
 @pytest.mark.parametrize("name", ["sales-demo.ipynb", "error-recovery.ipynb"])
 def test_examples_replay_the_same(tmp_path, name):
     """Through the CLI with no --runtime: the transcript's own (runc) is used."""
@@ -241,6 +246,7 @@ def test_examples_replay_the_same(tmp_path, name):
     ] * cells
 
 
+@pytest.mark.docker
 def test_a_changed_cell_is_reported_with_a_diff(tmp_path):
     nb = nbformat.read(EXAMPLES / "error-recovery.ipynb", as_version=4)
     last = [c for c in nb.cells if c.cell_type == "code"][-1]
@@ -269,6 +275,7 @@ def test_bad_notebook_paths_get_clear_errors(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "garbage.replay.ipynb").exists()
 
 
+@pytest.mark.docker
 def test_replay_restores_uploads_and_asks_for_files_too_large_to_embed(tmp_path):
     from sandkernel.agent.scenarios import make_sales_files
 

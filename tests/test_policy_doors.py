@@ -23,9 +23,11 @@ from sandkernel.agent.scenarios import POLICY_FILES, SCENARIOS
 from sandkernel.errors import ConfigError
 from sandkernel.kernels.policy import RULE_NAMES
 
-from .conftest import RUNTIMES, require_runtime
-from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+from .conftest import RUNTIME_PARAMS, require_runtime
+from .gateway_fixtures import ALICE, running_gateway, start_gateway
 from .test_gateway import connect, ws_execute
+
+pytestmark = pytest.mark.docker
 
 ACTIONS = ("deny", "warn", "allow")
 # Per rule: a cell that breaks only that rule, on the line given, runs quickly in a sandbox
@@ -58,8 +60,11 @@ def policy_toml(rotation: int) -> str:
 
 @pytest.fixture(
     scope="module",
-    params=[(runtime, rotation) for runtime in RUNTIMES for rotation in ROTATIONS],
-    ids=lambda p: f"{p[0]}-rotation{p[1]}",
+    params=[
+        pytest.param((runtime.values[0], rotation), marks=runtime.marks, id=f"{runtime.values[0]}-rotation{rotation}")
+        for runtime in RUNTIME_PARAMS
+        for rotation in ROTATIONS
+    ],
 )
 async def gw(request, tmp_path_factory):
     runtime, rotation = request.param
@@ -67,14 +72,14 @@ async def gw(request, tmp_path_factory):
     directory = tmp_path_factory.mktemp("policy-doors")
     policy = directory / "exec-policy.toml"
     policy.write_text(policy_toml(rotation))
-    gateway = await start_gateway(directory, exec_policy_file=policy)
-    gateway.runtime, gateway.actions = runtime, actions_for(rotation)
-    yield gateway
-    await stop_gateway(gateway)
+    async with running_gateway(directory, exec_policy_file=policy) as gateway:
+        gateway.runtime, gateway.actions = runtime, actions_for(rotation)
+        yield gateway
 
 
 @pytest.fixture
-async def session(gw):
+async def gateway_session(gw):
+    """A session made through the gateway's API on ``gw``: its JSON model (``id``, ``kernel``, ...)."""
     status, body = await gw.request("POST", "/api/sessions", {"limits": {"runtime": gw.runtime}})
     assert status == 201, body
     yield body
@@ -93,8 +98,8 @@ async def code_cells(gw, session) -> list[dict]:
     return [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
 
 
-async def test_every_rule_and_action_through_the_session_api(gw, session):
-    sid = session["id"]
+async def test_every_rule_and_action_through_the_session_api(gw, gateway_session):
+    sid = gateway_session["id"]
     replies = {}
     for rule in RULE_NAMES:
         status, reply = await gw.request("POST", f"/api/sessions/{sid}/execute", {"code": marked(rule)})
@@ -126,7 +131,7 @@ async def test_every_rule_and_action_through_the_session_api(gw, session):
     ran = sorted(f"ran_{rule}" for rule, action in gw.actions.items() if action != "deny")
     assert reply["text"].strip() == str(ran)
     # The transcript: a refused cell records the refusal (and no count), a warned one its finding.
-    cells = {cell["source"]: cell for cell in await code_cells(gw, session)}
+    cells = {cell["source"]: cell for cell in await code_cells(gw, gateway_session)}
     for rule, action in gw.actions.items():
         meta = cells[marked(rule)]["metadata"]["sandkernel"]
         if action == "deny":
@@ -138,8 +143,8 @@ async def test_every_rule_and_action_through_the_session_api(gw, session):
             assert "policy" not in meta and "refusal" not in meta
 
 
-async def test_the_shell_endpoint_is_reviewed_by_its_command(gw, session):
-    sid = session["id"]
+async def test_the_shell_endpoint_is_reviewed_by_its_command(gw, gateway_session):
+    sid = gateway_session["id"]
     status, reply = await gw.request(
         "POST", f"/api/sessions/{sid}/shell", {"command": "echo policy > /etc/sandkernel-policy-test"}
     )
@@ -156,10 +161,10 @@ async def test_the_shell_endpoint_is_reviewed_by_its_command(gw, session):
         assert reply["refusal"] is None and reply["exit_code"] not in (0, None)  # it ran: the sandbox said no
 
 
-async def test_the_websocket_gets_a_refusal_as_a_kernel_error(gw, session):
+async def test_the_websocket_gets_a_refusal_as_a_kernel_error(gw, gateway_session):
     denied = next(rule for rule, action in gw.actions.items() if action == "deny")
     warned = next(rule for rule, action in gw.actions.items() if action == "warn")
-    ws = await connect(gw, session["kernel"]["id"])
+    ws = await connect(gw, gateway_session["kernel"]["id"])
     try:
         iopub, reply = await ws_execute(ws, marked(denied))
         kinds = [(m["msg_type"], m["content"].get("execution_state")) for m in iopub]
@@ -175,7 +180,7 @@ async def test_the_websocket_gets_a_refusal_as_a_kernel_error(gw, session):
         assert reply["content"]["status"] == "ok", reply["content"]
     finally:
         ws.close()
-    cells = {cell["source"]: cell for cell in await code_cells(gw, session)}
+    cells = {cell["source"]: cell for cell in await code_cells(gw, gateway_session)}
     assert cells[marked(denied)]["metadata"]["sandkernel"]["status"] == "refused"
     assert cells[marked(denied)]["metadata"]["sandkernel"]["source"] == "websocket"
 
@@ -183,7 +188,7 @@ async def test_the_websocket_gets_a_refusal_as_a_kernel_error(gw, session):
 # -- a policy file with a mistake, and the agent ------------------------------------------------
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_policy_file_with_a_mistake_stops_the_gateway_naming_the_line(tmp_path, runtime):
     require_runtime(runtime)
     policy = tmp_path / "exec-policy.toml"
@@ -192,15 +197,14 @@ async def test_a_policy_file_with_a_mistake_stops_the_gateway_naming_the_line(tm
         await start_gateway(tmp_path, exec_policy_file=policy, default_runtime=runtime)
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
+@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
 async def agent_gateway(request, tmp_path_factory):
     require_runtime(request.param)
     directory = tmp_path_factory.mktemp("policy-agent")
     policy = directory / "exec-policy.toml"
     policy.write_text(SCENARIOS["policy"].exec_policy or "")
-    gateway = await start_gateway(directory, exec_policy_file=policy, default_runtime=request.param)
-    yield gateway
-    await stop_gateway(gateway)
+    async with running_gateway(directory, exec_policy_file=policy, default_runtime=request.param) as gateway:
+        yield gateway
 
 
 async def test_the_agent_rewrites_code_the_policy_refused(agent_gateway, tmp_path):

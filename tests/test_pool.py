@@ -18,8 +18,10 @@ from sandkernel.kernels.lifecycle.profiles import resolve_profile
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
-from .conftest import RUNTIMES, require_runtime
+from .conftest import RUNTIME_PARAMS, require_runtime
 from .gateway_fixtures import start_gateway, stop_gateway
+
+pytestmark = pytest.mark.docker
 
 
 def docker_containers(session_id: str | None = None):
@@ -232,7 +234,7 @@ async def test_cold_starts_beyond_start_concurrency_wait_their_turn(tmp_path):
     assert not docker_containers()
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_growing_pool_gives_its_starts_way_to_sessions_too(runtime):
     """At the gateway's limit while the pool grows (1 ready + 2 starting, floor 1), two sessions
     that need room get it: the ready sandbox goes, and so does a start beyond the floor, which

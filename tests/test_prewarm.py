@@ -22,7 +22,7 @@ from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.prewarm import prewarm, validate_modules
 
-from .conftest import RUNTIMES, container_ids_of, require_runtime
+from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
 from .gateway_fixtures import start_gateway, stop_gateway
 from .test_pool import docker_containers, pool_size, wait_for_pool
 
@@ -86,7 +86,7 @@ def test_an_empty_setting_disables_the_preload():
 # -- through the gateway's pool: only the speed shows ----------------------------------------
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_pooled_session_has_the_stack_loaded_and_nothing_else_shows(tmp_path, runtime):
     require_runtime(runtime)
     gateway = await start_gateway(tmp_path, pool_size=1, default_runtime=runtime, max_sessions_total=3)
@@ -129,7 +129,7 @@ async def test_a_pooled_session_has_the_stack_loaded_and_nothing_else_shows(tmp_
     assert not docker_containers()
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_an_empty_preload_hands_out_a_kernel_that_imported_nothing(tmp_path, runtime):
     require_runtime(runtime)
     gateway = await start_gateway(
@@ -148,7 +148,7 @@ async def test_an_empty_preload_hands_out_a_kernel_that_imported_nothing(tmp_pat
     assert not docker_containers()
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_bad_module_name_stops_the_gateway_at_start(tmp_path, runtime):
     require_runtime(runtime)
     with pytest.raises(ConfigError, match="'pandas as pd' is not a module name"):
@@ -156,7 +156,7 @@ async def test_a_bad_module_name_stops_the_gateway_at_start(tmp_path, runtime):
     assert not docker_containers()
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_a_missing_module_fails_each_pooled_sandbox_and_cold_starts_go_on(tmp_path, caplog, runtime):
     require_runtime(runtime)
     caplog.set_level(logging.WARNING, logger="sandkernel.kernels.lifecycle.pool")
@@ -215,7 +215,7 @@ PLANT = (
 )
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_prewarm_is_silent_names_what_fails_and_gives_up_on_a_hang(runtime):
     """Modules planted in /workspace (the kernel's cwd is on sys.path) stand for an operator's
     modules that print, raise or hang at import."""

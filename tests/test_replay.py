@@ -23,7 +23,7 @@ from nbformat import v3
 from sandkernel.notebooks.compare import EXIT_BAD_INPUT, EXIT_DIFFERENT, EXIT_SAME
 from sandkernel.notebooks.replay import run_replay_command
 
-from .conftest import require_runtime
+from .conftest import RUNTIME_PARAMS, require_runtime
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "notebooks" / "examples"
 
@@ -82,6 +82,7 @@ def write(tmp_path: Path, name: str, notebook: dict) -> Path:
     return path
 
 
+@pytest.mark.docker
 def test_public_notebook_with_odd_metadata_replays_to_a_valid_notebook(tmp_path):
     """No kernelspec name (the old replay ran it, then died writing: NotebookValidationError),
     no language_info, no cell ids, cell metadata and an output the schema rejects."""
@@ -111,6 +112,7 @@ def test_public_notebook_with_odd_metadata_replays_to_a_valid_notebook(tmp_path)
     assert replayed.metadata.sandkernel.replay["of"] == "squares.ipynb"
 
 
+@pytest.mark.docker
 def test_an_output_the_schema_rejects_does_not_stop_the_replay(tmp_path):
     """Kernel output is untrusted: text/plain that is not text (it raised NotebookValidationError
     out of session.execute until the collector coerced it) leaves the replay going and valid."""
@@ -126,6 +128,7 @@ def test_an_output_the_schema_rejects_does_not_stop_the_replay(tmp_path):
     assert code_ == EXIT_DIFFERENT and replayed is not None
 
 
+@pytest.mark.docker
 def test_a_cell_that_kills_its_kernel_is_judged_and_the_rest_continue(tmp_path):
     """Through the real CLI: the old replay ended in a DeadKernelError traceback and every
     replay printed a "Could not destroy zmq context" warning."""
@@ -159,6 +162,7 @@ def test_a_cell_that_kills_its_kernel_is_judged_and_the_rest_continue(tmp_path):
     assert statuses == ["ok", "kernel_died", "ok", "error"]
 
 
+@pytest.mark.docker
 def test_an_endless_cell_times_out_and_the_replay_goes_on(tmp_path):
     """The per-cell timeout climbs the session's ladder: an interrupt ends a plain loop (state
     kept); a loop that ignores SIGINT needs a restart (state lost, said so)."""
@@ -186,6 +190,7 @@ def test_an_endless_cell_times_out_and_the_replay_goes_on(tmp_path):
     assert ended == [None, "interrupt", None, "restart", None, None]
 
 
+@pytest.mark.docker
 def test_a_recorded_death_replayed_is_not_a_difference(tmp_path):
     """A sandkernel transcript records each cell's status: a replay that dies where the
     original died reproduces it (exit 0), and says so."""
@@ -207,6 +212,7 @@ def test_a_recorded_death_replayed_is_not_a_difference(tmp_path):
     )
 
 
+@pytest.mark.docker
 def test_widget_notebook_replays_the_same(tmp_path):
     """ipywidgets and tqdm.notebook are in the image (without them these cells raised
     ModuleNotFoundError); a widget's saved view names a model that does not exist any more, so
@@ -258,6 +264,7 @@ def test_widget_notebook_replays_the_same(tmp_path):
     assert "application/vnd.jupyter.widget-view+json" in replayed.cells[0].outputs[0]["data"]
 
 
+@pytest.mark.docker
 def test_nbformat_3_notebook_is_converted_and_replayed(tmp_path):
     nb = v3.new_notebook(
         worksheets=[
@@ -334,7 +341,7 @@ def test_bad_arguments_are_refused(tmp_path):
     assert code_ == EXIT_BAD_INPUT and "not a regular expression" in stderr
 
 
-@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 def test_existing_transcripts_replay_the_same(tmp_path, runtime):
     """sandkernel's own recorded sessions (an analysis with a chart and uploaded data; an error
     and its fix) reproduce every cell, under both runtimes."""
@@ -351,6 +358,7 @@ def test_existing_transcripts_replay_the_same(tmp_path, runtime):
         assert not [line for line in stdout.splitlines() if line.startswith("note:")], stdout
 
 
+@pytest.mark.docker
 def test_until_leaves_later_cells_not_run(tmp_path):
     shutil.copy(EXAMPLES / "error-recovery.ipynb", tmp_path / "e.ipynb")
     code_, stdout, stderr, replayed = replay(tmp_path / "e.ipynb", until=2)
@@ -360,6 +368,7 @@ def test_until_leaves_later_cells_not_run(tmp_path):
     assert all(c.outputs == [] and c.execution_count is None for c in unrun)
 
 
+@pytest.mark.docker
 def test_a_cell_refused_when_recorded_is_not_run(tmp_path):
     """A gate (the execution policy, a quarantine) refused the cell in the original session: it
     never ran then, so the replay does not run it now (its code could even be harmful)."""

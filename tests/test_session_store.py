@@ -54,7 +54,7 @@ from sandkernel.kernels.lifecycle.reaper import (
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, use_state_dir
 
-from .conftest import RUNTIMES, container_ids_of, require_runtime
+from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
 
 
 def record(session_id: str, **fields) -> SandboxRecord:
@@ -482,7 +482,7 @@ async def wait_for(condition, what: str, timeout: float = 120.0):
 
 
 @pytest.mark.parametrize("moment", ["start just begun", "container created, kernel not ready"])
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_closing_the_pool_during_a_refill_leaves_no_sandbox(runtime, moment, tmp_path):
     require_runtime(runtime)
     before = await asyncio.to_thread(our_containers)
@@ -512,7 +512,7 @@ async def test_closing_the_pool_during_a_refill_leaves_no_sandbox(runtime, momen
         await store.close()
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_pooled_sandboxes_are_catalogued_until_handed_out(runtime, tmp_path):
     """Recorded as kind pool when up; forgotten when handed out; a detached pool leaves them
     running and recorded, and a new pool adopts them from their records."""

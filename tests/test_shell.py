@@ -12,8 +12,7 @@ import pytest
 from sandkernel.agent.client import AsyncSandkernel
 from sandkernel.shell import SHELL_MIME, TIMED_OUT_EXIT_CODE, ShellResult, shell_code, shell_result
 
-from .conftest import RUNTIMES, require_runtime
-from .gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, BOB, gateway_fixture
 
 
 @pytest.mark.parametrize("command", ["echo hi", "a\x00b\nc", '{x} \'q\' """ \\', "\u2028x", "# $ not a headline"])
@@ -34,16 +33,12 @@ def test_results_read_back_defensively():
     assert shell_result([{"output_type": "display_data", "data": {SHELL_MIME: ["junk"]}}]).exit_code is None
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
-async def gw(request, tmp_path_factory):
-    require_runtime(request.param)
-    gateway = await start_gateway(tmp_path_factory.mktemp("shell"), default_runtime=request.param)
-    yield gateway
-    await stop_gateway(gateway)
+gw = gateway_fixture(runtimes=True)
 
 
 @pytest.fixture(scope="module")
-async def session(gw):
+async def gateway_session(gw):
+    """A session made through the gateway's API on ``gw``: its JSON model (``id``, ``kernel``, ...)."""
     status, body = await gw.request("POST", "/api/sessions", {})
     assert status == 201, body
     yield body
@@ -54,38 +49,38 @@ async def shell(gw, session, body: dict, token: str = ALICE) -> tuple[int, dict]
     return await gw.request("POST", f"/api/sessions/{session['id']}/shell", body, token=token)
 
 
-async def test_a_command_reports_its_exit_code_and_merged_output(gw, session):
-    status, reply = await shell(gw, session, {"command": "cd /tmp; pwd >&2; echo out; exit 3"})
+async def test_a_command_reports_its_exit_code_and_merged_output(gw, gateway_session):
+    status, reply = await shell(gw, gateway_session, {"command": "cd /tmp; pwd >&2; echo out; exit 3"})
     assert status == 200, reply
     assert reply["status"] == "ok" and reply["exit_code"] == 3 and not reply["timed_out"]
     assert reply["output"] == "/tmp\nout\n"
-    status, reply = await shell(gw, session, {"command": "pwd; printf 'a b' > 'with space.txt'; ls"})
+    status, reply = await shell(gw, gateway_session, {"command": "pwd; printf 'a b' > 'with space.txt'; ls"})
     assert reply["exit_code"] == 0 and reply["output"].splitlines() == ["/workspace", "with space.txt"]
 
 
-async def test_a_timed_out_command_is_killed_with_its_children(gw, session):
+async def test_a_timed_out_command_is_killed_with_its_children(gw, gateway_session):
     command = "(sleep 300; touch /workspace/survived) & echo started; sleep 300"
-    status, reply = await shell(gw, session, {"command": command, "timeout": 2})
+    status, reply = await shell(gw, gateway_session, {"command": command, "timeout": 2})
     assert status == 200, reply
     assert reply["timed_out"] and reply["exit_code"] == TIMED_OUT_EXIT_CODE and reply["output"] == "started\n"
-    _, ps = await shell(gw, session, {"command": "ps -eo args | grep -c '^sleep 300' || true"})
+    _, ps = await shell(gw, gateway_session, {"command": "ps -eo args | grep -c '^sleep 300' || true"})
     assert ps["output"].strip() == "0", ps  # the background child went with the group
-    _, check = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": "6 * 7"})
+    _, check = await gw.request("POST", f"/api/sessions/{gateway_session['id']}/execute", {"code": "6 * 7"})
     assert check["status"] == "ok" and check["text"].strip() == "42"
 
 
-async def test_a_flood_comes_back_as_head_and_tail(gw, session):
+async def test_a_flood_comes_back_as_head_and_tail(gw, gateway_session):
     command = "echo FIRST; head -c 5000000 /dev/zero | tr '\\0' x; echo; echo LAST"
-    status, reply = await shell(gw, session, {"command": command})
+    status, reply = await shell(gw, gateway_session, {"command": command})
     assert status == 200 and reply["exit_code"] == 0 and reply["truncated"]
     assert reply["output"].startswith("FIRST\n") and reply["output"].endswith("LAST\n")
     assert "bytes cut" in reply["output"] and len(reply["output"]) < 80 * 1024
 
 
-async def test_the_transcript_records_the_command_and_the_claimed_door(gw, session):
-    status, reply = await shell(gw, session, {"command": "echo recorded", "source": "deepagents"})
+async def test_the_transcript_records_the_command_and_the_claimed_door(gw, gateway_session):
+    status, reply = await shell(gw, gateway_session, {"command": "echo recorded", "source": "deepagents"})
     assert status == 200 and reply["output"] == "recorded\n"
-    _, notebook = await gw.request("GET", f"/api/sessions/{session['id']}/notebook")
+    _, notebook = await gw.request("GET", f"/api/sessions/{gateway_session['id']}/notebook")
     cell = [c for c in notebook["cells"] if c["source"].startswith("# $ echo recorded")][-1]
     assert cell["metadata"]["sandkernel"]["source"] == "deepagents"
     assert cell["outputs"][0]["text"] == "recorded\n"
@@ -102,27 +97,27 @@ async def test_the_transcript_records_the_command_and_the_claimed_door(gw, sessi
         ({"command": "x" * (256 * 1024 + 1)}, "upload a script"),
     ],
 )
-async def test_bad_requests_say_what_to_fix(gw, session, body, message):
-    status, reply = await shell(gw, session, body)
+async def test_bad_requests_say_what_to_fix(gw, gateway_session, body, message):
+    status, reply = await shell(gw, gateway_session, body)
     assert status == 400 and message in reply["message"], reply
-    _, ok = await shell(gw, session, {"command": "echo still here"})
+    _, ok = await shell(gw, gateway_session, {"command": "echo still here"})
     assert ok["output"] == "still here\n"
 
 
-async def test_another_tenant_cannot_run_commands_in_the_session(gw, session):
-    status, reply = await shell(gw, session, {"command": "touch /workspace/bob-was-here"}, token=BOB)
+async def test_another_tenant_cannot_run_commands_in_the_session(gw, gateway_session):
+    status, reply = await shell(gw, gateway_session, {"command": "touch /workspace/bob-was-here"}, token=BOB)
     assert status == 404, reply
-    _, ls = await shell(gw, session, {"command": "ls /workspace"})
+    _, ls = await shell(gw, gateway_session, {"command": "ls /workspace"})
     assert "bob-was-here" not in ls["output"]
 
 
-async def test_the_client_runs_commands_and_claims_its_door(gw, session):
+async def test_the_client_runs_commands_and_claims_its_door(gw, gateway_session):
     async with AsyncSandkernel(gw.url, ALICE) as client:
-        remote = await client.get_session(session["id"])
+        remote = await client.get_session(gateway_session["id"])
         result = await remote.shell("echo $((6 * 7)); false", source="langchain")
         assert result == ShellResult(output="42\n", exit_code=1, status="ok")
         execution = await remote.run("print('via run')", source="agent")
         assert execution.stdout == "via run\n"
-    _, notebook = await gw.request("GET", f"/api/sessions/{session['id']}/notebook")
+    _, notebook = await gw.request("GET", f"/api/sessions/{gateway_session['id']}/notebook")
     doors = [c["metadata"]["sandkernel"].get("source") for c in notebook["cells"] if c["cell_type"] == "code"]
     assert doors[-2:] == ["langchain", "agent"]

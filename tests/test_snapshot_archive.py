@@ -31,7 +31,7 @@ from sandkernel.kernels.snapshots.archive import (
     restore_files,
 )
 
-from .conftest import ROOT, RUNTIMES, require_runtime
+from .conftest import ROOT, RUNTIME_PARAMS, require_runtime
 
 MiB = 1024 * 1024
 
@@ -114,7 +114,7 @@ os.mkfifo("/tmp/a-fifo")
 """
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
+@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
 async def pair(request):
     """Two sessions of one runtime: the one packed and the one restored into."""
     require_runtime(request.param)

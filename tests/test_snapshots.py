@@ -11,9 +11,11 @@ import pytest
 
 from sandkernel.kernels.snapshots.store import SnapshotStore
 
-from .conftest import RUNTIMES, container_ids_of, require_runtime
+from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
 from .gateway_fixtures import BOB, start_gateway, stop_gateway
 from .test_execute import _make_wheel
+
+pytestmark = pytest.mark.docker
 
 STATE = """
 import numpy as np, pandas as pd, matplotlib
@@ -45,7 +47,7 @@ def _text(reply: dict) -> str:
     return "".join(o.get("text", "") for o in reply["outputs"] if o["output_type"] == "stream")
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_pause_survives_a_gateway_restart_and_resume_rebuilds_the_state(tmp_path, runtime):
     require_runtime(runtime)
     state_dir = tmp_path / "state"
@@ -94,7 +96,7 @@ async def test_pause_survives_a_gateway_restart_and_resume_rebuilds_the_state(tm
             await stop_gateway(gw)
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_fork_diverges_and_rewind_forgets_later_cells(tmp_path, runtime):
     require_runtime(runtime)
     gw = await start_gateway(tmp_path, default_runtime=runtime, max_sessions=6)
@@ -217,7 +219,7 @@ async def test_idle_sessions_pause_expire_and_the_quota_refuses(tmp_path):
         await stop_gateway(gw)
 
 
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_checkpoint_every_cell_rewinds_files_exactly(tmp_path, runtime):
     """A file made from a random token comes back as it was (a re-run would make another), and only
     the newest checkpoints are kept: a rewind past them remakes the files by replay."""

@@ -1,18 +1,28 @@
 """The suite's own guards: with ``SANDKERNEL_REQUIRE_RUNSC=1`` no runsc test may pass by being
 skipped. The machine state that triggers the guard (gVisor missing) cannot be made for real on
 a machine that has it, so the decision is a pure function, tested here for every state; the
-real state of this machine is checked too."""
+real state of this machine is checked too. And no test may lack the tier marks its fixtures,
+parameters or folder call for: planted tests without them are reported."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from .conftest import (
     REQUIRE_RUNSC_ENV,
+    ROOT,
+    RUNTIME_PARAMS,
+    RUNTIMES,
     RunscState,
     Verdict,
+    missing_marks,
+    pytest_collection_modifyitems,
     require_runtime,
     runsc_required,
     runsc_state,
@@ -72,3 +82,48 @@ def test_this_machine_agrees_with_its_runsc_binary(monkeypatch):
     else:
         with pytest.raises(pytest.fail.Exception, match=REQUIRE_RUNSC_ENV):
             require_runtime("runsc")
+
+
+@dataclass
+class Planted:
+    """A stand-in for a collected test: what the marks check reads of one."""
+
+    nodeid: str
+    fixturenames: tuple[str, ...] = ()
+    params: dict[str, object] | None = None
+    marks: tuple[str, ...] = ()
+
+    @property
+    def path(self) -> Path:
+        return ROOT / self.nodeid.split("::")[0]
+
+    @property
+    def callspec(self) -> SimpleNamespace | None:
+        return None if self.params is None else SimpleNamespace(params=self.params)
+
+    def iter_markers(self) -> Iterator[pytest.Mark]:
+        return iter([getattr(pytest.mark, name).mark for name in self.marks])
+
+
+def test_a_test_without_the_marks_it_needs_is_reported():
+    cases = [
+        (Planted("tests/test_x.py::test_a", ("tmp_path",)), []),
+        (Planted("tests/test_x.py::test_b", ("kernel_session", "request")), ["docker"]),
+        (Planted("tests/test_x.py::test_c", ("sandkernel", "gateway"), marks=("docker",)), []),
+        (Planted("tests/test_x.py::test_d[runsc]", params={"runtime": "runsc"}), ["docker", "runsc"]),
+        (Planted("tests/test_x.py::test_e[runsc]", params={"runtime": "runsc"}, marks=("docker",)), ["runsc"]),
+        (Planted("tests/test_x.py::test_f[runc-1]", params={"runtime": "runc", "n": 1}, marks=("docker",)), []),
+        (Planted("tests/security/test_y.py::test_g"), ["security"]),
+        (Planted("tests/security/test_y.py::test_h[runc]", ("arena",), {"runtime": "runc"}, ("docker", "security")),
+         []),
+    ]
+    assert [missing_marks(item) for item, _ in cases] == [missing for _, missing in cases]
+    with pytest.raises(pytest.UsageError) as refused:
+        pytest_collection_modifyitems(None, [item for item, _ in cases])
+    for item, missing in cases:
+        assert (f"{item.nodeid}: add {', '.join(missing)}" in str(refused.value)) is bool(missing), item.nodeid
+    # The runtime parameters carry the marks, under the runtimes' names as ids.
+    assert [(p.values, p.id, [m.name for m in p.marks]) for p in RUNTIME_PARAMS] == [
+        (("runc",), "runc", ["docker"]), (("runsc",), "runsc", ["docker", "runsc"])
+    ]
+    assert [p.id for p in RUNTIME_PARAMS] == RUNTIMES

@@ -55,8 +55,8 @@ def listener():
     lst.close()
 
 
-async def test_kernel_cannot_swap_its_socket_for_a_symlink(session, listener):
-    result = await session.execute(
+async def test_kernel_cannot_swap_its_socket_for_a_symlink(kernel_session, listener):
+    result = await kernel_session.execute(
         f"""import os
 target = {listener.path!r}
 for name, attempt in [
@@ -74,7 +74,7 @@ for name, attempt in [
     lines = result.text.splitlines()
     assert len(lines) == 4 and all(" refused " in line for line in lines), result.text
     # The host connects afresh (a new client, as JupyterLab would) and reaches the real kernel.
-    client = session.kernel_manager.client()
+    client = kernel_session.kernel_manager.client()
     client.start_channels()
     try:
         await client.wait_for_ready(timeout=30)
@@ -82,7 +82,7 @@ for name, attempt in [
         assert reply["content"]["status"] == "ok"
     finally:
         client.stop_channels()
-    rundir = session.provisioner.runtime_dir.path
+    rundir = kernel_session.provisioner.runtime_dir.path
     assert all(stat.S_ISSOCK(os.lstat(rundir / f"k-{port}").st_mode) for port in range(1, 6))
     assert sorted(os.listdir(rundir)) == ["connection.json", "k-1", "k-2", "k-3", "k-4", "k-5", "seccomp.json"]
     assert listener.connections == 0
@@ -125,11 +125,11 @@ def test_lock_refuses_a_regular_file():
         base.rmdir()
 
 
-async def test_runtime_dir_is_relocked_after_restart(session):
-    await session.restart()
-    rundir = session.provisioner.runtime_dir.path
+async def test_runtime_dir_is_relocked_after_restart(kernel_session):
+    await kernel_session.restart()
+    rundir = kernel_session.provisioner.runtime_dir.path
     assert stat.S_IMODE(os.stat(rundir).st_mode) == 0o755
-    result = await session.execute("import os; print(os.access('/run/sandkernel', os.W_OK))", timeout=30)
+    result = await kernel_session.execute("import os; print(os.access('/run/sandkernel', os.W_OK))", timeout=30)
     assert result.text == "False\n"
 
 

@@ -14,25 +14,21 @@ import re
 
 import pytest
 
-from .conftest import RUNTIMES, require_runtime
-from .gateway_fixtures import start_gateway, stop_gateway
+from .gateway_fixtures import gateway_fixture
 from .test_gateway import connect, execute_request, ws_execute
+
+pytestmark = pytest.mark.docker
 
 # A grace long enough that a loaded gVisor host still answers the interrupt inside it.
 LIMITS = {"execute_timeout": 3, "interrupt_grace": 5, "memory_mb": 256}
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
-async def gw(request, tmp_path_factory):
-    require_runtime(request.param)
-    gateway = await start_gateway(tmp_path_factory.mktemp("ws-exec"))
-    gateway.runtime = request.param
-    yield gateway
-    await stop_gateway(gateway)
+gw = gateway_fixture(runtimes=True)
 
 
 @pytest.fixture
-async def session(gw):
+async def gateway_session(gw):
+    """A session made through the gateway's API on ``gw``: its JSON model (``id``, ``kernel``, ...)."""
     status, body = await gw.request("POST", "/api/sessions", {"limits": {"runtime": gw.runtime, **LIMITS}})
     assert status == 201, body
     yield body
@@ -72,19 +68,19 @@ def status_of(cell: dict) -> str:
     return cell["metadata"]["sandkernel"]["status"]
 
 
-async def test_websocket_execute_is_recorded_like_the_session_api(gw, session):
+async def test_websocket_execute_is_recorded_like_the_session_api(gw, gateway_session):
     code = "print('hello'); 6 * 7"
-    status, api = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": code})
+    status, api = await gw.request("POST", f"/api/sessions/{gateway_session['id']}/execute", {"code": code})
     assert status == 200 and api["status"] == "ok"
-    ws = await connect(gw, session["kernel"]["id"])
+    ws = await connect(gw, gateway_session["kernel"]["id"])
     try:
         iopub, reply = await ws_execute(ws, code)
     finally:
         ws.close()
     assert reply["content"]["status"] == "ok"
     assert [m["content"].get("text") for m in iopub if m["msg_type"] == "stream"] == ["hello\n"]
-    await wait_for_cells(gw, session, 2)  # the client may see the reply before the cell is written
-    api_cell, ws_cell = (await code_cells(gw, session))[-2:]
+    await wait_for_cells(gw, gateway_session, 2)  # the client may see the reply before the cell is written
+    api_cell, ws_cell = (await code_cells(gw, gateway_session))[-2:]
     assert api_cell["source"] == ws_cell["source"] == code
     assert _without_counts(api_cell["outputs"]) == _without_counts(ws_cell["outputs"])
     assert len(ws_cell["outputs"]) == 2
@@ -96,18 +92,18 @@ async def test_websocket_execute_is_recorded_like_the_session_api(gw, session):
     assert status_of(api_cell) == status_of(ws_cell) == "ok"
 
 
-async def test_websocket_executes_queue_behind_other_doors(gw, session):
+async def test_websocket_executes_queue_behind_other_doors(gw, gateway_session):
     api_code = "import time; time.sleep(2); order = ['api']"
-    api = asyncio.create_task(gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": api_code}))
-    await wait_for_busy(gw, session)
-    ws = await connect(gw, session["kernel"]["id"])
+    api = asyncio.create_task(gw.request("POST", f"/api/sessions/{gateway_session['id']}/execute", {"code": api_code}))
+    await wait_for_busy(gw, gateway_session)
+    ws = await connect(gw, gateway_session["kernel"]["id"])
     try:
         _, reply = await ws_execute(ws, "order.append('ws'); print(order)")
     finally:
         ws.close()
     assert (await api)[1]["status"] == "ok" and reply["content"]["status"] == "ok"
-    await wait_for_cells(gw, session, 2)
-    api_cell, ws_cell = (await code_cells(gw, session))[-2:]
+    await wait_for_cells(gw, gateway_session, 2)
+    api_cell, ws_cell = (await code_cells(gw, gateway_session))[-2:]
     assert api_cell["source"] == api_code
     api_info, ws_info = api_cell["metadata"]["sandkernel"], ws_cell["metadata"]["sandkernel"]
     # The websocket's execution started once the API's had ended, not when its request arrived.
@@ -130,24 +126,24 @@ def _seconds(iso: str) -> float:
     return dt.datetime.fromisoformat(iso).timestamp()
 
 
-async def test_websocket_execute_is_stopped_by_the_timeout_ladder(gw, session):
-    ws = await connect(gw, session["kernel"]["id"])
+async def test_websocket_execute_is_stopped_by_the_timeout_ladder(gw, gateway_session):
+    ws = await connect(gw, gateway_session["kernel"]["id"])
     try:
         iopub, reply = await ws_execute(ws, "while True: pass", timeout=60)
         assert reply["content"]["status"] == "error"
         assert any(m["msg_type"] == "error" and m["content"]["ename"] == "KeyboardInterrupt" for m in iopub)
-        cell = await wait_for_cell(gw, session, "while True: pass")
+        cell = await wait_for_cell(gw, gateway_session, "while True: pass")
         assert status_of(cell) == "timeout" and cell["metadata"]["sandkernel"]["ended_by"] == "interrupt"
         # Code that ignores the interrupt: the ladder restarts the kernel.
         stubborn = "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True: pass"
         await ws.write_message(json.dumps(execute_request(stubborn)))
-        cell = await wait_for_cell(gw, session, stubborn)
+        cell = await wait_for_cell(gw, gateway_session, stubborn)
         assert status_of(cell) == "timeout"
         assert cell["metadata"]["sandkernel"]["ended_by"] in ("restart", "kill")
         assert "exceeded its 3s timeout" in cell["metadata"]["sandkernel"]["state_lost"]
     finally:
         ws.close()
-    ws = await connect(gw, session["kernel"]["id"])  # a restart may have replaced the container
+    ws = await connect(gw, gateway_session["kernel"]["id"])  # a restart may have replaced the container
     try:
         _, reply = await ws_execute(ws, "print('back')", timeout=120)
     finally:
@@ -155,17 +151,17 @@ async def test_websocket_execute_is_stopped_by_the_timeout_ladder(gw, session):
     assert reply["content"]["status"] == "ok"
 
 
-async def test_websocket_oom_is_classified_counted_and_survived(gw, session):
-    ws = await connect(gw, session["kernel"]["id"])
+async def test_websocket_oom_is_classified_counted_and_survived(gw, gateway_session):
+    ws = await connect(gw, gateway_session["kernel"]["id"])
     bomb = "b = bytearray(2 * 1024**3)"
     try:
         await ws.write_message(json.dumps(execute_request(bomb)))
-        cell = await wait_for_cell(gw, session, bomb)
+        cell = await wait_for_cell(gw, gateway_session, bomb)
     finally:
         ws.close()
     assert status_of(cell) == "oom"
     assert "ran out of memory (limit 256 MiB)" in cell["metadata"]["sandkernel"]["state_lost"]
-    ws = await connect(gw, session["kernel"]["id"])
+    ws = await connect(gw, gateway_session["kernel"]["id"])
     try:
         _, reply = await ws_execute(ws, "print('alive')", timeout=120)
     finally:
@@ -183,8 +179,8 @@ def _metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-async def test_a_failed_execute_aborts_the_queue_behind_it(gw, session):
-    ws = await connect(gw, session["kernel"]["id"])
+async def test_a_failed_execute_aborts_the_queue_behind_it(gw, gateway_session):
+    ws = await connect(gw, gateway_session["kernel"]["id"])
     try:
         requests = [
             execute_request("import time; time.sleep(0.5); raise ValueError('boom')"),
@@ -203,11 +199,11 @@ async def test_a_failed_execute_aborts_the_queue_behind_it(gw, session):
         assert reply["content"]["status"] == "ok"
     finally:
         ws.close()
-    await wait_for_cell(gw, session, "print('ran_b' in globals(), 'ran_c' in globals())")
-    sources = [cell["source"] for cell in await code_cells(gw, session)]
+    await wait_for_cell(gw, gateway_session, "print('ran_b' in globals(), 'ran_c' in globals())")
+    sources = [cell["source"] for cell in await code_cells(gw, gateway_session)]
     assert "ran_b = True" not in sources and "ran_c = True" not in sources
     assert sources[-1] == "print('ran_b' in globals(), 'ran_c' in globals())"
-    last = (await code_cells(gw, session))[-1]
+    last = (await code_cells(gw, gateway_session))[-1]
     assert last["outputs"][0]["text"] == "False False\n"
 
 
@@ -253,13 +249,13 @@ async def test_websocket_interrupt_ends_the_execution_as_interrupted(gw, untimed
     assert status_of(cell) == "interrupted"
 
 
-async def test_an_execution_outlives_its_closed_websocket(gw, session):
-    ws = await connect(gw, session["kernel"]["id"])
+async def test_an_execution_outlives_its_closed_websocket(gw, gateway_session):
+    ws = await connect(gw, gateway_session["kernel"]["id"])
     code = "import time; time.sleep(1); print('finished')"
     await ws.write_message(json.dumps(execute_request(code)))
-    await wait_for_busy(gw, session)
+    await wait_for_busy(gw, gateway_session)
     ws.close()
-    cell = await wait_for_cell(gw, session, code)
+    cell = await wait_for_cell(gw, gateway_session, code)
     assert status_of(cell) == "ok" and cell["outputs"][0]["text"] == "finished\n"
-    status, api = await gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": "print(2)"})
+    status, api = await gw.request("POST", f"/api/sessions/{gateway_session['id']}/execute", {"code": "print(2)"})
     assert status == 200 and api["status"] == "ok"

@@ -31,7 +31,7 @@ from sandkernel.kernels.sandbox.workspace_disk import (
     sweep_workspace_disks,
 )
 
-from .conftest import RUNTIMES, require_runtime
+from .conftest import RUNC, RUNTIME_PARAMS, require_runtime
 
 MIB = 2**20
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="disk workspaces need root (loop mounts)")
@@ -83,7 +83,7 @@ print(json.dumps({"errno": err, "written": written}))"""
 
 
 @needs_root
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_filling_the_workspace_gives_enospc_and_costs_the_host_at_most_the_quota(runtime):
     session = await start(runtime, workspace_mb=64)
     try:
@@ -114,12 +114,13 @@ block = b'y' * (150 * 2**20)
 print(len(block) // 2**20, sum(os.path.getsize(f'/workspace/data-{i}') for i in range(30)) // 2**20)"""
 
 
+@pytest.mark.docker
 @needs_root
 @pytest.mark.parametrize(
     ("runtime", "storage", "expected"),
     [
         ("runc", "disk", ExecutionStatus.OK),
-        ("runsc", "disk", ExecutionStatus.OK),
+        pytest.param("runsc", "disk", ExecutionStatus.OK, marks=pytest.mark.runsc),
         # the control: the same files in a tmpfs are charged to the memory limit
         ("runc", "memory", ExecutionStatus.OOM),
     ],
@@ -141,7 +142,7 @@ READ = "import os; print(open('/workspace/d/keep.txt').read() if os.path.exists(
 
 
 @needs_root
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_files_survive_a_kernel_restart_and_a_container_replacement(runtime):
     session = await start(runtime, workspace_mb=64)
     try:
@@ -166,7 +167,7 @@ async def test_files_survive_a_kernel_restart_and_a_container_replacement(runtim
 
 
 @needs_root
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 async def test_files_survive_the_ladders_last_rung(runtime):
     """The ladder's last rung throws the whole kernel manager away (SandboxedKernel.replace)."""
     session = await start(runtime, workspace_mb=64)
@@ -183,7 +184,7 @@ async def test_files_survive_the_ladders_last_rung(runtime):
 
 
 @needs_root
-@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_no_device_nodes_or_root_owned_setuid_files_but_code_may_run(runtime):
     """nodev and nosuid on the host mount, no CAP_MKNOD or CAP_CHOWN in the sandbox; exec stays
     allowed, so %pip-installed extension modules load from /workspace."""
@@ -228,7 +229,7 @@ print(json.dumps(out))""",
 
 
 @needs_root
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 async def test_a_memory_workspace_makes_no_disk(runtime):
     session = await start(runtime, workspace_storage="memory", workspace_mb=32)
     try:
@@ -423,7 +424,7 @@ def test_not_root_gets_a_clear_error_that_names_the_memory_workspace(tmp_path):
 
 
 @needs_root
-@pytest.mark.parametrize("runtime", ["runc"])
+@pytest.mark.parametrize("runtime", [RUNC])
 async def test_a_workspace_bigger_than_the_hosts_free_disk_is_refused_and_leaves_nothing(runtime, tmp_path):
     use_state_dir(tmp_path / "state")
     try:

@@ -11,6 +11,7 @@ Run alone with ``pytest tests/security``; ``-m "not slow"`` is the fast subset.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -34,7 +35,7 @@ from sandkernel.kernels.sandbox.runtime_dir import (
     default_base_dir,
 )
 
-from ..conftest import RUNTIMES, require_runtime
+from ..conftest import RUNTIME_PARAMS, require_runtime
 from ..gateway_fixtures import ALICE, BOB, Gateway, rss_mib, start_gateway, stop_gateway
 
 ATTACKER_LIMITS = {
@@ -243,7 +244,7 @@ class Arena:
         return found
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
+@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
 async def arena(request, tmp_path_factory):
     runtime = request.param
     require_runtime(runtime)
@@ -279,14 +280,18 @@ async def unharmed(request):
 
 
 def record_slowdown(runtime: str, attack: str, idle: float, during: list[float]) -> None:
-    """Keep the canary's latency during an attack, for docs/security.md (never asserted)."""
-    data = json.loads(SLOWDOWN_RESULTS.read_text()) if SLOWDOWN_RESULTS.exists() else {}
+    """Keep the canary's latency during an attack, for docs/security.md (never asserted). The
+    report is read, updated and rewritten under a lock: the workers of a parallel run share it."""
     worst = max(during) if during else None
-    data.setdefault(runtime, {})[attack] = {
+    entry = {
         "canary_idle_ms": round(idle * 1000, 1),
         "canary_during_p50_ms": round(sorted(during)[len(during) // 2] * 1000, 1) if during else None,
         "canary_during_max_ms": round(worst * 1000, 1) if worst else None,
         "samples": len(during),
     }
     SLOWDOWN_RESULTS.parent.mkdir(exist_ok=True)
-    SLOWDOWN_RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    with open(SLOWDOWN_RESULTS.with_name(SLOWDOWN_RESULTS.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(SLOWDOWN_RESULTS.read_text()) if SLOWDOWN_RESULTS.exists() else {}
+        data.setdefault(runtime, {})[attack] = entry
+        SLOWDOWN_RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")

@@ -17,7 +17,7 @@ from sandkernel.gateway.ws_audit import NOTE_CODE_CHARS
 from ..gateway_fixtures import ALICE
 from ..test_gateway import execute_request, ws_execute
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 
 async def notes(arena) -> list[str]:

@@ -17,7 +17,7 @@ from sandkernel.kernels.sandbox.runtime_dir import CONTAINER_DIR
 from ..gateway_fixtures import ALICE, BOB
 from .conftest import ATTACKER_LIMITS
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 
 MIB = 2**20

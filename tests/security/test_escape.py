@@ -26,7 +26,7 @@ import pytest
 
 from sandkernel.kernels.sandbox.seccomp import AF_VSOCK, seccomp_profile
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 HARNESS = """import ctypes, errno, json, os, socket, struct, subprocess
 libc = ctypes.CDLL(None, use_errno=True)

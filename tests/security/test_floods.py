@@ -24,7 +24,7 @@ from sandkernel.notebooks.recorder import MAX_TRANSCRIPT_BYTES
 from ..gateway_fixtures import ALICE, BOB, PeakRss
 from ..test_gateway import execute_request, ws_execute
 
-pytestmark = [pytest.mark.security, pytest.mark.slow]
+pytestmark = [pytest.mark.security, pytest.mark.docker, pytest.mark.slow]
 
 # What the gateway may grow by while a kernel floods it with 60 MB messages (MiB). Without byte
 # bounds it grew 2.3 GiB in 30 s (64 queued messages of 60 MB per subscriber, every output kept).

@@ -25,6 +25,7 @@ async def gateway(tmp_path):
     await stop_gateway(gw)
 
 
+@pytest.mark.docker
 async def test_health_without_a_token_reveals_no_counts(gateway):
     status, anonymous = await gateway.request("GET", "/api/health", token=None)
     assert status == 200 and anonymous == {"status": "ok", "version": anonymous["version"]}
@@ -34,6 +35,7 @@ async def test_health_without_a_token_reveals_no_counts(gateway):
     assert status == 200 and known["sessions"] == 0 and "warm_pool" in known
 
 
+@pytest.mark.docker
 async def test_a_refused_url_token_stays_out_of_the_access_log(gateway, caplog):
     secret = "url-secret-" + ALICE
     with caplog.at_level(logging.INFO, logger="tornado.access"):
@@ -46,6 +48,7 @@ async def test_a_refused_url_token_stays_out_of_the_access_log(gateway, caplog):
     assert not any(secret in line or "token=" in line for line in lines), lines
 
 
+@pytest.mark.docker
 async def test_token_guessing_is_cut_off_but_valid_tokens_still_pass(gateway):
     for _ in range(MAX_AUTH_FAILURES):
         status, body = await gateway.request("GET", "/api/sessions", token="guess-" + "0" * 20)
@@ -58,6 +61,7 @@ async def test_token_guessing_is_cut_off_but_valid_tokens_still_pass(gateway):
     assert status == 200 and sessions == []
 
 
+@pytest.mark.docker
 async def test_slow_header_clients_are_disconnected(gateway):
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
     writer.write(b"GET /api/health HTTP/1.1\r\nHost: x\r\n")  # never finishes its headers

@@ -20,7 +20,7 @@ import pytest
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 MARKERS = "/workspace/.pwned"
 SITE = "/workspace/.local/lib/python3.11/site-packages"

@@ -16,7 +16,7 @@ from ..gateway_fixtures import ALICE, rss_mib
 from ..test_gateway import execute_request, ws_execute
 from ..test_transport import UnixListener
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 FORGE = """from ipykernel.kernelbase import Kernel
 import json, hmac, hashlib

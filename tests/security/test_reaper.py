@@ -22,7 +22,7 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.runtime_dir import default_base_dir
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 
 def victim() -> Path:

@@ -35,7 +35,7 @@ from sandkernel.gateway import channels
 from ..gateway_fixtures import ALICE
 from ..test_gateway import execute_request, ws_execute
 
-pytestmark = [pytest.mark.security, pytest.mark.slow]
+pytestmark = [pytest.mark.security, pytest.mark.docker, pytest.mark.slow]
 
 FLOOD_SECONDS = 15
 # The flood starts after its cell returned, so the cell's own idle status is not lost in it.

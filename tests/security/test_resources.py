@@ -14,7 +14,7 @@ from sandkernel.kernels.lifecycle.profiles import Profile
 from ..gateway_fixtures import PeakRss
 from .conftest import ATTACKER_LIMITS, record_slowdown
 
-pytestmark = [pytest.mark.security, pytest.mark.slow]
+pytestmark = [pytest.mark.security, pytest.mark.docker, pytest.mark.slow]
 
 
 async def under_attack(arena, name: str, code: str, timeout: float) -> dict:

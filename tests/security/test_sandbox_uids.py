@@ -17,7 +17,7 @@ from sandkernel.kernels.sandbox.container import SANDBOX_GID
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.uids import SANDBOX_UID_RANGE, UID_LABEL, UidAllocator, subid_ranges
 
-from ..conftest import require_runtime
+from ..conftest import RUNTIME_PARAMS, require_runtime
 
 pytestmark = pytest.mark.security
 
@@ -28,6 +28,7 @@ def test_range_is_outside_default_subordinate_ids_and_below_2_31():
     assert low > 0x6FFFFFFF  # systemd's container uid ranges end there
 
 
+@pytest.mark.docker
 def test_allocation_skips_subid_ranges_and_uids_in_use(tmp_path):
     """A 20-uid range: 10 covered by a subuid file, 1 by a subgid file, 3 reserved by live
     owners, 1 on a real container's label; the 5 left (one a dead owner's reservation) are
@@ -73,6 +74,7 @@ sys.stdin.read()  # stay alive (a dead owner's reservations are free again) unti
 """
 
 
+@pytest.mark.docker
 def test_concurrent_processes_never_share_a_uid(tmp_path):
     """Four processes draw 10 uids each from a 40-uid range at once: all 40 distinct."""
     procs = [
@@ -95,7 +97,7 @@ def test_concurrent_processes_never_share_a_uid(tmp_path):
     assert len(uids) == 40 and len(set(uids)) == 40
 
 
-@pytest.mark.parametrize("runtime", ["runc", "runsc"])
+@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_sessions_started_together_have_distinct_uids(runtime):
     require_runtime(runtime)
     sessions = await asyncio.gather(

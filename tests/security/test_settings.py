@@ -16,7 +16,7 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 from ..conftest import require_runtime
 from ..gateway_fixtures import ALICE, start_gateway, stop_gateway
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 # (limits, status, words the message must contain)
 HOSTILE_SETTINGS = {

@@ -49,15 +49,15 @@ from sandkernel.kernels.sandbox.container import host_pids_limit
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from .. import test_hardening as hardening
-from ..conftest import RUNTIMES, container_ids_of, require_runtime
+from ..conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
 from ..gateway_fixtures import ALICE, BOB, rss_mib, start_gateway, stop_gateway
 from ..test_egress import Upstream, policy_for
 from .conftest import ATTACKER_LIMITS, CANARY_LIVENESS_SECONDS, Arena
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 TENANT, OTHER = "alice", "bob"  # the tenant names gateway_fixtures gives ALICE's and BOB's tokens
-# The limits tests/conftest.py's `session` fixture starts with: test_hardening's checks assert them.
+# The limits tests/conftest.py's `kernel_session` fixture starts with: test_hardening's checks assert them.
 HARDENED_LIMITS = {"pids": 128, "cpus": 0.5, "memory_mb": 512}
 # tests/test_hardening.py's checks of a fresh sandbox, in its order; each is a plain coroutine
 # taking (session) or (session, inspected).
@@ -87,7 +87,7 @@ ps = [mp.Process(target=spin, args=(deadline,)) for _ in range(2)]
 print("spun")"""  # inotify events: the host opened or read the watched file
 
 
-@pytest.fixture(scope="module", params=RUNTIMES)
+@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
 async def arena(request, tmp_path_factory):
     """The suite's arena (attacker alice, canary bob; tests/security/conftest.py), overridden
     here only so that its gateway also has an egress policy, with an upstream on loopback."""

@@ -13,7 +13,7 @@ from tornado.websocket import websocket_connect
 
 from ..gateway_fixtures import ALICE
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 
 def assert_clear_error(status: int, body, expected: int) -> None:

@@ -15,7 +15,7 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from ..gateway_fixtures import BOB
 
-pytestmark = pytest.mark.security
+pytestmark = [pytest.mark.security, pytest.mark.docker]
 
 
 async def test_hostile_html_and_javascript_are_never_trusted(arena, tmp_path):

@@ -1,0 +1,141 @@
+"""How the suite runs in parallel: pytest-xdist workers (``-n N --dist loadgroup``, as
+scripts/test.sh runs it), the groups that keep a module's shared sandboxes on one worker, and the
+lock that gives a test that disturbs the whole machine the machine to itself.
+
+Why parallel: most of a container test's wall time is spent waiting (a sandbox starting, a
+kernel answering, gVisor's ptrace round trips), not computing, so a few workers on two cores
+finish the suite in a fraction of the serial time.
+
+Groups. Every test lands in an ``xdist_group`` before xdist reads the marks: a test that names
+one itself (``pytestmark = pytest.mark.xdist_group(...)``: the Swarm lab's modules share one
+lab's namespaces and addresses, so they share a group and run one after another) keeps it;
+any other test of a module that holds docker tests goes to the group of its module and its
+runtime (``tests/test_x.py::runc``), so a module-scoped sandbox or gateway is made once per
+runtime, on one worker, as in a serial run. Pure modules are left ungrouped: their tests are
+spread one by one.
+
+Exclusive tests. A test marked ``exclusive`` runs while no other test of the run does (its
+set-up and tear-down included): the dockerd restart stops the engine every other test talks to.
+Each test holds a shared lock on a file named after the run for its whole protocol; an exclusive
+test takes it exclusively. A second lock (the gate) is taken by every test for a moment before
+its shared lock and by an exclusive test for its whole run, so an exclusive test waiting for the
+others to finish is not starved by tests that keep starting. Such a test is queued last
+(:func:`order_for_workers`): at the gate early, it would hold every other worker idle until the
+longest test then running (the Swarm lab's, minutes) had finished. Outside xdist nothing is locked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+GROUP_MARK = "xdist_group"
+EXCLUSIVE_MARK = "exclusive"
+ASSIGNED = "_sandkernel_group_assigned"  # set on an item whose group assign_groups gave
+
+
+def group_of(module: str, runtime: str | None) -> str:
+    """The xdist group of a test of ``module`` (a path relative to the repository) run under
+    ``runtime`` (None: the test has no runtime parameter). No brackets: xdist takes a node id
+    ending in ``]`` for an ungrouped test, whatever its ``@group`` suffix says."""
+    return f"{module}::{runtime}" if runtime else module
+
+
+def assign_groups(items: list[pytest.Item], module_of, runtime_of, is_docker) -> None:
+    """Give every test of a module that holds docker tests its group (see the module docstring);
+    called from tests/conftest.py's collection hook, before xdist turns marks into scopes."""
+    docker_modules = {module_of(item) for item in items if is_docker(item)}
+    for item in items:
+        module = module_of(item)
+        if module in docker_modules and item.get_closest_marker(GROUP_MARK) is None:
+            item.add_marker(pytest.mark.xdist_group(group_of(module, runtime_of(item))))
+            setattr(item, ASSIGNED, True)
+    order_for_workers(items)
+
+
+def group_name(item: pytest.Item) -> str | None:
+    """The item's xdist group, as xdist will read it (None: ungrouped)."""
+    names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers(GROUP_MARK)})
+    return "_".join(names) if names else None
+
+
+def order_for_workers(items: list[pytest.Item]) -> None:
+    """Order the tests as the workers should take them (xdist's own reordering by group size is
+    turned off in :func:`pytest_configure`, so this order is the queue's): groups a module names
+    itself first (shared infrastructure such as the Swarm lab: the longest), then the other groups
+    from the most tests to the fewest, then ungrouped tests, and groups holding an exclusive test
+    last, so that such a test waits only for the tests still running at the end of the run, not
+    while every other worker sits at the gate. Tests keep pytest's order within a group (the
+    order that makes each module-scoped fixture once)."""
+    sizes: dict[str | None, int] = {}
+    named: set[str] = set()
+    exclusive: set[str | None] = set()
+    for item in items:
+        group = group_name(item)
+        sizes[group] = sizes.get(group, 0) + 1
+        if item.get_closest_marker(EXCLUSIVE_MARK) is not None:
+            exclusive.add(group)
+        if group is not None and item.get_closest_marker(GROUP_MARK) is not None and group_set_by_module(item):
+            named.add(group)
+
+    def rank(item: pytest.Item) -> tuple[int, int, str]:
+        group = group_name(item)
+        if group in exclusive:
+            return (3, 0, group or item.nodeid)
+        if group is None:
+            return (2, 0, "")
+        return (0 if group in named else 1, -sizes[group], group)
+
+    items.sort(key=rank)
+
+
+def group_set_by_module(item: pytest.Item) -> bool:
+    """Whether the item's group was written on its module or test (not given by assign_groups)."""
+    return not getattr(item, ASSIGNED, False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the queue in :func:`order_for_workers`' order (xdist would sort groups by size)."""
+    if getattr(config.option, "dist", None) == "loadgroup":
+        config.option.loadscopereorder = False
+
+
+def lock_dir(config: pytest.Config) -> Path | None:
+    """Where this run's lock files live, or None outside an xdist worker (nothing to lock)."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
+        return None
+    return Path(tempfile.gettempdir()) / f"sandkernel-tests-{workerinput['testrunuid']}"
+
+
+@contextlib.contextmanager
+def machine_share(config: pytest.Config, exclusive: bool) -> Iterator[None]:
+    """Hold this run's shared lock (or, for an exclusive test, both locks) around one test."""
+    folder = lock_dir(config)
+    if folder is None:
+        yield
+        return
+    folder.mkdir(mode=0o700, exist_ok=True)
+    gate = os.open(folder / "gate", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    share = os.open(folder / "share", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(share, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield
+    finally:
+        os.close(share)  # closing drops the locks
+        os.close(gate)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    with machine_share(item.config, exclusive=item.get_closest_marker(EXCLUSIVE_MARK) is not None):
+        yield
