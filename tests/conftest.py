@@ -43,7 +43,12 @@ from .postgres_fixtures import fresh_postgres_url, postgres_server, postgres_url
 
 # Parallel runs (pytest-xdist): the groups, their order and the exclusive tests' lock, see
 # tests/scheduling.py; what each tier cost, printed at the end of a run: tests/tier_times.py.
-from .scheduling import assign_groups, pytest_configure, pytest_runtest_protocol  # noqa: F401
+from .scheduling import (  # noqa: F401
+    assign_groups,
+    name_groups_in_node_ids,
+    pytest_configure,
+    pytest_runtest_protocol,
+)
 from .tier_times import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401
 
 REQUIRE_RUNSC_ENV = "SANDKERNEL_REQUIRE_RUNSC"
@@ -158,6 +163,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         listed = "\n  ".join(unmarked)
         raise pytest.UsageError(f"{len(unmarked)} test(s) lack marks they need (tests/conftest.py):\n  {listed}")
     assign_groups(items, module_of, runtime_of, lambda item: item.get_closest_marker("docker") is not None)
+    name_groups_in_node_ids(config, items)
 
 
 def module_of(item: pytest.Item) -> str:

@@ -59,6 +59,26 @@ def assign_groups(items: list[pytest.Item], module_of, runtime_of, is_docker) ->
     order_for_workers(items)
 
 
+def name_groups_in_node_ids(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """In an xdist worker with ``--dist loadgroup``, end each grouped test's node id with
+    ``@group``, which is how the controller's scheduler sees groups. xdist 3.8 does this itself by
+    writing ``item._nodeid``, which pytest 9.2 no longer reads (the id is ``item._id``, a NodeId):
+    without this every test was scheduled alone, each worker made its own copy of every
+    module-scoped sandbox, and the Swarm lab's modules ran on several workers at once."""
+    if not config.getvalue("loadgroup"):
+        return
+    for item in items:
+        group = group_name(item)
+        if group is None or item.nodeid.endswith(f"@{group}"):
+            continue
+        if hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId  # pytest 9.2 and later
+
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")  # the id pytest reads
+        else:
+            item._nodeid = f"{item.nodeid}@{group}"  # older pytest reads this; xdist writes it too
+
+
 def group_name(item: pytest.Item) -> str | None:
     """The item's xdist group, as xdist will read it (None: ungrouped)."""
     names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default")) for m in item.iter_markers(GROUP_MARK)})

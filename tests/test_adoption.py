@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -138,9 +139,21 @@ async def test_an_execution_left_running_is_settled_and_later_ones_queue_behind_
         await session.shutdown()
 
 
+async def ended_unwatched(session_id: str, marker: str, bound: float = 120) -> None:
+    """Wait (no process attached) until the orphaned cell wrote its last line's marker, then a
+    second more for its reply to go out: the adopter must find it ended, however loaded the machine."""
+    (container_id,) = container_ids_of(session_id)
+    container = default_engine().client.containers.get(container_id)
+    deadline = time.monotonic() + bound
+    while (await asyncio.to_thread(container.exec_run, ["test", "-e", marker])).exit_code != 0:
+        assert time.monotonic() < deadline, f"the orphaned cell did not end within {bound} s"
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(1)
+
+
 async def test_an_execution_that_ended_unwatched_is_recorded_as_such(tmp_path, runtime):
-    record = await orphaned_sandbox(tmp_path, runtime, "import time; time.sleep(1); z = 1")
-    await asyncio.sleep(3)  # it ends while no process is attached
+    record = await orphaned_sandbox(tmp_path, runtime, "import time; time.sleep(1); z = 1; open('/tmp/ended', 'w').close()")
+    await ended_unwatched(record["id"], "/tmp/ended")
     session, recorded = await adopted(record)
     try:
         await session.wait_idle()

@@ -64,7 +64,7 @@ async def test_run_keeps_state_and_returns_ordered_outputs(client_session):
 async def test_streaming_callbacks_see_outputs_as_they_happen(client_session):
     seen: list[tuple[str, float]] = []
     started = time.monotonic()
-    code = "import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.4)\n'done'"
+    code = "import sys, time\nfor i in range(3):\n    sys.stdout.write(f'{i}\\n'); sys.stdout.flush(); time.sleep(0.4)\n'done'"
     result = await client_session.run(
         code,
         on_stdout=lambda text: seen.append((text, time.monotonic() - started)),
@@ -101,8 +101,11 @@ async def test_files_variables_interrupt_restart(client_session):
         await client_session.download("nope.txt")
     with pytest.raises(BadRequestError):
         await client_session.upload("../escape.txt", "x")
-    running = asyncio.create_task(client_session.run("import time; time.sleep(60)"))
-    await asyncio.sleep(1.5)
+    started = asyncio.Event()
+    running = asyncio.create_task(
+        client_session.run("import time\nprint('started', flush=True)\ntime.sleep(600)", on_stdout=lambda t: started.set())
+    )
+    await asyncio.wait_for(started.wait(), 60)  # interrupt the cell once it surely runs
     await client_session.interrupt()
     assert (await running).status == "interrupted"
     await client_session.restart()

@@ -117,14 +117,20 @@ async def test_rewind_forgets_what_later_cells_made(client):
         assert "c.txt" not in {entry["name"] for entry in await s.list_files()}
 
 
+# A cell that runs until the test uploads the file ``go`` (files can be written while code runs).
+WAIT_FOR_GO = "import os, time\nprint('started', flush=True)\nwhile not os.path.exists('go'):\n    time.sleep(0.05)\n'done'"
+
+
 @pytest.mark.docker
 async def test_a_pause_while_code_runs_is_refused_as_busy(client):
     async with client.session(profile="small") as s:
-        running = asyncio.create_task(s.run("import time; time.sleep(3); 'done'"))
-        await asyncio.sleep(1.0)
+        started = asyncio.Event()
+        running = asyncio.create_task(s.run(WAIT_FOR_GO, on_stdout=lambda text: started.set()))
+        await asyncio.wait_for(started.wait(), 60)  # the cell runs: no timing guess
         with pytest.raises(SessionBusyError):
             await s.pause()
-        assert (await running).text.strip() == "'done'"
+        await s.upload("go", "")  # the cell ends only now, so the pause surely met it running
+        assert (await running).text.strip().endswith("'done'")
         assert (await s.refresh())["state"] == "running"
 
 

@@ -215,7 +215,7 @@ async def test_streams_websockets_and_files_work_through_a_gateway_that_does_not
     for host_name, sid in one_per_host.items():
         via = cluster.endpoint_not_holding(host_name)
         chunks: list[bytes] = []
-        code = "import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.3)"
+        code = "import sys, time\nfor i in range(3):\n    sys.stdout.write(f'{i}\\n'); sys.stdout.flush(); time.sleep(0.3)"
         status, _ = await via.call("POST", f"/api/sessions/{sid}/execute?stream=1", {"code": code}, token=ALICE,
                                    streaming_callback=chunks.append)  # fmt: skip
         events = [json.loads(line) for chunk in chunks for line in chunk.splitlines() if line.strip()]

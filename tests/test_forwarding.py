@@ -765,7 +765,7 @@ async def test_a_session_is_used_through_the_gateway_that_does_not_hold_it(clust
         assert status == 200 and result["outputs"][0]["text"] == "42\n", (status, result)
         # The NDJSON stream comes through line by line, as the owner writes it.
         lines: list[tuple[float, bytes]] = []
-        code = "import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.4)"
+        code = "import sys, time\nfor i in range(3):\n    sys.stdout.write(f'{i}\\n'); sys.stdout.flush(); time.sleep(0.4)"
         status, _, headers = await via.call(
             "POST", f"/api/sessions/{sid}/execute?stream=1", {"code": code},
             streaming_callback=lambda chunk, lines=lines: lines.append((time.monotonic(), chunk)),

@@ -214,7 +214,7 @@ async def test_streaming_execute_sends_outputs_as_they_happen(gateway):
         code, _ = await gateway.request(
             "POST",
             f"/api/sessions/{sid}/execute?stream=1",
-            {"code": "import time\nfor i in range(3):\n    print(i, flush=True); time.sleep(0.3)"},
+            {"code": "import sys, time\nfor i in range(3):\n    sys.stdout.write(f'{i}\\n'); sys.stdout.flush(); time.sleep(0.3)"},
             streaming_callback=on_chunk,
         )
         assert code == 200

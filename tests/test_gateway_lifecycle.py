@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -88,10 +89,9 @@ async def test_graceful_shutdown_returns_in_flight_executes(tmp_path):
     running = asyncio.create_task(
         gw.request("POST", f"/api/sessions/{session['id']}/execute", {"code": "import time\ntime.sleep(600)"})
     )
-    for _ in range(100):
-        _, model = await gw.request("GET", f"/api/sessions/{session['id']}")
-        if model["kernel"]["execution_state"] == "busy":
-            break
+    deadline = time.monotonic() + 60  # a loaded machine may take a while to start the cell
+    while (await gw.request("GET", f"/api/sessions/{session['id']}"))[1]["kernel"]["execution_state"] != "busy":
+        assert time.monotonic() < deadline, "the cell never started"
         await asyncio.sleep(0.05)
     await asyncio.sleep(0.3)
     await stop_gateway(gw)

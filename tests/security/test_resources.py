@@ -183,7 +183,13 @@ async def test_output_floods_are_budgeted(arena, name, code):
     async with PeakRss() as rss:
         reply = await under_attack(arena, name, code, 300)
     assert reply["status"] == "ok", reply["status"]
-    assert reply["truncation"]["truncated"] and len(reply["text"].encode()) < 70 * 1024
+    text_bytes = len(reply["text"].encode())
+    assert text_bytes < 70 * 1024, f"{text_bytes} bytes of text in the reply"
+    if not reply["truncation"]["truncated"]:
+        # Only a flood of small messages can arrive whole yet under the budget: when the host reads
+        # slower than the kernel prints (a loaded machine), the kernel's iopub queue (64 messages,
+        # kernel-image/start_kernel.py) drops what does not fit, and fewer than 64 KiB arrive.
+        assert name == "many_small_outputs" and text_bytes <= 64 * 1024, reply["truncation"]
     assert rss.growth < 400, f"gateway grew {rss.growth:.0f} MiB"
 
 
