@@ -14,6 +14,11 @@ runtime (``tests/test_x.py::runc``), so a module-scoped sandbox or gateway is ma
 runtime, on one worker, as in a serial run. Pure modules are left ungrouped: their tests are
 spread one by one.
 
+Order. The queue holds the longest groups first, by what the last measured run took
+(tests/durations.json, regenerated with ``python -m tests.scheduling REPORT.xml`` from a run's
+``--junitxml`` report): a long group started near the end would keep one worker busy while the
+others had nothing left (:func:`order_for_workers`).
+
 Exclusive tests. A test marked ``exclusive`` runs while no other test of the run does (its
 set-up and tear-down included): the dockerd restart stops the engine every other test talks to.
 Each test holds a shared lock on a file named after the run for its whole protocol; an exclusive
@@ -28,16 +33,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
 GROUP_MARK = "xdist_group"
 EXCLUSIVE_MARK = "exclusive"
-ASSIGNED = "_sandkernel_group_assigned"  # set on an item whose group assign_groups gave
 
 
 def group_of(module: str, runtime: str | None) -> str:
@@ -55,18 +62,18 @@ def assign_groups(items: list[pytest.Item], module_of, runtime_of, is_docker) ->
         module = module_of(item)
         if module in docker_modules and item.get_closest_marker(GROUP_MARK) is None:
             item.add_marker(pytest.mark.xdist_group(group_of(module, runtime_of(item))))
-            setattr(item, ASSIGNED, True)
-    order_for_workers(items)
 
 
 def name_groups_in_node_ids(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """In an xdist worker with ``--dist loadgroup``, end each grouped test's node id with
+    """In an xdist worker with ``--dist loadgroup``, put the tests in the queue's order
+    (:func:`order_for_workers`) and end each grouped test's node id with
     ``@group``, which is how the controller's scheduler sees groups. xdist 3.8 does this itself by
     writing ``item._nodeid``, which pytest 9.2 no longer reads (the id is ``item._id``, a NodeId):
     without this every test was scheduled alone, each worker made its own copy of every
     module-scoped sandbox, and the Swarm lab's modules ran on several workers at once."""
     if not config.getvalue("loadgroup"):
-        return
+        return  # a serial run keeps pytest's own order
+    order_for_workers(items)
     for item in items:
         group = group_name(item)
         if group is None or item.nodeid.endswith(f"@{group}"):
@@ -85,39 +92,63 @@ def group_name(item: pytest.Item) -> str | None:
     return "_".join(names) if names else None
 
 
-def order_for_workers(items: list[pytest.Item]) -> None:
+def order_for_workers(items: list[pytest.Item], expected: dict[str, float] | None = None) -> None:
     """Order the tests as the workers should take them (xdist's own reordering by group size is
-    turned off in :func:`pytest_configure`, so this order is the queue's): groups a module names
-    itself first (shared infrastructure such as the Swarm lab: the longest), then the other groups
-    from the most tests to the fewest, then ungrouped tests, and groups holding an exclusive test
-    last, so that such a test waits only for the tests still running at the end of the run, not
-    while every other worker sits at the gate. Tests keep pytest's order within a group (the
-    order that makes each module-scoped fixture once)."""
-    sizes: dict[str | None, int] = {}
-    named: set[str] = set()
-    exclusive: set[str | None] = set()
+    turned off in :func:`pytest_configure`, so this order is the queue's): the longest work first,
+    so no long group starts near the end while the other workers run out of work (a bench run of
+    four minutes started last held a whole run up). A group's length is what the last measured
+    run took (:data:`DURATIONS_FILE`, from :func:`write_durations`), or, for a group it does not
+    know, its number of tests times :data:`UNKNOWN_TEST_SECONDS`. Groups holding an exclusive test
+    go last, so such a test waits only for the short tests still running at the end, not while
+    every other worker sits at the gate. Tests keep pytest's order within a group (the order that
+    makes each module-scoped fixture once)."""
+    expected = read_durations() if expected is None else expected
+    seconds: dict[str, float] = {}
+    exclusive: set[str] = set()
     for item in items:
-        group = group_name(item)
-        sizes[group] = sizes.get(group, 0) + 1
+        group = group_name(item) or item.nodeid
+        seconds[group] = seconds.get(group, 0.0) + expected.get(test_key(item), UNKNOWN_TEST_SECONDS)
         if item.get_closest_marker(EXCLUSIVE_MARK) is not None:
             exclusive.add(group)
-        if group is not None and item.get_closest_marker(GROUP_MARK) is not None and group_set_by_module(item):
-            named.add(group)
 
-    def rank(item: pytest.Item) -> tuple[int, int, str]:
-        group = group_name(item)
-        if group in exclusive:
-            return (3, 0, group or item.nodeid)
-        if group is None:
-            return (2, 0, "")
-        return (0 if group in named else 1, -sizes[group], group)
+    def rank(item: pytest.Item) -> tuple[bool, float, str]:
+        group = group_name(item) or item.nodeid
+        return (group in exclusive, -seconds[group], group)
 
     items.sort(key=rank)
 
 
-def group_set_by_module(item: pytest.Item) -> bool:
-    """Whether the item's group was written on its module or test (not given by assign_groups)."""
-    return not getattr(item, ASSIGNED, False)
+# What each test took in a full run (set-up and tear-down included), by test_key: generated by
+# ``python -m tests.scheduling REPORT.xml`` from a run's JUnit report (pytest --junitxml), so the
+# queue's order follows what the tests cost, not a hand-kept list. A test it does not list counts
+# as UNKNOWN_TEST_SECONDS.
+DURATIONS_FILE = Path(__file__).with_name("durations.json")
+UNKNOWN_TEST_SECONDS = 2.0
+
+
+def test_key(item: pytest.Item) -> str:
+    """A test's node id without xdist's ``@group`` suffix."""
+    nodeid = item.nodeid
+    group = group_name(item)
+    return nodeid.removesuffix(f"@{group}") if group else nodeid
+
+
+def read_durations(path: Path = DURATIONS_FILE) -> dict[str, float]:
+    try:
+        return {str(k): float(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def write_durations(report: Path, path: Path = DURATIONS_FILE) -> int:
+    """Write the durations of a JUnit report's tests (rounded to 0.1 s); the number written."""
+    durations: dict[str, float] = {}
+    for case in ElementTree.parse(report).getroot().iter("testcase"):
+        module = case.get("classname", "").replace(".", "/")
+        nodeid = f"{module}.py::{case.get('name', '')}".split("@", 1)[0]
+        durations[nodeid] = durations.get(nodeid, 0.0) + float(case.get("time", 0))
+    path.write_text(json.dumps({k: round(v, 1) for k, v in sorted(durations.items())}, indent=0) + "\n")
+    return len(durations)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -159,3 +190,8 @@ def machine_share(config: pytest.Config, exclusive: bool) -> Iterator[None]:
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     with machine_share(item.config, exclusive=item.get_closest_marker(EXCLUSIVE_MARK) is not None):
         yield
+
+
+if __name__ == "__main__":
+    written = write_durations(Path(sys.argv[1]))
+    print(f"{written} tests' durations written to {DURATIONS_FILE}")

@@ -21,6 +21,7 @@ from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SessionDet
 from sandkernel.kernels.execution.events import SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.lifecycle.reaper import owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import state_dir
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
@@ -35,6 +36,14 @@ CHILD = textwrap.dedent(
     import asyncio, json, os, sys
     from sandkernel.kernels.execution.events import SessionObserver
     from sandkernel.kernels.execution.session import KernelSession
+    from sandkernel.kernels.lifecycle import reaper
+
+    # The sandbox is labelled as the test process's, which outlives this child: the reaper of any
+    # gateway another test starts meanwhile (a parallel run) must not take it before adoption.
+    # A real crashed gateway's sandboxes are spared the same way by its catalog.
+    for module in list(sys.modules.values()):
+        if getattr(module, "owner_label", None) is reaper.owner_label:
+            module.owner_label = lambda: os.environ["SANDKERNEL_TEST_ORPHAN_OWNER"]
 
     class Started(SessionObserver):
         def __init__(self):
@@ -82,7 +91,7 @@ async def orphaned_sandbox(tmp_path: Path, runtime: str, left_running: str = "",
     out = tmp_path / "record.json"
     settings = json.dumps({"runtime": runtime, **overrides})
     # The child keeps its workspace disk where this process will look for it.
-    env = {**os.environ, "SANDKERNEL_STATE_DIR": str(state_dir())}
+    env = {**os.environ, "SANDKERNEL_STATE_DIR": str(state_dir()), "SANDKERNEL_TEST_ORPHAN_OWNER": owner_label()}
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, settings, str(out), left_running, env=env)
     assert await asyncio.wait_for(proc.wait(), 180) == 0
     return json.loads(out.read_text())

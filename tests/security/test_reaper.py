@@ -22,7 +22,9 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.runtime_dir import default_base_dir
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL
 
-pytestmark = [pytest.mark.security, pytest.mark.docker]
+# Exclusive: its containers have dead owners, which any gateway another test starts meanwhile (a
+# parallel run) would reap first, as it should.
+pytestmark = [pytest.mark.security, pytest.mark.docker, pytest.mark.exclusive]
 
 
 def victim() -> Path:
