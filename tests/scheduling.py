@@ -71,7 +71,7 @@ def name_groups_in_node_ids(config: pytest.Config, items: list[pytest.Item]) -> 
     writing ``item._nodeid``, which pytest 9.2 no longer reads (the id is ``item._id``, a NodeId):
     without this every test was scheduled alone, each worker made its own copy of every
     module-scoped sandbox, and the Swarm lab's modules ran on several workers at once."""
-    if not config.getvalue("loadgroup"):
+    if not getattr(config.option, "loadgroup", False):  # set in xdist workers only
         return  # a serial run keeps pytest's own order
     order_for_workers(items)
     for item in items:
