@@ -21,7 +21,7 @@ others had nothing left (:func:`order_for_workers`).
 
 Exclusive tests. A test marked ``exclusive`` runs while no other test of the run does (its
 set-up and tear-down included): the dockerd restart stops the engine every other test talks to.
-Each test holds a shared lock on a file named after the run for its whole protocol; an exclusive
+Each test holds a shared lock on a file in the run's base temp dir for its whole protocol; an exclusive
 test takes it exclusively. A second lock (the gate) is taken by every test for a moment before
 its shared lock and by an exclusive test for its whole run, so an exclusive test waiting for the
 others to finish is not starved by tests that keep starting. Such a test is queued last
@@ -36,7 +36,6 @@ import fcntl
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from xml.etree import ElementTree
@@ -158,11 +157,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def lock_dir(config: pytest.Config) -> Path | None:
-    """Where this run's lock files live, or None outside an xdist worker (nothing to lock)."""
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is None:
+    """Where this run's lock files live, or None outside an xdist worker (nothing to lock): the
+    run's own base temp dir, which every worker's sits in (``.../popen-gwN``) and which pytest's
+    retention removes with the run, so no lock file outlives a few runs."""
+    if getattr(config, "workerinput", None) is None or not config.option.basetemp:
         return None
-    return Path(tempfile.gettempdir()) / f"sandkernel-tests-{workerinput['testrunuid']}"
+    return Path(config.option.basetemp).parent
 
 
 @contextlib.contextmanager
@@ -172,9 +172,8 @@ def machine_share(config: pytest.Config, exclusive: bool) -> Iterator[None]:
     if folder is None:
         yield
         return
-    folder.mkdir(mode=0o700, exist_ok=True)
-    gate = os.open(folder / "gate", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    share = os.open(folder / "share", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    gate = os.open(folder / "exclusive-gate", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    share = os.open(folder / "exclusive-share", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(share, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
