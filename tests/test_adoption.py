@@ -21,7 +21,7 @@ from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SessionDet
 from sandkernel.kernels.execution.events import SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.reaper import owner_label
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import state_dir
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
@@ -41,8 +41,10 @@ CHILD = textwrap.dedent(
     # The sandbox is labelled as the test process's, which outlives this child: the reaper of any
     # gateway another test starts meanwhile (a parallel run) must not take it before adoption.
     # A real crashed gateway's sandboxes are spared the same way by its catalog.
+    # (The original is held apart: patching reaper first must not hide it from the others.)
+    original = reaper.owner_label
     for module in list(sys.modules.values()):
-        if getattr(module, "owner_label", None) is reaper.owner_label:
+        if getattr(module, "owner_label", None) is original:
             module.owner_label = lambda: os.environ["SANDKERNEL_TEST_ORPHAN_OWNER"]
 
     class Started(SessionObserver):
@@ -94,7 +96,10 @@ async def orphaned_sandbox(tmp_path: Path, runtime: str, left_running: str = "",
     env = {**os.environ, "SANDKERNEL_STATE_DIR": str(state_dir()), "SANDKERNEL_TEST_ORPHAN_OWNER": owner_label()}
     proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, settings, str(out), left_running, env=env)
     assert await asyncio.wait_for(proc.wait(), 180) == 0
-    return json.loads(out.read_text())
+    record = json.loads(out.read_text())
+    owners = default_engine().client.containers.list(all=True, sparse=True, filters={"label": f"{OWNER_LABEL}={owner_label()}"})
+    assert record["state"]["container_id"] in {c.id for c in owners}, "the orphan does not carry this process's owner label"
+    return record
 
 
 async def adopted(record: dict) -> tuple[KernelSession, Recorded]:
