@@ -513,6 +513,12 @@ def lock_holders(url: str, host_id: str) -> list[tuple[int, str]]:
     )
 
 
+def terminate(url: str, pid: int) -> None:
+    """End a backend and wait until it is gone (its locks released): ``pg_terminate_backend``
+    alone only signals it, and a loaded machine's backend may still hold the lock afterwards."""
+    assert admin(url, "SELECT pg_terminate_backend(%s, 60000)", (pid,)) == [(True,)], f"backend {pid} did not end"
+
+
 async def test_a_second_store_with_the_same_host_id_is_refused_naming_the_first(fresh_postgres_url):
     first = await PostgresStore.open(fresh_postgres_url, "h1")
     other = None
@@ -557,18 +563,19 @@ async def test_a_lost_host_lock_is_taken_again_at_the_next_beat_and_one_taken_by
     try:
         await catalog.register("http://127.0.0.1:1", ["runc"], 4)
         ((pid, _),) = lock_holders(fresh_postgres_url, "h1")
-        admin(fresh_postgres_url, "SELECT pg_terminate_backend(%s)", (pid,))  # as a PostgreSQL restart would
+        terminate(fresh_postgres_url, pid)  # as a PostgreSQL restart would
         assert lock_holders(fresh_postgres_url, "h1") == []
         await membership.beat()
         ((again, name),) = lock_holders(fresh_postgres_url, "h1")
         assert again != pid and name == application_name("h1")
 
         # Lost again, and this time another gateway with this host id takes it before the beat.
-        admin(fresh_postgres_url, "SELECT pg_terminate_backend(%s)", (again,))
+        terminate(fresh_postgres_url, again)
         rival = await psycopg.AsyncConnection.connect(
             fresh_postgres_url, autocommit=True, application_name="sandkernel h1 4242@elsewhere"
         )
-        await rival.execute("SELECT pg_try_advisory_lock(%s::int4, %s::int4)", host_lock_key("h1"))
+        taken = await rival.execute("SELECT pg_try_advisory_lock(%s::int4, %s::int4)", host_lock_key("h1"))
+        assert await taken.fetchone() == (True,)
         (beat_at,) = admin(fresh_postgres_url, "SELECT heartbeat_at FROM hosts WHERE host_id = 'h1'")
         with pytest.raises(HostIdInUseError) as caught:
             await membership.beat()

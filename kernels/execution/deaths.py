@@ -15,8 +15,10 @@ from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.sandbox.container import SandboxContainer
 
-# Seconds to wait for Docker to record an OOM kill of a container whose cgroup is already gone.
-SETTLE_SECONDS = 3.0
+# Seconds Docker may take to record the stop of a container whose cgroup is already gone (its
+# verdict on OOM comes with the stop). On a loaded host that took over 3 s (a fixed 3 s wait
+# called gVisor OOMs plain deaths); only a container the engine never sees stop waits it out.
+ENGINE_STOP_TIMEOUT = 30.0
 
 
 class DeathClassifier:
@@ -41,8 +43,8 @@ class DeathClassifier:
 
         Under gVisor the whole container dies; its memory cgroup goes with it, and Docker may not
         have recorded ``OOMKilled`` yet when the kernel's death is seen. So when the counter can
-        no longer be read, Docker's verdict is awaited for a moment (never under runc, whose
-        container and cgroup outlive the kernel)."""
+        no longer be read, Docker's verdict is awaited until it has recorded the stop (never
+        under runc, whose container and cgroup outlive the kernel)."""
         try:
             if await container.oom_killed():
                 return ExecutionStatus.OOM
@@ -58,13 +60,13 @@ class DeathClassifier:
 
     @staticmethod
     async def _settled_oom_kill(container: SandboxContainer) -> bool:
-        """Whether Docker, once it has seen the container stop, says it was killed for memory."""
-        deadline = time.monotonic() + SETTLE_SECONDS
-        while time.monotonic() < deadline:
+        """Whether Docker, once it has recorded the container's stop, says it was killed for memory."""
+        deadline = time.monotonic() + ENGINE_STOP_TIMEOUT
+        while (state := await container.engine_state()) is not None and state.get("Running"):
+            if time.monotonic() >= deadline:
+                return False
             await asyncio.sleep(0.1)
-            if await container.oom_killed():
-                return True
-        return False
+        return bool(state and state.get("OOMKilled"))
 
     def sentence(self, status: ExecutionStatus, between_executes: bool) -> str:
         """The state-loss sentence a result and the transcript carry."""

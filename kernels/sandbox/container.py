@@ -307,21 +307,23 @@ class SandboxContainer:
 
     # -- container ------------------------------------------------------------------------
 
-    async def is_running(self) -> bool:
+    async def engine_state(self) -> dict | None:
+        """The engine's ``State`` of the container (Running, OOMKilled, ExitCode...); None if gone."""
         try:
-            state = await self.engine.run(self.engine.client.api.inspect_container, self.id)
+            attrs = await self.engine.run(self.engine.client.api.inspect_container, self.id)
         except docker.errors.APIError:
-            return False
-        return bool(state["State"].get("Running"))
+            return None
+        return attrs.get("State") or {}
+
+    async def is_running(self) -> bool:
+        state = await self.engine_state()
+        return bool(state and state.get("Running"))
 
     async def oom_killed(self) -> bool:
         """Whether the engine saw the container itself killed for memory (gVisor's whole sandbox
         dies that way; under runc only the kernel process is killed, see :meth:`oom_kill_count`)."""
-        try:
-            state = await self.engine.run(self.engine.client.api.inspect_container, self.id)
-        except docker.errors.APIError:
-            return False
-        return not state["State"].get("Running") and bool(state["State"].get("OOMKilled"))
+        state = await self.engine_state()
+        return bool(state and not state.get("Running") and state.get("OOMKilled"))
 
     async def oom_kill_count(self) -> int | None:
         """How many processes the memory cgroup's OOM killer has ended in this container."""
