@@ -228,6 +228,9 @@ class ServedGateway:
         assert self.proc is not None
         self.proc.terminate()
         await asyncio.to_thread(self.proc.wait, 60)
+        # The gateway removed its sandboxes on exit; its catalog and transcripts go too.
+        for directory in (self.state, self.notebooks):
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 async def gateway_doors(n: int, block: int, before: str | None) -> tuple[dict[str, list[float]], dict[str, float]]:

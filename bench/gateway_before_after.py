@@ -32,15 +32,16 @@ HERE = Path(__file__).resolve().parents[1]
 DOORS = ("session API", "websocket")
 
 
-def start_gateway(tree: Path, image: str, runtime: str, notebooks: str) -> tuple[subprocess.Popen, int]:
-    """``sandkernel serve`` of ``tree``, with its own image, on a free loopback port."""
+def start_gateway(tree: Path, image: str, runtime: str, notebooks: str, state: str) -> tuple[subprocess.Popen, int]:
+    """``sandkernel serve`` of ``tree``, with its own image and state dir ``state``, on a free
+    loopback port."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SANDKERNEL_")}
     env["SANDKERNEL_IMAGE"] = image
     # A tree that keeps sessions across restarts keeps them in a private catalog and removes them
     # on exit (older trees ignore these two variables).
     env["SANDKERNEL_ON_EXIT"] = "delete"
-    env["SANDKERNEL_STATE_DIR"] = tempfile.mkdtemp(prefix="sandkernel-bench-state-")
+    env["SANDKERNEL_STATE_DIR"] = state
     command = [
         str(tree / ".venv" / "bin" / "sandkernel"),
         "serve",
@@ -64,11 +65,13 @@ def start_gateway(tree: Path, image: str, runtime: str, notebooks: str) -> tuple
 async def measure(runtime: str, contenders: dict[str, tuple[Path, str]], rounds: int, n: int) -> dict:
     samples = {name: {door: [] for door in DOORS} for name in contenders}
     procs = []
-    with tempfile.TemporaryDirectory() as notebooks:
+    # Removed once the gateways exited (they removed their sandboxes): nothing left in /tmp.
+    with tempfile.TemporaryDirectory() as notebooks, tempfile.TemporaryDirectory() as states:
         try:
             sessions = {}
             for name, (tree, image) in contenders.items():
-                proc, port = start_gateway(tree, image, runtime, notebooks)
+                state = tempfile.mkdtemp(prefix="state-", dir=states)
+                proc, port = start_gateway(tree, image, runtime, notebooks, state)
                 procs.append(proc)
                 base = f"http://127.0.0.1:{port}"
                 await wait_http(base + "/api/health", proc)
