@@ -36,6 +36,9 @@ def main() -> None:
         "-f",
         connection_file,
         "--IPKernelApp.exec_lines=import os as _sk_os; _sk_os.umask(0o022); del _sk_os",
+        # No history database: the transcript is the record. IPython's thread that saves it
+        # printed its own failures (after a cell used up the process's fds) into cell output.
+        "--HistoryManager.enabled=False",
     ]
     bound_iopub_queue()
     bound_iopub_bytes()

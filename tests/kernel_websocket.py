@@ -41,3 +41,16 @@ async def run_cell(ws: WebSocketClientConnection, code: str, msg_id: str | None 
         elif msg["msg_type"] == "status":
             idle = msg["content"]["execution_state"] == "idle"
     return reply, "".join(texts)
+
+
+async def wait_for_stream(ws: WebSocketClientConnection, msg_id: str, text: str, timeout: float = 120) -> None:
+    """Read until cell ``msg_id`` printed ``text``: its code is running. (An interrupt sent when the
+    kernel only said busy can land before ipykernel takes SIGINT for the cell, and is ignored.)"""
+    seen = ""
+    async with asyncio.timeout(timeout):
+        while text not in seen:
+            message = await ws.read_message()
+            assert message is not None, f"the websocket closed: {ws.close_code} {ws.close_reason}"
+            msg = json.loads(message)
+            if msg.get("parent_header", {}).get("msg_id") == msg_id and msg["msg_type"] == "stream":
+                seen += msg["content"]["text"]

@@ -36,7 +36,7 @@ from .cluster_hosts import running_cluster
 from .conftest import container_ids_of, require_runtime
 from .gateway_fixtures import ALICE, BOB
 from .jupyter_server import jupyter_server
-from .kernel_websocket import execute_request, run_cell
+from .kernel_websocket import execute_request, run_cell, wait_for_stream
 from .postgres_fixtures import create_database, drop_database, postgres_server, running_postgres  # noqa: F401
 from .test_cluster_membership import stop_postmaster
 from .test_forwarding import CLUSTER_SECRET, Host, write_secret
@@ -163,7 +163,9 @@ async def test_busy_shows_cluster_wide_and_interrupt_and_restart_through_a_reach
     ws = await channels(a, kid)
     try:
         msg_id = uuid.uuid4().hex
-        await ws.write_message(json.dumps(execute_request(msg_id, "import time\nfor i in range(600): time.sleep(0.1)")))
+        code = "import time\nprint('started', flush=True)\nfor i in range(600): time.sleep(0.1)"
+        await ws.write_message(json.dumps(execute_request(msg_id, code)))
+        await wait_for_stream(ws, msg_id, "started")
 
         async def busy_on_a() -> bool:
             listed = find(await listing(a), kid)

@@ -100,3 +100,16 @@ async def test_a_planted_module_never_answers_the_listing(kernel_session, module
             "    os.path.exists(p) and os.remove(p)",
             timeout=30,
         )
+
+
+async def test_no_history_database(kernel_session):
+    """IPython's history database is off (the transcript is the record): no thread saving it, no
+    file under /tmp/.ipython. Its saving thread printed its own failures ("The history saving
+    thread hit an unexpected error", after a cell had used up the process's fds) into cell output."""
+    for _ in range(2):  # the file would exist once a cell ran
+        result = await kernel_session.execute(
+            "import os\nprint(get_ipython().history_manager.enabled,"
+            " os.path.exists('/tmp/.ipython/profile_default/history.sqlite'))",
+            timeout=60,
+        )
+        assert result.status.value == "ok" and result.text == "False False\n", result.outputs

@@ -163,12 +163,13 @@ async def test_variables_interrupt_restart(mcp_stack):
     names = {v["name"] for v in listed.structured_content["variables"]}
     assert "numbers" in names
 
-    running = asyncio.create_task(client.call_tool("run_python", {"code": "import time\ntime.sleep(60)"}))
-    for _ in range(100):  # wait for the run to start: the session reports busy
-        listed_sessions = await client.call_tool("list_sessions", {})
-        if any(s["state"] == "busy" for s in listed_sessions.structured_content["sessions"]):
-            break
-        await asyncio.sleep(0.1)
+    code = "import time\nopen('started', 'w').close()\ntime.sleep(60)"
+    running = asyncio.create_task(client.call_tool("run_python", {"code": code}))
+    # Wait for the code itself to run (its file): a session already busy can have the kernel
+    # before the cell takes SIGINT, and an interrupt sent then is ignored.
+    async with asyncio.timeout(60):
+        while "started" not in {e["name"] for e in (await client.call_tool("list_files", {})).structured_content["entries"]}:
+            await asyncio.sleep(0.1)
     stopped = await client.call_tool("interrupt", {})
     assert not stopped.is_error
     result = await asyncio.wait_for(running, 30)

@@ -46,17 +46,18 @@ async def test_sessions_come_warm_fresh_and_are_never_reused(tmp_path):
     gateway = await start_gateway(tmp_path, pool_size=2, max_sessions_total=3)
     try:
         await wait_for_pool(gateway, 2)
-        started = time.monotonic()
+        pooled = {c.id for c in docker_containers()}
         code, first = await gateway.request("POST", "/api/sessions", {})
         code2, result = await gateway.request("POST", f"/api/sessions/{first['id']}/execute", {"code": "1 + 1"})
-        warm_seconds = time.monotonic() - started
         assert code == 201 and code2 == 200 and result["outputs"][0]["data"]["text/plain"] == "2"
-        assert warm_seconds < 5  # generous: a cold start is over a second; the bench measures it properly
+        # Warm: its sandbox is one that was already running, no container was started for it (how
+        # much faster that is, the bench measures).
+        first_containers = [c.id for c in docker_containers(first["id"])]
+        assert first_containers and set(first_containers) <= pooled, (first_containers, pooled)
         assert result["execution_count"] == 1, "a pooled kernel must not have run anything before"
         nb = nbformat.read(first["path"], as_version=4)
         assert nb.metadata["sandkernel"]["warm_pool"] is True and nb.metadata["sandkernel"]["session_id"] == first["id"]
         await wait_for_pool(gateway, 2)  # refilled in the background
-        first_containers = [c.id for c in docker_containers(first["id"])]
         assert (await gateway.request("DELETE", f"/api/sessions/{first['id']}"))[0] == 204
         code, second = await gateway.request("POST", "/api/sessions", {})
         assert code == 201 and second["id"] != first["id"]
