@@ -27,18 +27,19 @@ def _our_containers() -> set[str]:
     }
 
 
-def _runtime_dirs() -> set[str]:
-    base = default_base_dir()
-    return {p.name for p in base.iterdir()} if base.exists() else set()
-
-
 @pytest.fixture
-def nothing_left():
-    """Assert a failing call created no container and no runtime dir."""
-    containers, dirs = _our_containers(), _runtime_dirs()
+def nothing_left(tmp_path, monkeypatch):
+    """Assert a failing call created no container and no runtime dir. The runtime dirs' base is
+    the test's own: other test processes on this machine make and remove theirs meanwhile."""
+    base = tmp_path / "run"
+    base.mkdir(mode=0o700)
+    monkeypatch.setenv("SANDKERNEL_RUNTIME_DIR", str(base))
+    assert default_base_dir() == base
+    containers = _our_containers()
     yield
     assert _our_containers() == containers
-    assert _runtime_dirs() == dirs
+    # No runtime dir and no uid reservation (only the allocator's lock, if it got that far).
+    assert [p for p in base.rglob("*") if p not in (base / "uids", base / "uids" / ".lock")] == []
 
 
 @pytest.mark.parametrize(

@@ -126,10 +126,33 @@ class Serve:
         assert status == 201, (status, model)
         return model
 
+    async def recorded_running(self, sid: str, timeout: float = 60) -> None:
+        """Until the catalog records an execution in flight for ``sid`` (what the next gateway
+        settles): the event a kill must come after, whatever the machine's load."""
+        catalog = f"file:{self.state / 'catalog.sqlite3'}?mode=ro"
+        async with asyncio.timeout(timeout):
+            while True:
+                with contextlib.closing(sqlite3.connect(catalog, uri=True)) as db:
+                    row = db.execute("SELECT running FROM sandboxes WHERE session_id = ?", (sid,)).fetchone()
+                if row is not None and row[0] is not None:
+                    return
+                await asyncio.sleep(0.05)
+
+    async def upload(self, sid: str, path: str, data: bytes = b"", token: str = ALICE) -> None:
+        status, body, _ = await call_api(f"{self.url}/api/sessions/{sid}/files/{path}", "PUT", token=token, raw=data)
+        assert status in (200, 201), (status, body)
+
     async def flushed(self, sid: str, token: str = ALICE) -> None:
         """Returns once the session's transcript file holds every cell recorded so far."""
         status, _ = await self.call("GET", f"/api/sessions/{sid}/notebook", token=token)
         assert status == 200
+
+
+def gated(before: str, after: str) -> str:
+    """A cell that runs ``before``, then waits (up to 300 s) until the test uploads 'release',
+    then runs ``after``: still running whenever the test needs it to be, however loaded the machine."""
+    wait = "while not pathlib.Path('release').exists() and time.monotonic() < deadline:\n    time.sleep(0.1)\n"
+    return f"import pathlib, time\n{before}\ndeadline = time.monotonic() + 300\n{wait}{after}"
 
 
 async def clean_up(serve: Serve, session_ids: list[str]) -> None:
@@ -299,14 +322,14 @@ async def test_sigterm_during_a_running_cell_detaches_it_and_the_next_gateway_re
     try:
         busy, other = await asyncio.gather(serve.create(), serve.create())
         ids += [busy["id"], other["id"]]
-        code = "import time\nprint('started', flush=True)\ntime.sleep(25)\nz = 2\nprint('finished')"
+        code = gated("print('started', flush=True)", "z = 2\nprint('finished')")
         kept_alive = http.client.HTTPConnection("127.0.0.1", serve.port, timeout=60)  # a client's open connection
         headers = {"Authorization": f"token {ALICE}", "Content-Type": "application/json"}
         assert (await asyncio.to_thread(request_on, kept_alive, "GET", "/api/sessions", None, headers))[0] == 200
         ws_url = serve.url.replace("http", "ws") + f"/api/kernels/{other['kernel']['id']}/channels"
         ws = await websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {ALICE}"}))
         in_flight = asyncio.create_task(serve.execute(busy["id"], code))
-        await asyncio.sleep(2.0)
+        await serve.recorded_running(busy["id"])  # (its 'started' reaches the gateway within the grace)
         stopped = asyncio.create_task(serve.term())
         await asyncio.sleep(0.5)  # inside the grace: no new connections; new work on open ones is refused
         with pytest.raises(ConnectionRefusedError):
@@ -326,6 +349,7 @@ async def test_sigterm_during_a_running_cell_detaches_it_and_the_next_gateway_re
         assert container_ids_of(busy["id"]) and container_ids_of(other["id"])  # left running
 
         await serve.start()
+        await serve.upload(busy["id"], "release")  # the cell ends now, watched by this gateway
         after = await serve.execute(busy["id"], "print(z)")  # behind the cell, settled by this gateway
         assert after["status"] == "ok" and after["text"] == "2\n", after
         await serve.flushed(busy["id"])
@@ -630,9 +654,8 @@ async def test_a_websocket_cell_cut_off_by_a_restart_gets_its_reply_when_its_cli
             "channel": "shell",
             "buffers": [],
             "content": {
-                # Long enough to still run when the next gateway has adopted it (its start-up
-                # imports alone take 3 s on a loaded 2-core host; 8 s left too little margin).
-                "code": "import time\ntime.sleep(15)\ncut_off = 1",
+                # Still running when the next gateway has adopted it: it ends when released.
+                "code": gated("", "cut_off = 1"),
                 "silent": False,
                 "store_history": True,
                 "user_expressions": {},
@@ -641,10 +664,11 @@ async def test_a_websocket_cell_cut_off_by_a_restart_gets_its_reply_when_its_cli
             },
         }
         await ws.write_message(json.dumps(request))
-        await asyncio.sleep(3.0)  # running, and recorded as such
+        await serve.recorded_running(session["id"])  # running, and recorded as such
         serve.kill9()
         await serve.start()
         ws = await websocket_connect(connect)  # the client reconnects, as jupyter_server does
+        await serve.upload(session["id"], "release")
         deadline = time.monotonic() + 60
         reply = None
         while reply is None and time.monotonic() < deadline:
