@@ -9,11 +9,14 @@ on every execute) and again only after a death.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.sandbox.container import SandboxContainer
+
+log = logging.getLogger(__name__)
 
 # Seconds Docker may take to record the stop of a container whose cgroup is already gone (its
 # verdict on OOM comes with the stop). On a loaded host that took over 3 s (a fixed 3 s wait
@@ -56,6 +59,19 @@ class DeathClassifier:
         if after is not None and after > (before if before is not None else 0):
             self._baseline = after
             return ExecutionStatus.OOM
+        # What the verdict rests on, for the rare death that was an OOM after all (seen once in
+        # a loaded parallel test run under gVisor, not reproduced since).
+        state = await container.engine_state()
+        log.warning(
+            "kernel died, not for memory as far as the engine and cgroup tell: engine state %s, "
+            "OOMKilled %s, exit code %s; cgroup oom_kill count %s (before the execution: %s)",
+            state and state.get("Status"),
+            state and state.get("OOMKilled"),
+            state and state.get("ExitCode"),
+            after,
+            before,
+            extra={"container": container.id[:12]},
+        )
         return ExecutionStatus.KERNEL_DIED
 
     @staticmethod
