@@ -37,6 +37,9 @@ from sandkernel.kernels.lifecycle.profiles import resolve_profile
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, listed_containers, owner_label, reap_sync
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
+# A hung async test's tasks, printed before pytest-timeout fails it: tests/hang_report.py.
+from .hang_report import pytest_runtest_call  # noqa: F401
+
 # The throwaway PostgreSQL server's fixtures (postgres_server, postgres_url, fresh_postgres_url),
 # for every module: made only when a test asks for one.
 from .postgres_fixtures import fresh_postgres_url, postgres_server, postgres_url  # noqa: F401

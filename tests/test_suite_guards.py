@@ -6,6 +6,7 @@ parameters or folder call for: planted tests without them are reported."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -127,3 +128,25 @@ def test_a_test_without_the_marks_it_needs_is_reported():
         (("runc",), "runc", ["docker"]), (("runsc",), "runsc", ["docker", "runsc"])
     ]
     assert [p.id for p in RUNTIME_PARAMS] == RUNTIMES
+
+
+async def test_a_hang_report_names_the_await_each_task_is_stuck_in(capsys):
+    """What tests/hang_report.py prints before pytest-timeout fails a hung async test: each task
+    down to the innermost await (a task's own stack stops at its outermost coroutine)."""
+    from .hang_report import print_tasks
+
+    async def stuck() -> None:
+        await asyncio.Event().wait()
+
+    async def outer() -> None:
+        await stuck()
+
+    task = asyncio.create_task(outer(), name="the-stuck-one")
+    await asyncio.sleep(0)
+    try:
+        print_tasks()
+        report = capsys.readouterr().err
+    finally:
+        task.cancel()
+    lines = report[report.index("-- task the-stuck-one:") :].splitlines()
+    assert "in outer" in lines[1] and "in stuck" in lines[2] and "in wait" in lines[3], report
