@@ -65,9 +65,12 @@ def processes(netns: Iterable[str], marks: Sequence[str], cgroups: Iterable[Path
         if any(mark in line for mark in marks):
             found.add(int(entry.name))
     for top in cgroups:
-        for procs in top.rglob("cgroup.procs"):
-            with contextlib.suppress(OSError):
-                found.update(int(p) for p in procs.read_text().split())
+        # os.walk, not rglob: a cgroup that goes while the tree is walked (its container just
+        # died) is skipped instead of failing the walk.
+        for folder, _, files in os.walk(top):
+            if "cgroup.procs" in files:
+                with contextlib.suppress(OSError):
+                    found.update(int(p) for p in (Path(folder) / "cgroup.procs").read_text().split())
     return {pid for pid in found - me if state(pid) not in ("Z", "?")}
 
 
@@ -89,7 +92,8 @@ def kill_all(find: Callable[[], set[int]], timeout: float, reap: Callable[[], No
 def remove_cgroups(tops: Iterable[Path]) -> None:
     """rmdir the cgroup trees, deepest first (each must be empty of processes by then)."""
     for top in tops:
-        for sub in sorted((p for p in top.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True):
+        subs = [Path(folder) for folder, _, _ in os.walk(top) if Path(folder) != top]  # (tolerates vanishing dirs)
+        for sub in sorted(subs, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 sub.rmdir()
         with contextlib.suppress(OSError):
