@@ -118,6 +118,10 @@ def authenticate_request(handler: web.RequestHandler, auth: TokenAuth | None) ->
 
 # Request bodies larger than this get a JSON 413 (checked on Content-Length, then while reading).
 MAX_BODY_BYTES = 40 * 1024 * 1024
+# Tornado's own cap (its HTTPServer's max_body_size): a body over it ends the connection with a
+# bare 400. Up to it, the rest of an over-limit body is read and dropped after the 413 went out
+# (BaseHandler.refuse_then_drain).
+MAX_DRAINED_BYTES = 2 * MAX_BODY_BYTES
 
 
 @web.stream_request_body
@@ -142,6 +146,7 @@ class BaseHandler(web.RequestHandler):
     lost_elsewhere: LostSession | None = None  # its session was lost with its host (cluster mode)
     serves_session_model = False  # GET/DELETE /api/sessions/{id}: a lost session's model and delete
     forwarding: Any = None  # the exchange with that host, once started (gateway/cluster/forward.py)
+    _refusal: ApiError | None = None  # answered; the rest of the body is dropped (refuse_then_drain)
 
     def initialize(
         self, registry: SessionRegistry, auth: TokenAuth | None, settings: GatewaySettings, metrics: GatewayMetrics
@@ -166,7 +171,11 @@ class BaseHandler(web.RequestHandler):
         self.tenant = self.authenticate()
         declared = self.request.headers.get("Content-Length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self._too_large()
+            waits_for_us = self.request.headers.get("Expect", "").lower() == "100-continue"
+            if waits_for_us or int(declared) > MAX_DRAINED_BYTES:
+                raise self._too_large()  # no body in flight yet (or tornado cuts it off itself)
+            self.refuse_then_drain(self._too_large())
+            return None
         cluster = self.cluster
         if cluster is None:
             return None  # a single host: nothing below runs
@@ -271,19 +280,37 @@ class BaseHandler(web.RequestHandler):
             self.registry.request_ended()
 
     def data_received(self, chunk: bytes) -> None:
-        """Collect the body up to :attr:`max_body_bytes`. Past it (a body sent without a
-        Content-Length), answer the JSON 413 now: tornado then drops the rest of the body and
-        closes the connection (an exception raised here would only be logged, and the client
-        would see the connection cut without an answer)."""
-        if self._finished:
+        """Collect the body up to :attr:`max_body_bytes`; past it (a body sent without a
+        Content-Length), answer the JSON 413 and drop the rest (:meth:`refuse_then_drain`)."""
+        if self._finished or self._refusal is not None:
             return
         self._received += len(chunk)
         if self._received > self.max_body_bytes:
-            self._chunks = []
-            refusal = self._too_large()
-            self.send_error(413, exc_info=(ApiError, refusal, None))
+            self.refuse_then_drain(self._too_large())
             return
         self._chunks.append(chunk)
+
+    def refuse_then_drain(self, refusal: ApiError) -> None:
+        """Send ``refusal``'s JSON answer now, then read (and drop) the rest of the body before
+        the request ends. A client that reads while it sends sees the 4xx at once; one that sends
+        the whole body first must find the connection still open: closed with unread bytes in
+        it, the kernel resets it, and the reset can reach the client before the answer does (a
+        bare connection error instead of a 4xx saying what to fix, as a CI run's 5 MB MCP body
+        got). Tornado's max_body_size and body_timeout bound what is read."""
+        self._refusal = refusal
+        self._chunks = []
+        status, code, message = error_reply(refusal)
+        payload = json.dumps({"error": code, "message": message}).encode()
+        self.set_status(status)
+        self.set_header("Content-Type", "application/json")
+        self.set_header("Content-Length", str(len(payload)))
+        self.write(payload)
+        self.flush()
+
+        async def end(*args: Any, **kwargs: Any) -> None:
+            self.finish()  # the answer is out: this only ends the request
+
+        setattr(self, self.request.method.lower(), end)  # tornado looks the verb up on the handler
 
     @property
     def body(self) -> bytes:

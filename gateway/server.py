@@ -29,7 +29,7 @@ from sandkernel import __version__
 from sandkernel.errors import ConfigError, SandkernelError
 from sandkernel.gateway.adoption import AdoptionReport, adopt_all
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import MAX_BODY_BYTES, BaseHandler, NotFoundHandler
+from sandkernel.gateway.base import MAX_DRAINED_BYTES, BaseHandler, NotFoundHandler
 from sandkernel.gateway.channels import ChannelsHandler
 from sandkernel.gateway.cluster.catalog import ClusterCatalog
 from sandkernel.gateway.cluster.fast_lane import FastLane
@@ -323,7 +323,7 @@ class Gateway:
             mcp = await McpHttp.start(registry, settings)  # None without the mcp extra
             server = httpserver.HTTPServer(
                 make_app(registry, settings, auth, registry.metrics, mcp),
-                max_body_size=MAX_BODY_BYTES * 2,
+                max_body_size=MAX_DRAINED_BYTES,
                 idle_connection_timeout=settings.header_timeout,
                 body_timeout=settings.body_timeout,
                 ssl_options=tls,

@@ -318,6 +318,36 @@ async def test_oversized_chunked_body_gets_a_json_413_not_a_cut_connection(gatew
     assert code == 200 and health["status"] == "ok"
 
 
+async def test_a_client_that_sends_its_whole_oversized_body_before_reading_still_gets_the_413(gateway):
+    """Most clients send the whole body before they read. The 413 goes out at once; the body is
+    then read and dropped, so the connection is not closed with unread bytes in it (which resets
+    it and throws away the answer the client had not read yet: a CI run's MCP client saw a bare
+    ReadError). Made certain here: the body is sent only after the answer has arrived."""
+    from sandkernel.gateway.mcp.http import MAX_MCP_BODY_BYTES
+
+    size = MAX_MCP_BODY_BYTES + 1024 * 1024
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
+    writer.write(
+        b"POST /mcp HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: token {ALICE}\r\nContent-Length: {size}\r\n\r\n".encode()
+    )
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)  # answered before the body
+    chunk = b"x" * (1024 * 1024)
+    for _ in range(size // len(chunk)):
+        writer.write(chunk)
+        await writer.drain()
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    body = await asyncio.wait_for(reader.readexactly(length), 30)  # still there: no reset threw it away
+    # The body was read to its end, so the connection can carry the next request.
+    writer.write(f"GET /api/health HTTP/1.1\r\nHost: x\r\nAuthorization: token {ALICE}\r\n\r\n".encode())
+    health = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 413"), head
+    assert json.loads(body)["error"] == "too_large" and "limit" in json.loads(body)["message"], body
+    assert health.startswith(b"HTTP/1.1 200"), health
+
+
 async def test_gateway_tokens_never_reach_the_kernel(gateway):
     _, session = await gateway.request("POST", "/api/sessions", {})
     try:
