@@ -411,8 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sandkernel.imports import skip_unused_slow_imports
     from sandkernel.logs import configure
 
+    skip_unused_slow_imports()  # before any command imports nbformat or mcp (imports.py says why)
     args = build_parser().parse_args(argv)
     configure(args.log_level, args.log_format)
     try:

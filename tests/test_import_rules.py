@@ -199,3 +199,24 @@ def test_the_rules_catch_planted_violations():
     assert [v.target for v in agent] == ["sandkernel.kernels.execution.outputs"]
     base = check_source("def f():\n    from .gateway import budget\n", "sandkernel.mime", "sandkernel/mime.py")
     assert [v.target for v in base] == ["sandkernel.gateway.budget"]
+
+
+def test_the_cli_skips_the_slow_unused_import_and_notebooks_still_validate():
+    """sandkernel/imports.py: the CLI's processes never compile rfc3987_syntax's grammar (seconds
+    of CPU per gateway start), and what imports jsonschema without it still works: nbformat
+    validates a notebook, and jsonschema validates the way the MCP SDK calls it."""
+    import subprocess
+    import sys
+
+    probe = (
+        "from sandkernel.imports import skip_unused_slow_imports\n"
+        "skip_unused_slow_imports()\n"
+        "import jsonschema, nbformat\n"
+        "nbformat.validate(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('1')]))\n"
+        "jsonschema.validate({'code': 'x'}, {'type': 'object', 'properties': {'code': {'type': 'string'}}})\n"
+        "try:\n    import rfc3987_syntax\nexcept ImportError:\n    print('skipped')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "skipped", done.stdout + done.stderr
+    main = (ROOT / "sandkernel" / "cli.py").read_text().split("def main(", 1)[1]
+    assert "skip_unused_slow_imports()" in main.split("args = ", 1)[0], "main() must skip before any command runs"
