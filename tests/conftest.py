@@ -128,6 +128,13 @@ RUNTIMES = ["runc", "runsc"]
 RUNC = pytest.param("runc", marks=pytest.mark.docker, id="runc")
 RUNSC = pytest.param("runsc", marks=[pytest.mark.docker, pytest.mark.runsc], id="runsc")
 RUNTIME_PARAMS = [RUNC, RUNSC]
+# A door's own code (the websocket's execute, MCP over HTTP and its tools, the Python client riding
+# through a gateway restart, the deepagents backend, policy checked at each door) runs in the
+# gateway, the same whatever runtime holds the kernel behind it: those modules run under runc, and
+# each door's smoke test under both runtimes too. What a runtime changes (the boundary, resources,
+# deaths and OOMs, accounting, adoption after a restart, snapshots, the kernel image) is tested
+# under both wherever it is tested (tests/README.md, "What runs under which runtime").
+DOOR_RUNTIME_PARAMS = [RUNC]
 
 # Fixtures that start containers (a kernel, a gateway that starts them, the Swarm lab) or reach
 # the engine: a test using one, directly or through another fixture, must carry the docker mark.

@@ -126,17 +126,20 @@ async def running_gateway(tmp_path, **options: Any) -> AsyncIterator[Gateway]:
         await stop_gateway(gateway)
 
 
-def gateway_fixture(scope: str = "module", runtimes: bool = False, **options: Any):
+def gateway_fixture(scope: str = "module", runtimes: bool | list[Any] = False, **options: Any):
     """A fixture yielding a gateway of :func:`start_gateway` with ``options``, so a module's gateway
     is one line: ``gateway = gateway_fixture(max_sessions=3)`` (pytest names the fixture after the
     module-level name it is bound to). With ``runtimes``, one gateway per runtime of
-    RUNTIME_PARAMS (their marks reach the tests), each defaulting to its runtime (``gw.runtime``)."""
+    RUNTIME_PARAMS (or of the list given, such as DOOR_RUNTIME_PARAMS; their marks reach the
+    tests), each defaulting to its runtime (``gw.runtime``). A test takes other runtimes than its
+    module's with ``@pytest.mark.parametrize("gateway", RUNTIME_PARAMS, indirect=True)``."""
+    params = RUNTIME_PARAMS if runtimes is True else (runtimes or None)
 
-    @pytest.fixture(scope=scope, params=RUNTIME_PARAMS if runtimes else None)
+    @pytest.fixture(scope=scope, params=params)
     async def gateway(
         request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     ) -> AsyncIterator[Gateway]:
-        runtime = request.param if runtimes else None
+        runtime = request.param if params else None
         chosen = dict(options)
         if runtime is not None:
             require_runtime(runtime)

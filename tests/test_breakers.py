@@ -42,7 +42,7 @@ from sandkernel.kernels.execution.events import ExecutionRequest
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, TimeoutStep
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine
 
-from .conftest import RUNTIME_PARAMS, RunscState, require_runtime, runsc_required, runsc_state
+from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS, RunscState, require_runtime, runsc_required, runsc_state
 from .gateway_fixtures import ALICE, start_gateway, stop_gateway
 from .test_docker_restart import (
     FakeDockerd,
@@ -483,7 +483,7 @@ async def post_session(gw) -> tuple[int, str | None, int | None]:
     return response.code, code, int(retry_after) if retry_after is not None else None
 
 
-@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
+@pytest.mark.parametrize("runtime", DOOR_RUNTIME_PARAMS)  # the gateway's record; OOMs under both above
 async def test_a_quarantine_outlives_a_gateway_restart(tmp_path, runtime):
     """The catalog records the quarantine with the session: the next gateway process adopts the
     session still quarantined (a restart of the gateway is not a way around the breaker)."""

@@ -38,7 +38,7 @@ from sandkernel.agent.offline_api import ScriptedMessagesServer, ScriptedTurn, c
 from sandkernel.agent.tools import GATEWAY_RESTARTED, RESTART_NOTE
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 
-from .conftest import RUNTIME_PARAMS, require_runtime
+from .conftest import DOOR_RUNTIME_PARAMS, require_runtime
 from .gateway_fixtures import ALICE, free_port
 from .jupyter_server import jupyter_server
 
@@ -117,7 +117,7 @@ def remove_containers_of(session_ids: list[str]) -> None:
             subprocess.run(["docker", "rm", "-f", *found], capture_output=True, timeout=120)
 
 
-@pytest.fixture(params=RUNTIME_PARAMS)
+@pytest.fixture(params=DOOR_RUNTIME_PARAMS)  # the client and the gateway ride through; adoption under both: test_durable_sessions
 async def gateway(request, tmp_path):
     """A restartable gateway process (named ``gateway``: the suite's tier rule makes it a docker test)."""
     require_runtime(request.param)

@@ -32,13 +32,14 @@ from sandkernel.agent.scenarios import SALES_ROWS, SALES_TASK, make_sales_files,
 from sandkernel.integrations.deepagents import SandkernelSandbox, run_python_tool, workspace_path
 from sandkernel.notebooks.replay import replay_notebook
 
+from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS
 from .gateway_fixtures import ALICE, gateway_fixture
 
 FLAVORS = ["sync", "async"]
 BINARY = bytes(range(256)) * 64 + b"\x00\r\n\x89PNG\r\n\x1a\n"  # every byte value, CRLFs, NULs
 
 
-gateway = gateway_fixture(runtimes=True)
+gateway = gateway_fixture(runtimes=DOOR_RUNTIME_PARAMS)  # the smoke test: both
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,7 @@ def use(request, sessions):
 
 
 @pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
+@pytest.mark.parametrize("gateway", RUNTIME_PARAMS, indirect=True)
 async def test_execute_runs_a_shell_command_with_its_exit_code(use, sessions):
     sandbox = use.sandbox
     assert sandbox.id == sessions[use.flavor].id

@@ -25,7 +25,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
 from mcp_types import CallToolResult
 
-from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
+from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS, container_ids_of, require_runtime
 from .gateway_fixtures import ALICE, BOB, Gateway, gateway_fixture, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.docker
@@ -37,7 +37,7 @@ FIGURE = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
 MODERN_HEADERS = {"Accept": "application/json, text/event-stream", "MCP-Protocol-Version": MODERN}
 
 
-gateway = gateway_fixture(runtimes=True, max_sessions=6)
+gateway = gateway_fixture(runtimes=DOOR_RUNTIME_PARAMS, max_sessions=6)  # the smoke test: both
 
 
 @contextlib.asynccontextmanager
@@ -85,6 +85,7 @@ async def close_all(gw: Gateway, tenant: str, ids: set[str]) -> None:
 
 
 @pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)
+@pytest.mark.parametrize("gateway", RUNTIME_PARAMS, indirect=True)
 @pytest.mark.parametrize("mode", MODES)
 async def test_state_is_kept_across_calls_and_recorded_as_mcp(gateway: Gateway, mode: str) -> None:
     before = live_ids(gateway, "alice")
@@ -321,7 +322,7 @@ async def test_the_sdk_runs_on_the_gateway_loop_and_a_long_call_blocks_nothing(g
 # -- the gateway's lifecycle ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
+@pytest.mark.parametrize("runtime", DOOR_RUNTIME_PARAMS)
 async def test_a_gateway_stops_promptly_under_open_mcp_sessions(tmp_path, runtime: str) -> None:
     """The SDK's session manager stops with the gateway: an open legacy MCP session (with its
     server-to-client GET stream) and a modern client do not hold the stop up, and no container

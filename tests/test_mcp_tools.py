@@ -24,13 +24,13 @@ from sandkernel.gateway.mcp.tools import build_mcp_server
 from sandkernel.images import MAX_EDGE
 from sandkernel.notebooks.compare import Verdict
 from sandkernel.notebooks.replay import replay
-from tests.conftest import RUNTIME_PARAMS, require_runtime
+from tests.conftest import DOOR_RUNTIME_PARAMS, require_runtime
 from tests.gateway_fixtures import start_gateway, stop_gateway
 
 pytestmark = pytest.mark.docker
 
 
-@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
+@pytest.fixture(scope="module", params=DOOR_RUNTIME_PARAMS)
 async def mcp_stack(request, tmp_path_factory):
     """A gateway on ``runtime``, alice's resolver and her MCP client; bob's resolver for the
     tenant test. Yields (client, alice, bob, gateway)."""

@@ -1,8 +1,8 @@
 """The execution policy through real doors: a gateway started with ``exec_policy_file``, real
-containers (runc and runsc), the session API, the shell endpoint, the Jupyter websocket and the
+containers (runc: the policy is the gateway's, whatever runtime is behind it), the session API, the shell endpoint, the Jupyter websocket and the
 Claude loop (the real ``anthropic`` SDK against the local scripted Messages API server).
 
-Each built-in rule is run with each action: three gateways per runtime, whose policies rotate the
+Each built-in rule is run with each action: three gateways, whose policies rotate the
 actions over the rules, so every rule is denied on one, warned on another and allowed on the third.
 A denied cell never reaches the kernel (the names it would set stay unset); a warned one runs
 and carries its finding in the reply and in its transcript cell. The rules themselves (what each
@@ -23,7 +23,7 @@ from sandkernel.agent.scenarios import POLICY_FILES, SCENARIOS
 from sandkernel.errors import ConfigError
 from sandkernel.kernels.policy import RULE_NAMES
 
-from .conftest import RUNTIME_PARAMS, require_runtime
+from .conftest import DOOR_RUNTIME_PARAMS, require_runtime
 from .gateway_fixtures import ALICE, running_gateway, start_gateway
 from .test_gateway import connect, ws_execute
 
@@ -62,7 +62,7 @@ def policy_toml(rotation: int) -> str:
     scope="module",
     params=[
         pytest.param((runtime.values[0], rotation), marks=runtime.marks, id=f"{runtime.values[0]}-rotation{rotation}")
-        for runtime in RUNTIME_PARAMS
+        for runtime in DOOR_RUNTIME_PARAMS
         for rotation in ROTATIONS
     ],
 )
@@ -188,7 +188,7 @@ async def test_the_websocket_gets_a_refusal_as_a_kernel_error(gw, gateway_sessio
 # -- a policy file with a mistake, and the agent ------------------------------------------------
 
 
-@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
+@pytest.mark.parametrize("runtime", DOOR_RUNTIME_PARAMS)
 async def test_a_policy_file_with_a_mistake_stops_the_gateway_naming_the_line(tmp_path, runtime):
     require_runtime(runtime)
     policy = tmp_path / "exec-policy.toml"
@@ -197,7 +197,7 @@ async def test_a_policy_file_with_a_mistake_stops_the_gateway_naming_the_line(tm
         await start_gateway(tmp_path, exec_policy_file=policy, default_runtime=runtime)
 
 
-@pytest.fixture(scope="module", params=RUNTIME_PARAMS)
+@pytest.fixture(scope="module", params=DOOR_RUNTIME_PARAMS)
 async def agent_gateway(request, tmp_path_factory):
     require_runtime(request.param)
     directory = tmp_path_factory.mktemp("policy-agent")

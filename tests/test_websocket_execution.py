@@ -14,6 +14,7 @@ import re
 
 import pytest
 
+from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS
 from .gateway_fixtures import gateway_fixture
 from .test_gateway import connect, execute_request, ws_execute
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.docker
 LIMITS = {"execute_timeout": 3, "interrupt_grace": 5, "memory_mb": 256}
 
 
-gw = gateway_fixture(runtimes=True)
+gw = gateway_fixture(runtimes=DOOR_RUNTIME_PARAMS)  # the door's code; the OOM's verdict under both
 
 
 @pytest.fixture
@@ -151,6 +152,7 @@ async def test_websocket_execute_is_stopped_by_the_timeout_ladder(gw, gateway_se
     assert reply["content"]["status"] == "ok"
 
 
+@pytest.mark.parametrize("gw", RUNTIME_PARAMS, indirect=True)  # each runtime's OOM is seen its own way
 async def test_websocket_oom_is_classified_counted_and_survived(gw, gateway_session):
     ws = await connect(gw, gateway_session["kernel"]["id"])
     bomb = "b = bytearray(2 * 1024**3)"
