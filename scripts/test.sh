@@ -7,12 +7,10 @@
 #   bash scripts/test.sh --quick         the pure tier plus one smoke test of each door under runc
 #   bash scripts/test.sh tests/test_x.py  any further arguments go to pytest
 #
-# SANDKERNEL_TEST_WORKERS=4 runs the tests on four parallel workers (pytest-xdist): most of a
-# container test's time is spent waiting on a sandbox, so four workers share two cores well and
-# the suite takes about 35 minutes instead of about 60. tests/scheduling.py says how tests are
-# grouped (a module's sandboxes on one worker, the Swarm lab's modules together, dockerd stops
-# alone). The default is still 1 (this process, serially): the last parallel rehearsals each
-# still had two or three failures seen only there (tests/README.md lists them).
+# The tests run on four parallel workers (pytest-xdist; SANDKERNEL_TEST_WORKERS=N to change it,
+# 1 for a serial run in this process): most of a container test's time is spent waiting on a
+# sandbox, so four workers share two cores well. tests/scheduling.py says how tests are grouped (a
+# module's sandboxes on one worker, the Swarm lab's modules together, dockerd stops alone).
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 quick=0
@@ -26,7 +24,7 @@ cd "$here"
 ruff check .
 set_up=$((SECONDS - started))
 
-workers="${SANDKERNEL_TEST_WORKERS:-1}"
+workers="${SANDKERNEL_TEST_WORKERS:-4}"
 args=(--durations=40)  # the slowest tests, to keep CI well inside its time
 if [ "$workers" -gt 1 ]; then
   args+=(-n "$workers" --dist loadgroup)
@@ -37,7 +35,7 @@ fi
 status=0
 python -m pytest "${args[@]}" "$@" || status=$?
 tested=$((SECONDS - started - set_up))
-expected="about 60 min on 2 cores serially, about 35 with SANDKERNEL_TEST_WORKERS=4 (tests/README.md)"
+expected="under 35 min on 2 cores with 4 workers (tests/README.md)"
 [ "$quick" = 1 ] && expected="under 5 min"
 echo "[test] set-up ${set_up} s, tests ${tested} s, total $((SECONDS - started)) s; expected: ${expected}" >&2
 exit "$status"

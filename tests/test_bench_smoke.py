@@ -1,46 +1,46 @@
-"""The benchmark suite runs end to end (a few samples each): correctness only, no timing asserts."""
+"""The benchmark suite runs end to end (a few samples each): correctness only, no timing asserts.
+
+One test per step of bench/run_all.sh (``--quick --step NAME``), each with its own results
+directory and its own xdist group, so a parallel run spreads the steps over its workers instead
+of holding one worker for the whole suite (it was the longest test, and under a CPU hog it ran
+past its deadline). Each step's checks read what that step wrote and the summary made from it.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.docker
-
 BENCH = Path(__file__).parents[1] / "bench"
+RUN_ALL = BENCH / "run_all.sh"
+STEP_SECONDS = 600  # one quick step (the longest, time_to_interactive, takes about 90 s on a quiet machine)
 
 
-@pytest.mark.bench
-@pytest.mark.docker
-@pytest.mark.timeout(900)  # the quick suite takes about 5 minutes here; pytest's default 300 s is per ordinary test
-def test_bench_suite_runs_and_summarises(tmp_path):
-    proc = subprocess.run(
-        ["bash", str(BENCH / "run_all.sh"), "--quick"],
-        capture_output=True,
-        text=True,
-        timeout=840,  # the whole quick suite, a few samples each, under runc
-        env={**__import__("os").environ, "SANDKERNEL_BENCH_RESULTS": str(tmp_path)},
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    acquire = json.loads((tmp_path / "session_acquire.json").read_text())
+def results(folder: Path, name: str) -> dict:
+    return json.loads((folder / name).read_text())
+
+
+def check_cold_start(folder: Path, summary: str) -> None:
+    assert results(folder, "cold_start.json")
+
+
+def check_execute_roundtrip(folder: Path, summary: str) -> None:
+    assert results(folder, "execute_roundtrip.json")
+
+
+def check_session_acquire(folder: Path, summary: str) -> None:
+    acquire = results(folder, "session_acquire.json")
     assert {"warm pool", "cold start", "bare docker run + ipykernel"} <= set(acquire["runc"])
-    names = ("cold_start.json", "execute_roundtrip.json", "recording_overhead.json", "agent_roundtrips.json")
-    assert "MCP run_python, legacy MCP session" in json.loads((tmp_path / "door_roundtrip.json").read_text())["runc"]
-    for name in (*names, "throughput_density.json"):
-        assert json.loads((tmp_path / name).read_text()), name
-    accounting = json.loads((tmp_path / "accounting_overhead.json").read_text())
-    for workspace, data in accounting["runc"].items():
-        assert {"off", "on", "on, walk every cell"} <= set(data), workspace
-        assert data["sample"]["cpu_seconds"] is not None, data["sample"]
-        assert not data["watching"] or data["walks_on"] == 0, data  # trivial cells take no walk
-    controls = json.loads((tmp_path / "controls_overhead.json").read_text())["runc"]
-    assert len(controls) == 3 and all(row["n"] == 5 for row in controls.values()), controls
-    for runtime, sizes in json.loads((tmp_path / "snapshots.json").read_text()).items():
-        assert sizes["5 MB"]["restored_by"] == ["replay"] and sizes["5 MB"]["verdicts"] == ["same"], (runtime, sizes)
-    tti = json.loads((tmp_path / "time_to_interactive.json").read_text())["runc"]
+    assert "acquire -> 1+1, warm pool (runc)" in summary and "| measure | sandkernel | baseline |" in summary
+
+
+def check_time_to_interactive(folder: Path, summary: str) -> None:
+    tti = results(folder, "time_to_interactive.json")["runc"]
     cells = {"bare docker run": 2, "pool off": 2, "pool + preload": 2, "pool without preload": 1}
     for contender, count in cells.items():
         assert set(tti["runs"][contender]) == set(tti["modes"]), contender
@@ -52,9 +52,44 @@ def test_bench_suite_runs_and_summarises(tmp_path):
     assert tti["runs"]["pool + preload"]["sequential"]["1+1"]["pandas_already_imported"] == 2
     assert {"raw execute 1+1", "warm kernel pandas cell"} <= set(tti["references"])
     assert len(tti["targets"]) == 5 and all(isinstance(t["met"], bool) for t in tti["targets"]), tti["targets"]
-    density = json.loads((tmp_path / "density.json").read_text())["runc"]
+    assert "time to interactive: create -> pandas read_csv, burst, n=2 (runc)" in summary
+    assert "target: warm pool -> first pandas read_csv result" in summary
+
+
+def check_throughput_density(folder: Path, summary: str) -> None:
+    assert results(folder, "throughput_density.json")
+
+
+def check_density(folder: Path, summary: str) -> None:
+    density = results(folder, "density.json")["runc"]
     assert density["sessions"] == 4 and density["random_session"]["n"] > 0, density
-    cluster = json.loads((tmp_path / "cluster.json").read_text())
+    assert "idle memory per session, 4 sessions (runc)" in summary
+
+
+def check_door_roundtrip(folder: Path, summary: str) -> None:
+    assert "MCP run_python, legacy MCP session" in results(folder, "door_roundtrip.json")["runc"]
+
+
+def check_recording_overhead(folder: Path, summary: str) -> None:
+    assert results(folder, "recording_overhead.json")
+
+
+def check_accounting_overhead(folder: Path, summary: str) -> None:
+    for workspace, data in results(folder, "accounting_overhead.json")["runc"].items():
+        assert {"off", "on", "on, walk every cell"} <= set(data), workspace
+        assert data["sample"]["cpu_seconds"] is not None, data["sample"]
+        assert not data["watching"] or data["walks_on"] == 0, data  # trivial cells take no walk
+    assert "trivial execute with per-cell accounting (runc, empty workspace)" in summary
+
+
+def check_controls_overhead(folder: Path, summary: str) -> None:
+    controls = results(folder, "controls_overhead.json")["runc"]
+    assert len(controls) == 3 and all(row["n"] == 5 for row in controls.values()), controls
+    assert "controls defaults (accounting + audit) (runc)" in summary
+
+
+def check_cluster(folder: Path, summary: str) -> None:
+    cluster = results(folder, "cluster.json")
     # execute and stream, straight and forwarded, and the execute of a direct_to_owner client
     assert cluster["quick"] and len(cluster["forwarding"]) == 5, cluster["forwarding"]
     assert [row["n"] for row in (cluster["forwarding"] | cluster["create"]).values()] == [5] * 5 + [1, 1], cluster
@@ -65,13 +100,56 @@ def test_bench_suite_runs_and_summarises(tmp_path):
     # Placement: the pair puts every create on host-a (host-f's room is 1); the trio only on its own hosts.
     assert bursts["1 host"][0]["spread"] == {"host-a": 4, "host-f": 0}, bursts
     assert sum(bursts["3 hosts"][0]["spread"].values()) == 4, bursts
-    summary = (tmp_path / "SUMMARY.md").read_text()
-    assert "idle memory per session, 4 sessions (runc)" in summary
-    assert "trivial execute with per-cell accounting (runc, empty workspace)" in summary
-    assert "controls defaults (accounting + audit) (runc)" in summary
-    assert "pause / resume (replay), 5 MB session (runc)" in summary
     assert "cluster: execute 1+1 through another host, p50 (runc)" in summary
     assert "cluster: create throughput, burst of 4 through one endpoint, 3 hosts (runc)" in summary
-    assert "time to interactive: create -> pandas read_csv, burst, n=2 (runc)" in summary
-    assert "target: warm pool -> first pandas read_csv result" in summary
-    assert "acquire -> 1+1, warm pool (runc)" in summary and "| measure | sandkernel | baseline |" in summary
+
+
+def check_snapshots(folder: Path, summary: str) -> None:
+    for runtime, sizes in results(folder, "snapshots.json").items():
+        assert sizes["5 MB"]["restored_by"] == ["replay"] and sizes["5 MB"]["verdicts"] == ["same"], (runtime, sizes)
+    assert "pause / resume (replay), 5 MB session (runc)" in summary
+
+
+def check_agent_roundtrips(folder: Path, summary: str) -> None:
+    assert results(folder, "agent_roundtrips.json")
+
+
+# What each step of bench/run_all.sh is checked for, in its order (the guard below keeps the two lists one).
+CHECKS: dict[str, Callable[[Path, str], None]] = {
+    "cold_start": check_cold_start,
+    "execute_roundtrip": check_execute_roundtrip,
+    "session_acquire": check_session_acquire,
+    "time_to_interactive": check_time_to_interactive,
+    "throughput_density": check_throughput_density,
+    "density": check_density,
+    "door_roundtrip": check_door_roundtrip,
+    "recording_overhead": check_recording_overhead,
+    "accounting_overhead": check_accounting_overhead,
+    "controls_overhead": check_controls_overhead,
+    "cluster": check_cluster,
+    "snapshots": check_snapshots,
+    "agent_roundtrips": check_agent_roundtrips,
+}
+
+
+def test_every_step_of_run_all_is_checked():
+    listed = subprocess.run(["bash", str(RUN_ALL), "--list"], capture_output=True, text=True, timeout=60, check=True)
+    assert listed.stdout.split() == list(CHECKS)
+
+
+@pytest.mark.bench
+@pytest.mark.docker
+@pytest.mark.timeout(STEP_SECONDS + 60)
+@pytest.mark.parametrize(
+    "step", [pytest.param(name, marks=pytest.mark.xdist_group(f"bench-{name}"), id=name) for name in CHECKS]
+)
+def test_a_bench_step_runs_and_summarises(tmp_path, step):
+    proc = subprocess.run(
+        ["bash", str(RUN_ALL), "--quick", "--step", step],
+        capture_output=True,
+        text=True,
+        timeout=STEP_SECONDS,
+        env={**os.environ, "SANDKERNEL_BENCH_RESULTS": str(tmp_path)},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    CHECKS[step](tmp_path, (tmp_path / "SUMMARY.md").read_text())
