@@ -16,6 +16,7 @@ import docker
 import pytest
 
 from sandkernel.gateway.cluster.launcher import _watch_exit
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 
 pytestmark = pytest.mark.docker
 
@@ -26,10 +27,14 @@ EXIT_ON_TERM = "import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys
 
 @pytest.fixture
 def nothing_left():
-    """A docker client and the label of this test's containers; fails if the test left one."""
+    """A docker client, the label that finds this test's containers and the labels to give them;
+    fails if the test left one. The labels name this process as the owner: another worker's
+    gateway, starting meanwhile, reaps a session-labelled container whose owner is not alive
+    (one without an owner label was removed under this test in a parallel run)."""
     client = docker.from_env()
     label = f"sandkernel.session=launcher-test-{uuid.uuid4().hex[:12]}"
-    yield client, label
+    key, value = label.split("=")
+    yield client, label, {key: value, OWNER_LABEL: owner_label()}
     left = client.containers.list(all=True, filters={"label": label})
     for container in left:
         container.remove(force=True)
@@ -45,10 +50,9 @@ def _watch(container) -> tuple[queue.SimpleQueue, threading.Thread]:
 
 
 def test_the_watcher_waits_while_the_gateway_runs_and_reports_its_exit_code(nothing_left):
-    client, label = nothing_left
-    key, value = label.split("=")
+    client, _, labels = nothing_left
     container = client.containers.run(
-        IMAGE, ["-c", EXIT_ON_TERM], entrypoint="python3", network_mode="none", labels={key: value}, detach=True
+        IMAGE, ["-c", EXIT_ON_TERM], entrypoint="python3", network_mode="none", labels=labels, detach=True
     )
     try:
         events, thread = _watch(container)
@@ -64,9 +68,8 @@ def test_the_watcher_waits_while_the_gateway_runs_and_reports_its_exit_code(noth
 
 
 def test_a_gateway_container_removed_by_someone_else_is_reported_as_removed(nothing_left):
-    client, label = nothing_left
-    key, value = label.split("=")
-    container = client.containers.create(IMAGE, entrypoint="true", network_mode="none", labels={key: value})
+    client, _, labels = nothing_left
+    container = client.containers.create(IMAGE, entrypoint="true", network_mode="none", labels=labels)
     container.remove(force=True)
     events, _ = _watch(container)
     assert events.get(timeout=30) == ("removed", None)
