@@ -116,6 +116,11 @@ def authenticate_request(handler: web.RequestHandler, auth: TokenAuth | None) ->
     raise ApiError(401, "missing or wrong token: send 'Authorization: token <TOKEN>'", "unauthorized")
 
 
+def error_payload(code: str, message: str) -> bytes:
+    """The JSON body of every error answer: ``{"error": code, "message": message}``."""
+    return json.dumps({"error": code, "message": message}).encode()
+
+
 # Request bodies larger than this get a JSON 413 (checked on Content-Length, then while reading).
 MAX_BODY_BYTES = 40 * 1024 * 1024
 # Tornado's own cap (its HTTPServer's max_body_size): a body over it ends the connection with a
@@ -300,7 +305,7 @@ class BaseHandler(web.RequestHandler):
         self._refusal = refusal
         self._chunks = []
         status, code, message = error_reply(refusal)
-        payload = json.dumps({"error": code, "message": message}).encode()
+        payload = error_payload(code, message)
         self.set_status(status)
         self.set_header("Content-Type", "application/json")
         self.set_header("Content-Length", str(len(payload)))
@@ -365,7 +370,7 @@ class BaseHandler(web.RequestHandler):
         if retry_after is not None:
             self.set_header("Retry-After", str(retry_after))
         self.set_header("Content-Type", "application/json")
-        self.finish(json.dumps({"error": code, "message": message}))
+        self.finish(error_payload(code, message))
 
     def log_exception(self, typ, value, tb) -> None:  # type: ignore[no-untyped-def]
         """Refusals (4xx) are the client's business: not logged here (the access log has them).
