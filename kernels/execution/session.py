@@ -99,7 +99,6 @@ class KernelSession:
         self._lock = asyncio.Lock()
         self._pending_state_lost: str | None = None
         self._interrupt_requested = False
-        self._interrupt_sent_at: float | None = None  # epoch seconds: the watch re-sends a lost one
         self._deaths = DeathClassifier(self.profile.memory_mb)
         self._notes: list[str] = []  # state-loss notes, told to observers after the cell
         self._closed = False
@@ -373,15 +372,13 @@ class KernelSession:
 
     def expect_interrupt(self) -> None:
         """A door forwarded an interrupt to the kernel itself (a websocket's ``interrupt_request``
-        on control): the running execution's KeyboardInterrupt ends it as ``interrupted``. (The
-        kernel signals itself, later than this call: a lost one is not re-sent from here.)"""
+        on control): the running execution's KeyboardInterrupt ends it as ``interrupted``."""
         self._interrupt_requested = True
 
     async def interrupt(self) -> None:
         """Interrupt the running execution (it ends with status ``interrupted``)."""
         self._check_open()
         self._interrupt_requested = True
-        self._interrupt_sent_at = time.time()
         await self._kernel.interrupt()
 
     async def restart(self, reason: str = "the kernel was restarted on request") -> None:
@@ -590,20 +587,13 @@ class KernelSession:
         started_at, t0 = _utcnow(), time.monotonic()
         epoch = self._kernel.epoch
         self._interrupt_requested = False
-        self._interrupt_sent_at = None
         msg_id = send()
         request = ExecutionRequest(code, source, msg_id, timeout, tag, silent, started_at, shell)
         self._running = request
         await self.observers.emit("execution_started", request)
         collector = OutputCollector(self._output_callback(request, on_output))
         watch = ExecutionWatch(
-            self._kernel,
-            msg_id,
-            collector,
-            replies,
-            lambda: self._interrupt_requested,
-            lambda: self._detaching,
-            lambda: self._interrupt_sent_at,
+            self._kernel, msg_id, collector, replies, lambda: self._interrupt_requested, lambda: self._detaching
         )
         status = await watch.until_idle(t0 + timeout, epoch)
         ended_by: TimeoutStep | None = None

@@ -9,14 +9,12 @@ the subscription is probed and renewed, and the result says output was lost.
 
 from __future__ import annotations
 
-import datetime as dt
 import queue
 import time
 from collections.abc import Callable
-from typing import Any
 
 from sandkernel.kernels.execution.kernel import SandboxedKernel
-from sandkernel.kernels.execution.outputs import ErrorInfo, ExecutionStatus, OutputCollector
+from sandkernel.kernels.execution.outputs import ExecutionStatus, OutputCollector
 from sandkernel.kernels.execution.replies import ReplySource
 from sandkernel.kernels.execution.transport import MAX_MESSAGE_BYTES
 
@@ -53,18 +51,14 @@ class ExecutionWatch:
         replies: ReplySource,
         interrupt_requested: Callable[[], bool],
         detached: Callable[[], bool] = lambda: False,
-        interrupt_sent_at: Callable[[], float | None] = lambda: None,
     ) -> None:
-        """``detached`` says the gateway is letting go of the session: the watch ends at once.
-        ``interrupt_sent_at``: when an interrupt of this execution was sent (epoch seconds), if one was."""
+        """``detached`` says the gateway is letting go of the session: the watch ends at once."""
         self.kernel = kernel
         self.msg_id = msg_id
         self.collector = collector
         self.replies = replies
         self._interrupt_requested = interrupt_requested
         self._detached = detached
-        self._interrupt_sent_at = interrupt_sent_at
-        self._interrupt_resent = False
 
     async def until_idle(self, deadline: float, epoch: int) -> ExecutionStatus:
         """Feed the execution's iopub messages to the collector until the kernel is idle.
@@ -99,25 +93,7 @@ class ExecutionWatch:
                 continue
             if msg["header"]["msg_type"] == "status" and msg["content"].get("execution_state") == "idle":
                 return ExecutionStatus.OK
-            if msg["header"]["msg_type"] == "execute_input":
-                await self._resend_a_lost_interrupt(msg)
             await self.collector.add(msg)
-
-    async def _resend_a_lost_interrupt(self, execute_input: dict[str, Any]) -> None:
-        """Send an interrupt again, once, when it went out before the kernel began the cell.
-        ipykernel ignores SIGINT between saying busy and entering the request's handler, so an
-        interrupt that lands there is lost and the cell runs on; the cell's ``execute_input`` is
-        published from inside the handler, where SIGINT interrupts. One sent before that message
-        was dated is sent again; one sent after it did its work and is not repeated. (The date is
-        the kernel's own: a sandbox that lies about it only changes what happens to its own cell.)"""
-        sent = self._interrupt_sent_at()
-        if sent is None or self._interrupt_resent:
-            return
-        began = message_time(execute_input)
-        if began is not None and began < sent:
-            return
-        self._interrupt_resent = True
-        await self.kernel.interrupt()
 
     async def reply_status(self) -> ExecutionStatus:
         """Read the execute_reply and classify the outcome: OK, ERROR or INTERRUPTED."""
@@ -128,22 +104,6 @@ class ExecutionWatch:
         failed = (reply or {}).get("status") == "error" or collector.error is not None
         if not failed:
             return ExecutionStatus.OK
-        if collector.error is None and reply is not None:
-            # An error before the cell ran (an interrupt landing while IPython prepared it) has
-            # no error output, only the reply's: the result carries it all the same.
-            collector.error = ErrorInfo(
-                str(reply.get("ename", "")), str(reply.get("evalue", "")), tuple(map(str, reply.get("traceback") or ()))
-            )
         if self._interrupt_requested() and collector.error and collector.error.name == "KeyboardInterrupt":
             return ExecutionStatus.INTERRUPTED
         return ExecutionStatus.ERROR
-
-
-def message_time(msg: dict[str, Any]) -> float | None:
-    """A kernel message's header date as epoch seconds; None when it has none or it is not a date."""
-    date = msg.get("header", {}).get("date")
-    try:
-        when = date if isinstance(date, dt.datetime) else dt.datetime.fromisoformat(str(date))
-    except ValueError:
-        return None
-    return (when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)).timestamp()
