@@ -160,6 +160,8 @@ MAX_OUTPUT_BYTES = 48 * 1024 * 1024
 # A MIME value, stream or traceback at most this long is never replaced by a marker (bytes): a
 # marker would not be shorter, and the short text/plain of a figure stays readable.
 MARKER_ABOVE_BYTES = 1024
+# The reason the markers give for output the execution's byte budget replaced.
+OVER_BUDGET = "over the execution's output budget"
 
 
 def value_size(value: Any) -> int:
@@ -345,7 +347,7 @@ class OutputCollector:
         """Keep ``output`` within the byte budget (markers past it); returns the bytes it holds."""
         if self.bytes_held + size <= self.max_bytes:
             return size
-        cut = replace_with_markers(output, "over the execution's output budget")
+        cut = replace_with_markers(output, OVER_BUDGET)
         self.bytes_omitted += cut
         return output_size(output) if cut else size
 
@@ -388,7 +390,7 @@ class OutputCollector:
         elif len(self.outputs) >= self.max_outputs:
             self.outputs_dropped += 1
             if msg_type == "error":  # kept only as the execution's error: bounded all the same
-                self.bytes_omitted += replace_with_markers(output, "over the execution's output budget")
+                self.bytes_omitted += replace_with_markers(output, OVER_BUDGET)
         elif msg_type == "stream":
             if self.bytes_held + len(output["text"]) > self.max_bytes:
                 self.outputs_dropped += 1
