@@ -37,24 +37,35 @@ from sandkernel.kernels.lifecycle.profiles import resolve_profile
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, listed_containers, owner_label, reap_sync
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
+# Parallel runs (pytest-xdist): the groups, their order and the exclusive tests' lock, see
+# tests/scheduling.py; what each tier cost, printed at the end of a run: tests/tier_times.py;
+# where the CPU went, when asked for: tests/cpu_trace.py.
+from . import cpu_trace, scheduling
+
 # A hung async test's tasks, printed before pytest-timeout fails it: tests/hang_report.py.
 from .hang_report import pytest_runtest_call  # noqa: F401
 
 # The throwaway PostgreSQL server's fixtures (postgres_server, postgres_url, fresh_postgres_url),
 # for every module: made only when a test asks for one.
 from .postgres_fixtures import fresh_postgres_url, postgres_server, postgres_url  # noqa: F401
-
-# Parallel runs (pytest-xdist): the groups, their order and the exclusive tests' lock, see
-# tests/scheduling.py; what each tier cost, printed at the end of a run: tests/tier_times.py.
 from .scheduling import (  # noqa: F401
     assign_groups,
     name_groups_in_node_ids,
-    pytest_configure,
     pytest_runtest_protocol,
 )
 from .tier_times import pytest_runtest_logreport, pytest_terminal_summary  # noqa: F401
 
 REQUIRE_RUNSC_ENV = "SANDKERNEL_REQUIRE_RUNSC"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The parallel queue's order (tests/scheduling.py), and the CPU trace when asked for
+    (``SANDKERNEL_CPU_TRACE=DIR``: which tests the CPU went to, tests/cpu_trace.py)."""
+    scheduling.pytest_configure(config)
+    if os.environ.get(cpu_trace.ENV):
+        config.pluginmanager.register(cpu_trace, "sandkernel-cpu-trace")
+
+
 ROOT = Path(__file__).resolve().parents[1]
 SECURITY_DIR = ROOT / "tests" / "security"
 
@@ -139,8 +150,22 @@ DOOR_RUNTIME_PARAMS = [RUNC]
 # Fixtures that start containers (a kernel, a gateway that starts them, the Swarm lab) or reach
 # the engine: a test using one, directly or through another fixture, must carry the docker mark.
 CONTAINER_FIXTURES = frozenset(
-    {"kernel_session", "arena", "gateway", "gw", "client", "stack", "egress_gateway", "mcp_stack", "agent_gateway",
-     "swarm_lab", "fast_ladder", "inspected", "kernelspec_prefix", "nothing_left"}
+    {
+        "kernel_session",
+        "arena",
+        "gateway",
+        "gw",
+        "client",
+        "stack",
+        "egress_gateway",
+        "mcp_stack",
+        "agent_gateway",
+        "swarm_lab",
+        "fast_ladder",
+        "inspected",
+        "kernelspec_prefix",
+        "nothing_left",
+    }
 )
 # The engine address used when a run selects no docker test: a socket that cannot exist.
 UNREACHABLE_DOCKER_HOST = "unix:///nonexistent/sandkernel-pure-tier/docker.sock"
@@ -184,7 +209,9 @@ def module_of(item: pytest.Item) -> str:
 def runtime_of(item: pytest.Item) -> str | None:
     """The runtime a test is parametrised over, if any."""
     callspec = getattr(item, "callspec", None)
-    values = [part for v in callspec.params.values() for part in (v if isinstance(v, tuple) else (v,))] if callspec else []
+    values = (
+        [part for v in callspec.params.values() for part in (v if isinstance(v, tuple) else (v,))] if callspec else []
+    )
     found = [v for v in values if isinstance(v, str) and v in RUNTIMES]
     return found[0] if found else None
 
