@@ -14,7 +14,6 @@ import hashlib
 import os
 import secrets
 import signal
-import socket
 import sqlite3
 import stat
 import subprocess
@@ -639,11 +638,14 @@ async def test_the_reaper_never_removes_a_catalogued_sandbox(tmp_path):
     path = tmp_path / "catalog.sqlite3"
     store = open_store(path)
     tag = secrets.token_hex(4)
-    dead_owner = f"{socket.gethostname()}:{999_000_000 + secrets.randbelow(900_000)}:1"  # no such pid
+    # An owner on another host: every gateway another worker starts meanwhile counts it alive and
+    # leaves its containers alone (a dead owner of this host's would be reaped by the first of
+    # them, catalogued or not: it is not in their catalogs); the reap below names it.
+    owner = f"elsewhere-{tag}:1:1"
     engine = default_engine()
 
     def create(session_id: str):
-        labels = {SESSION_LABEL: session_id, OWNER_LABEL: dead_owner}
+        labels = {SESSION_LABEL: session_id, OWNER_LABEL: owner}
         return engine.client.containers.create(resolve_profile().image, labels=labels)
 
     durable, orphan = await asyncio.gather(
@@ -652,7 +654,7 @@ async def test_the_reaper_never_removes_a_catalogued_sandbox(tmp_path):
     try:
         await store.put(record(f"durable-{tag}"))
         keep = await asyncio.to_thread(catalogued_session_ids, path)
-        report = await asyncio.to_thread(reap_sync, engine, owner=dead_owner, keep=keep)
+        report = await asyncio.to_thread(reap_sync, engine, owner=owner, keep=keep)
         assert report.removed == (orphan.name,)
         assert await asyncio.to_thread(container_ids_of, f"durable-{tag}") == [durable.id]
         assert not await asyncio.to_thread(container_ids_of, f"orphan-{tag}")
