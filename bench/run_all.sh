@@ -39,10 +39,10 @@ session_acquire() {
 }
 time_to_interactive() {
     for runtime in "${runtimes[@]}"; do
-        # The issue's n=100: run it alone (bench/README.md). Quick: 2 samples under runc (the smoke test's).
-        local tti=50 tti_quick=2; [ "$runtime" = runsc ] && tti=20 && tti_quick=1
+        # The issue's n=100: run it alone (bench/README.md). Quick (the smoke test's): one sample of each.
+        local tti=50; [ "$runtime" = runsc ] && tti=20
         say "time to interactive ($runtime): create -> 1+1 / pandas, sequential, staggered, burst; pool, pool off, bare docker"
-        python time_to_interactive.py --runtime "$runtime" --n "$(n "$tti" "$tti_quick")" --references "$(n 50 3)" \
+        python time_to_interactive.py --runtime "$runtime" --n "$(n "$tti" 1)" --references "$(n 50 1)" \
             --modes "$(n sequential,staggered,burst sequential,burst)"
     done
 }
@@ -50,7 +50,8 @@ throughput_density() {
     for runtime in "${runtimes[@]}"; do
         local sessions=50; [ "$runtime" = runsc ] && sessions=20  # 50 under runc is the density target
         say "throughput, density and output ($runtime)"
-        python throughput_density.py --runtime "$runtime" --sessions "$(n "$sessions" 3)" --seconds "$(n 5 1)" --repeats "$(n 5 1)"
+        python throughput_density.py --runtime "$runtime" --sessions "$(n "$sessions" 3)" --seconds "$(n 5 1)" --repeats "$(n 5 1)" \
+            --sequential "$(n 200 20)" --settle "$(n 10 1)"
     done
 }
 density() {

@@ -7,7 +7,8 @@
 - output: time to return 10 MB of printed output (budgeted reply) and a 1 MB PNG, next to raw
   jupyter_client receiving the same from a sandkernel kernel.
 
-Usage: python bench/throughput_density.py [--runtime runc] [--sessions 50] [--seconds 5]
+Usage: python bench/throughput_density.py [--runtime runc] [--sessions 50] [--seconds 5] [--sequential 200]
+       [--settle 10]
 Writes bench/results/throughput_density.json.
 """
 
@@ -88,9 +89,9 @@ async def measure_gateway(api: GatewayApi, args: argparse.Namespace, results: di
     first = (await api("POST", "/api/sessions"))["id"]
     await api.execute(first, "1+1")
     t0 = time.perf_counter()
-    for _ in range(200):
+    for _ in range(args.sequential):
         await api.execute(first, "1+1")
-    results["sequential_executes_per_s"] = 200 / (time.perf_counter() - t0)
+    results["sequential_executes_per_s"] = args.sequential / (time.perf_counter() - t0)
     results["output_10mb_ms"] = (
         statistics.median([await timed(api.execute(first, TEN_MB)) for _ in range(args.repeats)]) * 1000
     )
@@ -102,7 +103,7 @@ async def measure_gateway(api: GatewayApi, args: argparse.Namespace, results: di
     results["start_all_seconds"] = time.perf_counter() - started
     sids = [first] + [s["id"] for s in created]
     await asyncio.gather(*(api.execute(sid, "1+1") for sid in sids))
-    await asyncio.sleep(10)  # let every new kernel finish settling before measuring
+    await asyncio.sleep(args.settle)  # let every new kernel finish settling before measuring
     session_memory = [
         memory_mib(c.id) for c in listed_containers(default_engine()) if c.labels.get(SESSION_LABEL) in set(sids)
     ]
@@ -117,6 +118,8 @@ async def main() -> None:
     parser.add_argument("--sessions", type=int, default=50, help="concurrent sessions for density and throughput")
     parser.add_argument("--seconds", type=float, default=5.0, help="length of each throughput run")
     parser.add_argument("--repeats", type=int, default=5, help="samples of each output measurement")
+    parser.add_argument("--sequential", type=int, default=200, help="executes of the sequential throughput run")
+    parser.add_argument("--settle", type=float, default=10.0, help="seconds new kernels settle before memory is read")
     args = parser.parse_args()
     os.environ["SANDKERNEL_RUNTIME"] = args.runtime
     results: dict = {"runtime": args.runtime, "cpus": os.cpu_count(), "sessions": args.sessions}
