@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 # verdict on OOM comes with the stop). On a loaded host that took over 3 s (a fixed 3 s wait
 # called gVisor OOMs plain deaths); only a container the engine never sees stop waits it out.
 ENGINE_STOP_TIMEOUT = 30.0
+# Seconds an OOM event may follow the container's exit event (the shim sends them separately).
+LATE_OOM_EVENT_SECONDS = 5.0
+SIGKILL_EXIT = 128 + 9  # the exit code of a container whose init was killed (as the OOM killer does)
 
 
 class DeathClassifier:
@@ -82,7 +85,15 @@ class DeathClassifier:
             if time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.1)
-        return bool(state and state.get("OOMKilled"))
+        if not state:
+            return False
+        if state.get("OOMKilled"):
+            return True
+        # Docker records OOMKilled only when the OOM event came before the exit; the event
+        # itself is logged either way.
+        return state.get("ExitCode") == SIGKILL_EXIT and await container.oom_event_logged(
+            state.get("StartedAt", ""), LATE_OOM_EVENT_SECONDS
+        )
 
     def sentence(self, status: ExecutionStatus, between_executes: bool) -> str:
         """The state-loss sentence a result and the transcript carry."""

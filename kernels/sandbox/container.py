@@ -13,7 +13,9 @@ from the host, see workspace_disk.py), which outlives the container, or with
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import logging
+import re
 import secrets
 import signal
 import time
@@ -325,6 +327,34 @@ class SandboxContainer:
         state = await self.engine_state()
         return bool(state and not state.get("Running") and state.get("OOMKilled"))
 
+    async def oom_event_logged(self, started_at: str, grace: float) -> bool:
+        """Whether the engine logged an ``oom`` event for this container since it started.
+
+        Docker's ``OOMKilled`` is set only when the runtime's OOM event comes before its exit
+        event; gVisor's shim may send them the other way round on a loaded host, and the stop is
+        then recorded as a plain exit 137 though the ``oom`` event is still logged. The events
+        are read up to ``grace`` seconds from now (an OOM event may follow the exit), and the
+        stream ends at the first match or at that deadline."""
+        try:
+            since = int(parse_engine_time(started_at)) - 1
+        except ValueError:  # no start recorded: the engine keeps a short history, read all of it
+            since = 0
+        until = int(time.time() + grace) + 1
+        filters = {"container": self.id, "event": "oom"}
+
+        def scan() -> bool:
+            stream = self.engine.client.events(since=since, until=until, filters=filters, decode=True)
+            try:
+                return next(iter(stream), None) is not None
+            finally:
+                stream.close()
+
+        try:
+            return await self.engine.run(scan)
+        except docker.errors.APIError as err:
+            log.debug("read oom events: %s", err)
+            return False
+
     async def oom_kill_count(self) -> int | None:
         """How many processes the memory cgroup's OOM killer has ended in this container."""
         return await asyncio.to_thread(container_oom_kills, self.id)
@@ -346,6 +376,12 @@ class SandboxContainer:
             if "already in progress" not in str(err):
                 raise
         log.info("container removed", extra={"container": self.id[:12]})
+
+
+def parse_engine_time(stamp: str) -> float:
+    """Seconds since the epoch of an engine timestamp (RFC 3339 with nanoseconds, ``Z``)."""
+    whole = re.sub(r"\.\d+", "", stamp).replace("Z", "+00:00")
+    return dt.datetime.fromisoformat(whole).timestamp()
 
 
 async def wait_until(predicate, timeout: float, interval: float = 0.01) -> bool:
