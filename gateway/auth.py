@@ -29,6 +29,7 @@ MAX_AUTH_FAILURES = 30
 AUTH_FAILURE_WINDOW = 60.0  # seconds
 # Addresses remembered at once (the oldest is forgotten first): the limiter's memory is bounded.
 MAX_TRACKED_ADDRESSES = 10_000
+MIN_TOKEN_CHARS = 16  # a tokens file's tokens and the metrics token
 
 
 def new_token() -> str:
@@ -74,6 +75,30 @@ class TokenAuth:
         self._tokens = [(token.encode(), tenant) for token, tenant in tokens.items()]
         self.allow_query_token = allow_query_token
         self.failures = FailedAuthLimiter()
+        self._metrics_token: bytes | None = None
+
+    @property
+    def serves_metrics(self) -> bool:
+        """Whether the operator set a metrics token (without one, /metrics is served to nobody)."""
+        return self._metrics_token is not None
+
+    def set_metrics_token(self, token: str | None) -> None:
+        """The operator's token for /metrics (Prometheus sends it as a bearer token). It must
+        not be a tenant's: the metrics count every tenant's sessions, snapshots and executions."""
+        if token is None:
+            self._metrics_token = None
+            return
+        if len(token) < MIN_TOKEN_CHARS:
+            raise ConfigError(f"the metrics token must have {MIN_TOKEN_CHARS}+ characters")
+        if self.tenant_for(f"token {token}") is not None:
+            raise ConfigError("the metrics token must differ from every tenant's token")
+        self._metrics_token = token.encode()
+
+    def is_metrics_token(self, authorization: str | None) -> bool:
+        """Whether the request's Authorization header carries the operator's metrics token."""
+        supplied = _presented(authorization)
+        known = self._metrics_token
+        return known is not None and supplied is not None and hmac.compare_digest(supplied.encode(), known)
 
     @classmethod
     def from_sources(
@@ -89,22 +114,18 @@ class TokenAuth:
             except (OSError, ValueError) as err:
                 raise ConfigError(f"cannot read tokens file {tokens_file}: {err}") from err
             if not isinstance(tenants, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) and len(v) >= 16 for k, v in tenants.items()
+                isinstance(k, str) and isinstance(v, str) and len(v) >= MIN_TOKEN_CHARS for k, v in tenants.items()
             ):
-                raise ConfigError('tokens file must be a JSON object {"tenant": "token"} with tokens of 16+ chars')
+                raise ConfigError(
+                    f'tokens file must be a JSON object {{"tenant": "token"}} with tokens of {MIN_TOKEN_CHARS}+ chars'
+                )
             return cls({token: tenant for tenant, token in tenants.items()}), None
         chosen = token or new_token()
         return cls({chosen: DEFAULT_TENANT}), chosen
 
     def tenant_for(self, authorization: str | None, query_token: str | None = None) -> str | None:
         """The tenant owning the presented token, or None."""
-        supplied = None
-        if authorization:
-            scheme, _, value = authorization.partition(" ")
-            if scheme.lower() in ("token", "bearer") and value.strip():
-                supplied = value.strip()
-        if supplied is None:
-            supplied = query_token
+        supplied = _presented(authorization) or query_token
         if not supplied:
             return None
         supplied_bytes = supplied.encode()
@@ -113,6 +134,16 @@ class TokenAuth:
             if hmac.compare_digest(supplied_bytes, known):
                 found = tenant
         return found
+
+
+def _presented(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: token T`` (or ``Bearer T``) header, or None."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    if scheme.lower() in ("token", "bearer") and value.strip():
+        return value.strip()
+    return None
 
 
 def _refuse_shared_secret_file(path: str | os.PathLike[str]) -> None:

@@ -18,7 +18,7 @@ import logging
 import math
 from collections.abc import Awaitable, Mapping
 from http import HTTPStatus
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from tornado import web
 
@@ -98,6 +98,39 @@ def authenticate_request(handler: web.RequestHandler, auth: TokenAuth | None) ->
     tenant = auth.tenant_for(header, query_token if auth.allow_query_token else None)
     if tenant is not None:
         return tenant
+    if query_token and not auth.allow_query_token and not header:
+        refuse_failed_authentication(
+            handler,
+            auth,
+            "tokens in the URL are refused (URLs end up in logs): send 'Authorization: token <TOKEN>', "
+            "or start the gateway with --allow-token-in-url",
+        )
+    refuse_failed_authentication(handler, auth, "missing or wrong token: send 'Authorization: token <TOKEN>'")
+
+
+def authenticate_operator(handler: web.RequestHandler, auth: TokenAuth | None) -> str:
+    """``operator`` for a request carrying the operator's metrics token; 403 when the operator
+    set none (the numbers cover every tenant, so no tenant's token opens them), else 401/429 as
+    :func:`authenticate_request`."""
+    if auth is None:
+        return "operator"
+    if not auth.serves_metrics:
+        raise ApiError(
+            403,
+            "/metrics is served to the operator only: start the gateway with --metrics-token TOKEN "
+            "(or SANDKERNEL_METRICS_TOKEN) and scrape it with 'Authorization: Bearer TOKEN'",
+            "forbidden",
+        )
+    if auth.is_metrics_token(handler.request.headers.get("Authorization")):
+        return "operator"
+    refuse_failed_authentication(
+        handler, auth, "missing or wrong metrics token: send 'Authorization: Bearer <METRICS_TOKEN>' (not a tenant's)"
+    )
+
+
+def refuse_failed_authentication(handler: web.RequestHandler, auth: TokenAuth, message: str) -> NoReturn:
+    """401 with ``message``, counted against the client's address; 429 once the address has
+    failed too often (auth.FailedAuthLimiter), before any token is looked at."""
     address = handler.request.remote_ip or "unknown"
     wait = auth.failures.retry_after(address)
     if wait is not None:
@@ -106,14 +139,7 @@ def authenticate_request(handler: web.RequestHandler, auth: TokenAuth | None) ->
             429, f"too many failed authentications from {address}; retry in {int(wait) + 1}s", "too_many_failures"
         )
     auth.failures.record_failure(address)
-    if query_token and not auth.allow_query_token and not header:
-        raise ApiError(
-            401,
-            "tokens in the URL are refused (URLs end up in logs): send 'Authorization: token <TOKEN>', "
-            "or start the gateway with --allow-token-in-url",
-            "unauthorized",
-        )
-    raise ApiError(401, "missing or wrong token: send 'Authorization: token <TOKEN>'", "unauthorized")
+    raise ApiError(401, message, "unauthorized")
 
 
 def error_payload(code: str, message: str) -> bytes:
@@ -333,6 +359,8 @@ class BaseHandler(web.RequestHandler):
             body = json.loads(raw)
         except ValueError as err:
             raise ApiError(400, f"request body is not valid JSON: {err}", "bad_json") from None
+        except RecursionError:
+            raise ApiError(400, "request body is nested too deeply to be read", "bad_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "request body must be a JSON object", "bad_json")
         return body

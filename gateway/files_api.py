@@ -17,7 +17,7 @@ class FilesHandler(SessionScoped):
     """GET …/files?path=DIR lists; GET …/files/PATH downloads; PUT …/files/PATH uploads (raw body)."""
 
     async def _files(self, session_id: str) -> WorkspaceFiles:
-        return WorkspaceFiles((await self.live(session_id)).session.container)
+        return (await self.live(session_id)).files
 
     async def get(self, session_id: str, path: str | None = None) -> None:
         files = await self._files(session_id)

@@ -10,6 +10,9 @@ or a session's breaker) and the CPU seconds cells used (accounting). The circuit
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -22,6 +25,27 @@ if TYPE_CHECKING:
 
 # A label value longer than this is cut (a custom policy check names its own rules).
 MAX_LABEL_CHARS = 64
+# Seconds between two walks of the snapshot store for sandkernel_snapshot_bytes: scrapes in
+# between answer from the last walk, so scraping often costs the disk and the workers nothing.
+SNAPSHOT_BYTES_INTERVAL = 30.0
+
+
+class ThrottledReading:
+    """A gauge set from a blocking reading (a disk walk) at most once per ``interval`` seconds;
+    concurrent scrapes wait for the one walk under way instead of starting their own."""
+
+    def __init__(self, gauge: Gauge, interval: float) -> None:
+        self.gauge = gauge
+        self.interval = interval
+        self._read_at: float | None = None
+        self._lock = asyncio.Lock()
+
+    async def refresh(self, read: Callable[[], float]) -> None:
+        async with self._lock:
+            if self._read_at is not None and time.monotonic() - self._read_at < self.interval:
+                return
+            self.gauge.set(await asyncio.to_thread(read))
+            self._read_at = time.monotonic()
 
 
 class GatewayMetrics:
@@ -64,9 +88,10 @@ class GatewayMetrics:
         )
         self.snapshot_bytes = Gauge(
             "sandkernel_snapshot_bytes",
-            "Disk used by snapshots, all tenants; set at each scrape",
+            f"Disk used by snapshots, all tenants; read at a scrape at most every {SNAPSHOT_BYTES_INTERVAL:g} s",
             registry=self.registry,
         )
+        self.snapshot_bytes_reading = ThrottledReading(self.snapshot_bytes, SNAPSHOT_BYTES_INTERVAL)
         self.quarantined = Gauge(
             "sandkernel_sessions_quarantined",
             "Live sessions whose breaker refuses executes (repeated OOM kills or timeouts); set at each scrape",

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from sandkernel.errors import (
@@ -33,6 +33,7 @@ from sandkernel.errors import (
     SessionPausedError,
 )
 from sandkernel.gateway.metrics import GatewayMetrics
+from sandkernel.gateway.session_metadata import checked_metadata
 from sandkernel.gateway.session_observers import CatalogWriter, observe
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
@@ -41,6 +42,7 @@ from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.profiles import Profile
+from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
 from sandkernel.notebooks.observer import attach_transcript
@@ -54,6 +56,10 @@ if TYPE_CHECKING:
     from sandkernel.gateway.snapshots import SnapshotManager
 
 log = logging.getLogger(__name__)
+
+
+# Idle sessions the culler pauses at once (each pause archives a workspace: disk and CPU).
+CULL_PAUSES_AT_ONCE = 4
 
 
 class TooManySessionsError(ConfigError):
@@ -99,6 +105,12 @@ class ManagedSession:
     active_mono: float = dataclasses.field(default_factory=time.monotonic)
     breaker: SessionBreaker | None = None  # its circuit breaker (gateway/controls.py attaches it)
     audit: AuditLog | None = None  # the gateway's audit stream, when it writes one
+    helper_timeout: float = FILE_HELPER_TIMEOUT  # the gateway's --helper-timeout (attach_observers)
+
+    @property
+    def files(self) -> WorkspaceFiles:
+        """Its /workspace, read and written inside its sandbox within the helper deadline."""
+        return WorkspaceFiles(self.session.container, self.helper_timeout)
 
     @property
     def id(self) -> str:
@@ -136,7 +148,7 @@ class ManagedSession:
         """Write a tenant's file into /workspace (inside the sandbox), keep a copy in the
         transcript so a replay can restore the session's inputs, and audit it: what every door
         that uploads (the files API, MCP) does."""
-        written = await WorkspaceFiles(self.session.container).write(path, data)
+        written = await self.files.write(path, data)
         if self.session.meter is not None:  # the upload is not the next cell's doing
             self.session.meter.forget_files()
         if self.recorder is not None:
@@ -318,7 +330,10 @@ class SessionRegistry:
         self._lost: dict[str, LostSession] = {}
         self._paused: dict[str, PausedSession] = {}
         self.snapshots: SnapshotManager | None = None  # set by gateway/snapshots.py's SnapshotManager
-        self._pending: dict[str, int] = {}
+        self._pending: dict[str, int] = {}  # sandboxes being made, by tenant (see reserved)
+        self._resuming = 0  # paused sessions being resumed (they count for their tenant already)
+        self._idle_pauses: dict[str, asyncio.Task] = {}  # the culler's pauses under way, by session
+        self._idle_pause_slots = asyncio.Semaphore(CULL_PAUSES_AT_ONCE)
         self._closing: set[asyncio.Task] = set()
         self._stopping = False
         self.requests_in_flight = 0  # HTTP requests being served (the shutdown lets them answer)
@@ -365,8 +380,45 @@ class SessionRegistry:
         self.check_gateway_room(count, profile)
 
     def _sandboxes(self) -> int:
-        """Sessions counted toward ``max_sessions_total`` apart from the pool: live, lost and starting."""
-        return len(self._sessions) + len(self._lost) + sum(self._pending.values())
+        """Sessions counted toward ``max_sessions_total`` apart from the pool: live, lost and
+        starting (paused ones being resumed included: they hold no sandbox until then)."""
+        return len(self._sessions) + len(self._lost) + sum(self._pending.values()) + self._resuming
+
+    @contextlib.asynccontextmanager
+    async def reserved(
+        self, tenant: str, count: int = 1, profile: Profile | None = None, *, counted: bool = False
+    ) -> AsyncIterator[None]:
+        """Hold room for ``count`` new sandboxes of ``tenant`` while the block makes them: every
+        path that makes one (create, fork, resume, rewind, take-over) goes through here. The
+        check and the count happen with no await between them, so concurrent calls cannot all
+        pass one check; in a cluster each is also reserved in the shared catalog (atomically
+        there) before anything starts. Released when the block ends: by then what it made is
+        live (and recorded), or failed. ``counted``: the session already counts against the
+        tenant's limit (a paused one resuming): only the gateway's total is held."""
+        if counted:
+            self.check_gateway_room(count, profile)
+            self._resuming += count
+        else:
+            self.check_room(tenant, count, profile)
+            self._pending[tenant] = self._pending.get(tenant, 0) + count
+        reservations: list[str] = []
+        try:
+            if self.cluster is not None and not counted:
+                for _ in range(count):
+                    reservation = uuid.uuid4().hex
+                    await self.cluster.catalog.reserve(tenant, self.settings.max_sessions, reservation)
+                    reservations.append(reservation)
+            yield
+        finally:
+            try:
+                for reservation in reservations:  # its record counts there now (or it failed)
+                    await asyncio.shield(self._release(reservation))  # (one not released expires)
+            finally:
+                # Last, with no await after it: the caller adds what it made before anything runs.
+                if counted:
+                    self._resuming -= count
+                else:
+                    self._pending[tenant] -= count
 
     def load(self) -> tuple[int, int]:
         """(sessions held, room for more) as this host tells the cluster at each heartbeat: room
@@ -406,34 +458,24 @@ class SessionRegistry:
         """Start a session for ``tenant``: the named profile with the ``limits`` the tenant asked
         for, checked against the operator's catalog (ConfigError / SettingNotPermittedError).
         It is recorded in the session catalog before it is returned (a StoreError removes it)."""
+        metadata = checked_metadata(metadata)
         chosen = self.catalog.for_tenant(profile, limits)
-        self.check_room(tenant, profile=chosen)
-        # In a cluster the tenant's limit counts its sessions on every host: a reservation holds
-        # its place (atomically, in PostgreSQL) until this session's record is written.
-        reservation = uuid.uuid4().hex if self.cluster is not None else None
-        if self.cluster is not None and reservation is not None:
-            await self.cluster.catalog.reserve(tenant, self.settings.max_sessions, reservation)
-        self._pending[tenant] = self._pending.get(tenant, 0) + 1
-        try:
+        # In a cluster the tenant's limit counts its sessions on every host: the reservation
+        # holds its place there too until this session's record is written.
+        async with self.reserved(tenant, profile=chosen):
             session = await self.pool.acquire() if self.pool is not None and self.pool.matches(chosen) else None
             pooled = session is not None
             session_id = session.id if session else uuid.uuid4().hex
             recorder = TranscriptRecorder(
                 notebook_path_for(session_id, self.settings.notebook_dir),
-                {"tenant": tenant, "client_metadata": dict(metadata or {}), "warm_pool": pooled},
+                {"tenant": tenant, "client_metadata": metadata, "warm_pool": pooled},
             )
             if session is None:
                 session = await self.cold_start(chosen, session_id)
             await attach_transcript(session, recorder)
             kernel_name = kernel_name_for(session.profile.runtime)
-            managed = ManagedSession(
-                session, tenant, _now(), dict(metadata or {}), kernel_name, origin=origin, recorder=recorder
-            )
+            managed = ManagedSession(session, tenant, _now(), metadata, kernel_name, origin=origin, recorder=recorder)
             await self.record(managed)
-        finally:
-            self._pending[tenant] -= 1
-            if self.cluster is not None and reservation is not None:
-                await asyncio.shield(self._release(reservation))
         self.attach_observers(managed)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})
@@ -475,6 +517,7 @@ class SessionRegistry:
 
     def attach_observers(self, managed: ManagedSession) -> None:
         """Attach the gateway's observers and the operator's controls to a session it takes on."""
+        managed.helper_timeout = self.settings.helper_timeout
         if self.controls is not None:  # first: the breaker hears a result before the catalog records it
             self.controls.attach(managed)
         observe(managed, self.metrics, self.writer)
@@ -713,28 +756,52 @@ class SessionRegistry:
         now = time.monotonic()
         idle_timeout, max_lifetime = self.settings.idle_timeout, self.settings.max_lifetime
         culled = []
+        to_pause: list[ManagedSession] = []
         for managed in list(self._sessions.values()):
             if managed.execution_state == "busy" or managed.session.busy:  # running or queued, by any door
+                continue
+            if managed.id in self._idle_pauses:  # its pause is under way
                 continue
             too_old = max_lifetime is not None and now - managed.created_mono > max_lifetime
             idle = idle_timeout is not None and now - managed.active_mono > idle_timeout
             if not (too_old or idle):
                 continue
             culled.append(managed.id)
-            reason = "culled"
             if idle and not too_old and self.settings.idle_action == "pause" and self.snapshots is not None:
-                try:
-                    await self.snapshots.pause(managed, door="idle")
-                    continue
-                except SandkernelError as err:
-                    log.warning("pausing an idle session failed (%s); deleting it", err, extra={"session": managed.id})
-                    reason = f"culled: its pause failed ({err})"
-            log.info("culling session", extra={"session": managed.id, "tenant": managed.tenant})
-            with contextlib.suppress(KernelNotFoundError):
-                await self.delete(managed.tenant, managed.id, reason=reason)
+                to_pause.append(managed)
+                continue
+            await self._cull(managed, "culled")
+        # In the background, a few at a time, each within --pause-timeout: one session whose
+        # pause is slow (a sandbox can stop its archiver) holds up neither the others nor the
+        # culler's next round (which skips the sessions still being paused).
+        for managed in to_pause:
+            if managed.id not in self._idle_pauses:
+                task = asyncio.create_task(self._pause_idle(managed), name=f"sandkernel-idle-pause-{managed.id}")
+                self._idle_pauses[managed.id] = task
+                task.add_done_callback(lambda _, sid=managed.id: self._idle_pauses.pop(sid, None))
         if self.snapshots is not None:
             culled += await self.snapshots.expire()
         return culled
+
+    async def _pause_idle(self, managed: ManagedSession) -> None:
+        """Pause an idle session; one whose pause fails (its tenant's snapshot quota is full, its
+        archive passed --pause-timeout) is deleted, and the audit says why."""
+        assert self.snapshots is not None
+        async with self._idle_pause_slots:
+            if managed.id not in self._sessions or managed.execution_state == "busy" or managed.session.busy:
+                return  # deleted meanwhile, or woken up by a call
+            try:
+                await self.snapshots.pause(managed, door="idle")
+                return
+            except SandkernelError as err:
+                log.warning("pausing an idle session failed (%s); deleting it", err, extra={"session": managed.id})
+                reason = f"culled: its pause failed ({err})"
+            await self._cull(managed, reason)
+
+    async def _cull(self, managed: ManagedSession, reason: str) -> None:
+        log.info("culling session", extra={"session": managed.id, "tenant": managed.tenant})
+        with contextlib.suppress(KernelNotFoundError):
+            await self.delete(managed.tenant, managed.id, reason=reason)
 
     # -- stopping ---------------------------------------------------------------------------
 
@@ -773,9 +840,18 @@ class SessionRegistry:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._no_requests.wait(), timeout)
 
+    async def _stop_idle_pauses(self) -> None:
+        """A stopping gateway does not wait for the culler's pauses: each is cancelled (its
+        archive stops at its next read and is discarded; the session stays as it was)."""
+        tasks = list(self._idle_pauses.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     async def detach_all(self) -> None:
         """Let go of every session, leaving its container running and its record in the catalog
         (with ``gateway.detached_at``), for the next gateway process to adopt."""
+        await self._stop_idle_pauses()
         sessions = list(self._sessions.values())
         self._sessions.clear()
         detached_at = _now()
@@ -794,6 +870,7 @@ class SessionRegistry:
     async def shutdown_all(self) -> None:
         """Remove every session's container and record (``--on-exit delete``): lost ones too,
         except those refused at adoption (left, with their records, for the operator)."""
+        await self._stop_idle_pauses()
         sessions = list(self._sessions.values())
         lost = [s for s in self._lost.values() if not s.refused]
         paused = list(self._paused.values())

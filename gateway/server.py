@@ -29,7 +29,7 @@ from sandkernel import __version__
 from sandkernel.errors import ConfigError, SandkernelError
 from sandkernel.gateway.adoption import AdoptionReport, adopt_all
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import MAX_DRAINED_BYTES, BaseHandler, NotFoundHandler
+from sandkernel.gateway.base import MAX_DRAINED_BYTES, BaseHandler, NotFoundHandler, authenticate_operator
 from sandkernel.gateway.channels import ChannelsHandler
 from sandkernel.gateway.cluster.catalog import ClusterCatalog
 from sandkernel.gateway.cluster.fast_lane import FastLane
@@ -113,14 +113,15 @@ class MetricsHandler(BaseHandler):
     served_while_stopping = True
 
     def authenticate(self) -> str:
-        return "anonymous"  # aggregate numbers only, no tenant labels
+        # Aggregate numbers without tenant labels, but of every tenant: the operator's alone.
+        return authenticate_operator(self, self.auth)
 
     async def get(self) -> None:
         self.metrics.sessions.set(len(self.registry))
         self.metrics.quarantined.set(self.registry.breakers_health()["quarantined_sessions"])
         self.metrics.paused_sessions.set(len(self.registry.paused_sessions()))
         if self.registry.snapshots is not None:
-            self.metrics.snapshot_bytes.set(await asyncio.to_thread(self.registry.snapshots.store.total_bytes))
+            await self.metrics.snapshot_bytes_reading.refresh(self.registry.snapshots.store.total_bytes)
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
         self.finish(self.metrics.render())
 
@@ -270,6 +271,7 @@ class Gateway:
     async def _start(cls, settings: GatewaySettings, previous_state_dir: Path | None) -> Gateway:
         auth, shown_token = TokenAuth.from_sources(settings.token, settings.tokens_file)
         auth.allow_query_token = settings.allow_token_in_url
+        auth.set_metrics_token(settings.metrics_token)
         tls = (  # a certificate that cannot be used stops the start before anything is adopted
             await asyncio.to_thread(server_context, settings.certfile, settings.keyfile)
             if settings.certfile is not None and settings.keyfile is not None

@@ -30,6 +30,7 @@ from sandkernel.gateway.budget import OutputBudget, apply_budget
 from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.registry import LostSession, ManagedSession, PausedSession
 from sandkernel.gateway.replies import client_door, execution_reply, run_shell
+from sandkernel.gateway.session_metadata import checked_metadata
 from sandkernel.kernels.execution.outputs import ExecutionResult
 
 KEEPALIVE_SECONDS = 10.0
@@ -54,11 +55,11 @@ class SessionsHandler(BaseHandler):
         body = self.json_body()
         profile = body.get("profile")
         limits = body.get("limits", body.get("overrides")) or {}
-        metadata = body.get("metadata") or {}
+        metadata = checked_metadata(body.get("metadata"))  # before it is placed or forwarded
         if profile is not None and not isinstance(profile, str):
             raise ApiError(400, "profile must be a profile name such as 'default', 'small' or 'large'")
-        if not isinstance(limits, dict) or not isinstance(metadata, dict):
-            raise ApiError(400, "limits and metadata must be JSON objects")
+        if not isinstance(limits, dict):
+            raise ApiError(400, "limits must be a JSON object")
         managed = await self.create_session(profile, limits, metadata, origin="session_api")
         if managed is None:  # placed on another host, which answered
             return

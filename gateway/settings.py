@@ -44,6 +44,7 @@ from typing import Any
 
 from sandkernel.errors import ConfigError
 from sandkernel.gateway.budget import OutputBudget
+from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT
 
 ENV_PREFIX = "SANDKERNEL_"
 CONFIG_ENV = "SANDKERNEL_CONFIG"
@@ -108,6 +109,14 @@ class GatewaySettings:
     )
     tokens_file: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
         None, 'JSON {"tenant": "token"} for several tenants; must be chmod 600', metavar="FILE"
+    )
+    metrics_token: str | None = _setting(
+        None,
+        "the operator's token for /metrics (Prometheus sends it as a bearer token; 16+ characters, no tenant's); "
+        "without it /metrics answers 403",
+        metavar="TOKEN",
+        shown_default="none: /metrics is closed",
+        repr=False,
     )
     allow_token_in_url: bool = _setting(
         False, "accept ?token= (browser websockets); off by default because URLs end up in logs"
@@ -182,6 +191,13 @@ class GatewaySettings:
         maximum=1024,
     )
     max_sessions: int = _setting(20, "live sessions per token", metavar="N")
+    helper_timeout: float = _setting(
+        FILE_HELPER_TIMEOUT,
+        "seconds a file operation (list, download, upload) may take inside a sandbox before its helper is "
+        "killed and the call fails with 504 (a sandbox's code can stop its helpers)",
+        metavar="S",
+        positive=True,
+    )
     max_sessions_total: int = _setting(100, "live sessions in all (the warm pool counts)", metavar="N")
     idle_timeout: float | None = _setting(
         3600.0,
@@ -197,6 +213,13 @@ class GatewaySettings:
     )
     paused_ttl: float | None = _setting(
         7 * 86400.0, "delete sessions paused this long, seconds (0: never)", metavar="S", zero_is_none=True
+    )
+    pause_timeout: float = _setting(
+        600.0,
+        "seconds a pause, fork or checkpoint may take to archive a session's files (a sandbox can stop its "
+        "archiver); an idle session whose pause takes longer is deleted, and the audit says why",
+        metavar="S",
+        positive=True,
     )
     checkpoint_every_cell: bool = _setting(
         False,

@@ -156,7 +156,9 @@ class SnapshotManager:
         session = managed.session
         draft = await asyncio.to_thread(self.store.draft, managed.id)
         try:
-            part = await capture_files(session.container, draft.part_path(FILES), quota - used)
+            part = await capture_files(
+                session.container, draft.part_path(FILES), quota - used, timeout=self.settings.pause_timeout
+            )
             notebook = await _notebook_of(managed)
             parts = {FILES: part}
             if kind == PAUSE and managed.recorder is not None:
@@ -199,7 +201,13 @@ class SnapshotManager:
     async def _resume_locked(
         self, paused: PausedSession, door: str, rewind_to: int | None = None
     ) -> tuple[ManagedSession, Restored]:
-        self.registry.check_gateway_room()
+        # It counts for its tenant while paused; its sandbox needs room in the gateway's total.
+        async with self.registry.reserved(paused.tenant, counted=True):
+            return await self._resume_reserved(paused, door, rewind_to)
+
+    async def _resume_reserved(
+        self, paused: PausedSession, door: str, rewind_to: int | None
+    ) -> tuple[ManagedSession, Restored]:
         snapshot_id = str(paused.snapshot.get("id", ""))
         manifest = await asyncio.to_thread(self.store.load, paused.id, snapshot_id, paused.tenant)
         recorder = await _reopen_transcript(paused.record.gateway.get("transcript"))
@@ -345,7 +353,12 @@ class SnapshotManager:
         code cell ``cell``). Either all are made or none (those started are removed)."""
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_FORKS:
             raise ConfigError(f"count must be a whole number of forks from 1 to {MAX_FORKS}, not {count!r}")
-        self.registry.check_room(managed.tenant, count)
+        # Room for every fork is held from here until they are live (or failed), here and in the
+        # cluster's catalog: concurrent forks cannot each pass one check.
+        async with self.registry.reserved(managed.tenant, count):
+            return await self._fork_reserved(managed, count, cell, door)
+
+    async def _fork_reserved(self, managed: ManagedSession, count: int, cell: Any, door: str) -> list[dict[str, Any]]:
         async with self._lock(managed.id, managed.tenant):
             notebook = copy.deepcopy(await _notebook_of(managed))
             total = len(code_cells(notebook))

@@ -50,6 +50,8 @@ def from_frame(frame: str | bytes) -> dict[str, Any]:
             buffers = parts[1:]
     except (ValueError, struct.error, UnicodeDecodeError) as err:
         raise FrameError(f"not a Jupyter message: {err}") from None
+    except RecursionError:
+        raise FrameError("not a Jupyter message: nested too deeply to be read") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("header"), dict) or "msg_type" not in msg["header"]:
         raise FrameError("a Jupyter message needs a header with a msg_type")
     msg.setdefault("parent_header", {})

@@ -74,6 +74,9 @@ class Restored:
         }
 
 
+_Chain = tuple[int, "_Chain"] | None  # a code cell's index and the chain of those before it
+
+
 def cells_in_memory(notebook: nbformat.NotebookNode, after: int | None = None, lost_since: bool = False) -> list[int]:
     """The indexes (from 1) of the code cells whose effects are in the kernel's memory right
     after code cell ``after`` (after the last: None), walking the transcript in order:
@@ -84,16 +87,21 @@ def cells_in_memory(notebook: nbformat.NotebookNode, after: int | None = None, l
     - a rewind note (``metadata.sandkernel.rewind.to``) puts memory back to what it was after that cell;
     - ``lost_since``: the state was lost after the last cell (a restart no cell has followed yet).
     """
-    live: list[int] = []
-    after_cell: dict[int, list[int]] = {0: []}
+    # Memory after each cell as a chain (cell, the chain before it): appending a cell or going
+    # back to an earlier cell's state shares what came before, so the walk stays linear in the
+    # transcript's length (a copied list per cell was quadratic: 6 GB for 40,000 cells).
+    live: _Chain = None
+    after_cell: dict[int, _Chain] = {0: None}
     index = 0
     for cell in notebook.cells:
         recorded = _recorded(cell) if isinstance(cell, dict) else {}
         if cell.get("cell_type") != "code":
+            if after is not None and index >= after:
+                break  # a rewind after cell ``after`` changed later memory, not that cell's
             rewind = recorded.get("rewind")
             target = rewind.get("to") if isinstance(rewind, dict) else None
             if isinstance(target, int) and not isinstance(target, bool) and target in after_cell:
-                live = list(after_cell[target])
+                live = after_cell[target]
             continue
         index += 1
         if after is not None and index > after:
@@ -101,13 +109,19 @@ def cells_in_memory(notebook: nbformat.NotebookNode, after: int | None = None, l
         if recorded.get("status") == ExecutionStatus.REFUSED.value:
             pass  # never ran
         elif recorded.get("state_lost") and (recorded.get("status") in DIED or recorded.get("ended_by") in REPLACED):
-            live = []
+            live = None
         elif recorded.get("state_lost"):
-            live = [index]
+            live = (index, None)
         else:
-            live.append(index)
-        after_cell[index] = list(live)
-    return [] if lost_since and after is None else live
+            live = (index, live)
+        after_cell[index] = live
+    if lost_since and after is None:
+        return []
+    cells: list[int] = []
+    while live is not None:
+        cells.append(live[0])
+        live = live[1]
+    return cells[::-1]
 
 
 async def rebuild(

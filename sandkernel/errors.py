@@ -53,6 +53,13 @@ class ConfigError(SandkernelError, ValueError):
     status = 400
 
 
+class TooLargeError(ConfigError):
+    """A tenant's setting or value over its documented size (session metadata)."""
+
+    status = 413
+    code = "too_large"
+
+
 class UnknownProfileError(ConfigError, LookupError):
     """A profile name that is not defined."""
 
@@ -201,3 +208,11 @@ class SessionBusyError(SandkernelError):
 
     status = 409
     code = "session_busy"
+
+
+class HelpersBusyError(SandkernelError):
+    """A session already has as many helper calls (file operations, signals) running or waiting
+    as it may: the call is refused at once instead of queueing without bound."""
+
+    status = 429
+    retry_after = 1.0

@@ -22,6 +22,7 @@ from .conftest import RUNTIME_PARAMS, require_runtime
 
 ALICE = "alice-token-0123456789abcdef"
 BOB = "bob-token-0123456789abcdef00"
+OPERATOR = "operator-metrics-token-0123456789"  # the operator's /metrics token (--metrics-token)
 
 
 def free_port() -> int:
@@ -85,7 +86,13 @@ class Gateway:
 # What test gateways use unless a test says otherwise: few sessions, runc (fast, and the
 # runtime every machine has), no warm pool (each test that wants one says so), and every
 # container removed when the gateway stops (the default keeps them for the next gateway).
-TEST_DEFAULTS: dict[str, Any] = {"max_sessions": 4, "default_runtime": "runc", "pool_size": 0, "on_exit": "delete"}
+TEST_DEFAULTS: dict[str, Any] = {
+    "max_sessions": 4,
+    "default_runtime": "runc",
+    "pool_size": 0,
+    "on_exit": "delete",
+    "metrics_token": OPERATOR,
+}
 
 
 async def start_gateway(

@@ -43,7 +43,7 @@ from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatu
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine
 
 from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS, RunscState, require_runtime, runsc_required, runsc_state
-from .gateway_fixtures import ALICE, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, OPERATOR, start_gateway, stop_gateway
 from .test_docker_restart import (
     FakeDockerd,
     docker_answers,
@@ -402,7 +402,7 @@ async def test_three_ooms_in_a_row_quarantine_the_session_and_a_restart_clears_i
     back = await execute(gateway, hog, "print('back')")
     assert back["status"] == "ok" and back["text"] == "back\n"
 
-    status, metrics = await gateway.request("GET", "/metrics")
+    status, metrics = await gateway.request("GET", "/metrics", token=OPERATOR)
     assert scraped(metrics, 'sandkernel_breaker_trips_total{kind="oom"}') == 1.0
     assert scraped(metrics, 'sandkernel_refused_executions_total{by="breaker"}') == 1.0
 
@@ -433,7 +433,7 @@ async def test_a_stopped_engine_makes_new_sessions_fail_fast_and_they_start_agai
             answers.append((*await post_session(gateway), time.monotonic() - began))
         for session in existing:  # kernels talk ZMQ, not Docker: they keep answering
             assert (await execute(gateway, session, "x + 1"))["text"] == "42\n"
-        status, metrics = await gateway.request("GET", "/metrics")
+        status, metrics = await gateway.request("GET", "/metrics", token=OPERATOR)
     finally:
         await asyncio.to_thread(start_dockerd)
 
@@ -458,7 +458,7 @@ async def test_a_stopped_engine_makes_new_sessions_fail_fast_and_they_start_agai
         assert status == 503 and retry_after is not None, answer
         assert time.monotonic() < deadline, "new sessions did not start again within 120 s of dockerd's return"
         await asyncio.sleep(retry_after)  # as a client does
-    status, metrics = await gateway.request("GET", "/metrics")
+    status, metrics = await gateway.request("GET", "/metrics", token=OPERATOR)
     assert scraped(metrics, 'sandkernel_start_breaker_state{state="closed"}') == 1.0
     for session in existing:
         assert (await execute(gateway, session, "x"))["text"] == "41\n"

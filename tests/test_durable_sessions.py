@@ -33,7 +33,7 @@ from tornado.websocket import websocket_connect
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from .conftest import RUNC, RUNSC, RUNTIME_PARAMS, container_ids_of, require_runtime
-from .gateway_fixtures import ALICE, BOB, call_api, free_port
+from .gateway_fixtures import ALICE, BOB, OPERATOR, call_api, free_port
 
 pytestmark = pytest.mark.docker
 
@@ -64,7 +64,7 @@ class Serve:
             sys.executable, "-m", "sandkernel.cli", "--log-level", "INFO", "serve",
             "--port", str(self.port), "--tokens-file", str(self.tokens), "--state-dir", str(self.state),
             "--notebook-dir", str(self.notebooks), "--pool-size", "0", "--default-runtime", self.runtime,
-            "--max-sessions", "12", *extra,
+            "--max-sessions", "12", "--metrics-token", OPERATOR, *extra,
         ]  # fmt: skip
 
     def launch(self, *extra: str) -> subprocess.Popen[str]:

@@ -47,7 +47,7 @@ from sandkernel.gateway.kernels_api import recorded_kernel_model
 from sandkernel.kernels.durable.records import SandboxRecord
 
 from .conftest import container_ids_of, require_runtime
-from .gateway_fixtures import ALICE, BOB, call_api, free_port
+from .gateway_fixtures import ALICE, BOB, OPERATOR, call_api, free_port
 from .kernel_websocket import run_cell
 from .postgres_fixtures import create_database, drop_database, postgres_server  # noqa: F401 (pytest finds it here)
 from .test_durable_sessions import Serve
@@ -968,7 +968,7 @@ async def test_a_body_over_the_limit_is_a_413_from_the_forwarding_gateway(cluste
 
 async def forwarded_counts(host: Host) -> dict[str, float]:
     """``sandkernel_forwarded_requests_total`` of a gateway, by the way taken (fast_lane, handler)."""
-    status, text, _ = await host.call("GET", "/metrics")
+    status, text, _ = await host.call("GET", "/metrics", token=OPERATOR)
     assert status == 200, text
     found = re.findall(r'^sandkernel_forwarded_requests_total\{way="(\w+)"\} ([0-9.e+]+)$', text, re.M)
     return {way: float(value) for way, value in found}

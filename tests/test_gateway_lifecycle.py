@@ -11,7 +11,7 @@ import time
 import pytest
 
 from .conftest import container_ids_of
-from .gateway_fixtures import PeakRss, gateway_fixture, start_gateway, stop_gateway
+from .gateway_fixtures import OPERATOR, PeakRss, gateway_fixture, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.docker
 
@@ -19,12 +19,12 @@ pytestmark = pytest.mark.docker
 gateway = gateway_fixture()
 
 
-async def test_health_and_metrics_need_no_token(gateway):
+async def test_health_needs_no_token_and_metrics_the_operators(gateway):
     code, health = await gateway.request("GET", "/api/health", token=None)
     assert code == 200 and health["status"] == "ok"
     code, _ = await gateway.request("POST", "/api/sessions", {"limits": {"pids": 1}})
     assert code == 400
-    code, metrics = await gateway.request("GET", "/metrics", token=None)
+    code, metrics = await gateway.request("GET", "/metrics", token=OPERATOR)
     assert code == 200 and "sandkernel_sessions" in metrics and "sandkernel_execute_duration_seconds" in metrics
 
 

@@ -16,7 +16,7 @@ import pytest
 from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import SESSION_LABEL, reap
+from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, SESSION_LABEL, owner_label, reap
 from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON, SandboxContainer
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
@@ -167,7 +167,9 @@ async def test_the_engines_oom_event_tells_an_oom_from_a_kill(runtime):
                 mem_limit="128m",
                 memswap_limit="128m",
                 network_mode="none",
-                labels={SESSION_LABEL: session_id},
+                # This process as its owner: another worker's gateway reaps a sandkernel
+                # container whose owner is dead or missing.
+                labels={SESSION_LABEL: session_id, OWNER_LABEL: owner_label()},
             )
             if kill:
                 container.kill()

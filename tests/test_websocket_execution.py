@@ -15,7 +15,7 @@ import re
 import pytest
 
 from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS
-from .gateway_fixtures import gateway_fixture
+from .gateway_fixtures import OPERATOR, gateway_fixture
 from .test_gateway import connect, execute_request, ws_execute
 
 pytestmark = pytest.mark.docker
@@ -169,7 +169,7 @@ async def test_websocket_oom_is_classified_counted_and_survived(gw, gateway_sess
     finally:
         ws.close()
     assert reply["content"]["status"] == "ok"
-    status, metrics = await gw.request("GET", "/metrics")
+    status, metrics = await gw.request("GET", "/metrics", token=OPERATOR)
     assert status == 200
     assert _metric(metrics, 'sandkernel_kernel_deaths_total{cause="oom"}') >= 1
     assert _metric(metrics, 'sandkernel_executes_total{status="oom"}') >= 1

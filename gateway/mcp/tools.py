@@ -52,7 +52,7 @@ from sandkernel.gateway.replies import execution_reply, run_shell
 from sandkernel.gateway.sessions_api import MAX_CODE_BYTES
 from sandkernel.gateway.snapshots import MAX_FORKS, SnapshotManager
 from sandkernel.images import fit_image
-from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFiles
+from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES
 from sandkernel.mime import IMAGE_MIME_TYPES, is_api_image
 from sandkernel.truncation import clip_text, cut_marker
 
@@ -383,7 +383,7 @@ class McpTools:
         For large data, summarise it with run_python instead of reading it whole."""
         managed = await self.managed(ctx, session_id)
         try:
-            data = await WorkspaceFiles(managed.session.container).read(path)
+            data = await managed.files.read(path)
         except SandkernelError as err:
             raise _tool_error(err) from err
         managed.touch()
@@ -423,7 +423,7 @@ class McpTools:
         """List a directory of the sandbox's /workspace: names, types and sizes."""
         managed = await self.managed(ctx, session_id)
         try:
-            entries = await WorkspaceFiles(managed.session.container).list(path)
+            entries = await managed.files.list(path)
         except SandkernelError as err:
             raise _tool_error(err) from err
         lines = [

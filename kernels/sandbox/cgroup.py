@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -312,3 +313,58 @@ def container_oom_kills(container_id: str, root: Path = CGROUP_ROOT) -> int | No
     none (the container is gone) or it cannot be read. Blocking (sysfs stats and a read)."""
     found = locate(container_id, root)
     return None if found is None else oom_kills(found)
+
+
+# The name runc gives its init while it sets up an exec (before it runs the program).
+RUNC_INIT_COMM = "runc:[2:INIT]"
+_MAX_PROCS_READ = 1024 * 1024  # a cgroup.procs of up to ~100,000 pids
+
+
+def kill_stopped_runc_inits(container_id: str, root: Path = CGROUP_ROOT) -> int:
+    """SIGKILL the processes in the container's cgroup that are runc's init for an exec and are
+    stopped. The sandbox's code runs as the uid an exec takes before it runs its program, so it
+    can stop an exec there; ``runc exec`` then waits for it, and dockerd with it, holding the
+    container's lock: every later exec, kill and removal of that container waits too. Each pid
+    is checked through a pidfd (no pid reused meanwhile is hit) to still be in this cgroup, named
+    runc's init and stopped. A process of the sandbox's that took that name is the sandbox's own
+    to lose. Returns how many were killed; 0 where the cgroup or /proc cannot be read (a gateway
+    in another pid namespace)."""
+    found = locate(container_id, root)
+    if found is None:
+        return 0
+    procs = (found.path if isinstance(found, CgroupV2) else found.memory) / "cgroup.procs"
+    try:
+        fd = os.open(procs, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            pids = [int(line) for line in os.read(fd, _MAX_PROCS_READ).split() if line.isdigit()]
+        finally:
+            os.close(fd)
+    except OSError:
+        return 0
+    killed = 0
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            continue  # gone
+        try:
+            if _stopped_runc_init(pid, container_id):
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                killed += 1
+        except OSError:
+            pass
+        finally:
+            os.close(pidfd)
+    if killed:
+        log.warning(
+            "killed %d exec(s) the sandbox stopped before they ran", killed, extra={"container": container_id[:12]}
+        )
+    return killed
+
+
+def _stopped_runc_init(pid: int, container_id: str) -> bool:
+    """Whether ``pid`` (held by a pidfd) is runc's init, stopped, in ``container_id``'s cgroup."""
+    stat = _read(Path(f"/proc/{pid}/stat"))
+    name, _, rest = stat[stat.find("(") + 1 :].rpartition(")")
+    state = rest.split()[0] if rest.split() else ""
+    return name == RUNC_INIT_COMM and state in ("T", "t") and container_id in _read(Path(f"/proc/{pid}/cgroup"))

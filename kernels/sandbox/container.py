@@ -13,12 +13,15 @@ from the host, see workspace_disk.py), which outlives the container, or with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
+import enum
 import logging
 import re
 import secrets
 import signal
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +29,7 @@ import docker.errors
 from docker.types import LogConfig, Ulimit
 
 from sandkernel.blocking import made_or_undone
-from sandkernel.errors import KernelStartError
+from sandkernel.errors import HelpersBusyError, KernelStartError
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.egress.proxy import CONTAINER_EGRESS_DIR, RELAY_PORT, SOCKET_NAME
 from sandkernel.kernels.lifecycle.profiles import Profile, Runtime, WorkspaceStorage
@@ -40,6 +43,7 @@ from sandkernel.kernels.lifecycle.reaper import (
 )
 from sandkernel.kernels.sandbox.cgroup import container_oom_kills
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, translate_api_error
+from sandkernel.kernels.sandbox.exec_stream import Deadline, ExecStreamError, run_helper
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.sandbox.seccomp import seccomp_security_opt
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, state_dir
@@ -54,6 +58,9 @@ LAUNCHER = "/opt/sandkernel/launch-kernel"
 # Every process the host starts in the sandbox names image-owned programs by absolute path: the
 # tenant writes /workspace, and a name looked up through PATH could resolve to a planted file.
 SANDBOX_PYTHON = "/opt/kernel/bin/python"
+CONTROL_TIMEOUT = 10.0  # seconds for a signal, the restart's kill or the kernel log (then it is killed)
+HELPERS_PER_LANE = 2  # helpers one sandbox runs at once in each lane (see SandboxContainer.run_helper)
+HELPERS_WAITING = 8  # more may wait in each lane; beyond that a call is refused at once (429)
 KILL = "/bin/kill"
 # Signals the kernel named by its pid file. The file is the sandbox's to write, so its first line
 # is only data here and must be a plain pid above 1 (not 0, -1, a list, or a leading zero).
@@ -61,6 +68,38 @@ SIGNAL_KERNEL_SCRIPT = (
     'read -r pid < /tmp/kernel.pid || [ -n "$pid" ] || exit 3; case "$pid" in ""|0*|*[!0-9]*|????????*) exit 3;; esac; '
     '[ "$pid" -gt 1 ] || exit 3; exec ' + KILL + ' "$1" "$pid"'
 )
+
+
+class HelperLane(enum.Enum):
+    """Which helpers wait for each other: a sandbox's file work, and its control (signals, kills)."""
+
+    CONTROL = "control"
+    FILES = "files"
+
+
+class HelperSlots:
+    """At most ``running`` helpers of a lane at once and ``waiting`` more queued behind them;
+    beyond that a call is refused at once (a tenant's pile of calls on a sandbox that stops its
+    helpers is not kept waiting, each for the ones before it)."""
+
+    def __init__(self, running: int, waiting: int) -> None:
+        self._running = asyncio.Semaphore(running)
+        self._held = 0
+        self.capacity = running + waiting
+
+    @contextlib.asynccontextmanager
+    async def held(self, what: str) -> AsyncIterator[None]:
+        if self._held >= self.capacity:
+            raise HelpersBusyError(
+                f"{what} was refused: this session already has {self.capacity} such calls running or waiting; "
+                "retry once they have finished"
+            )
+        self._held += 1
+        try:
+            async with self._running:
+                yield
+        finally:
+            self._held -= 1
 
 
 @dataclass(frozen=True)
@@ -186,6 +225,10 @@ class SandboxContainer:
         self.user = spec.user
         self.exec_id: str | None = None
         self._host_process: tuple[int, str] | None = None
+        # Helpers at once, per lane: a sandbox whose code stops its helpers holds this many of
+        # the engine's worker threads at most, each until its deadline. Control (signals, the
+        # restart's kill) has a lane of its own, so a stuck file helper never delays a restart.
+        self._lanes = {lane: HelperSlots(HELPERS_PER_LANE, HELPERS_WAITING) for lane in HelperLane}
 
     @classmethod
     async def start(cls, engine: DockerEngine, spec: ContainerSpec) -> SandboxContainer:
@@ -266,16 +309,46 @@ class SandboxContainer:
         code = state.get("ExitCode")
         return -1 if code is None else int(code)
 
-    async def run_as_sandbox(self, argv: list[str], timeout: float = 10.0) -> tuple[int, str]:
-        """Run a short command inside the sandbox as the sandbox user (never as root)."""
+    async def run_as_sandbox(self, argv: list[str], timeout: float = CONTROL_TIMEOUT) -> tuple[int, str]:
+        """Run a short command inside the sandbox as the sandbox user (never as root): its exit
+        code and its stdout and stderr. ExecStreamError past ``timeout`` (it is killed)."""
+        code, stdout, stderr = await self.run_helper(argv, timeout, what=f"the sandbox helper {argv[0]}")
+        return code, (stdout + stderr).decode(errors="replace")
+
+    async def run_helper(
+        self,
+        argv: list[str],
+        timeout: float,
+        *,
+        what: str,
+        lane: HelperLane = HelperLane.CONTROL,
+        stdin: bytes | None = None,
+        workdir: str | None = None,
+        max_output: int = 64 * 1024 * 1024,
+    ) -> tuple[int, bytes, bytes]:
+        """Run ``argv`` as the sandbox user within ``timeout`` seconds, in ``lane`` (at most
+        HELPERS_PER_LANE at once): (exit code, stdout, stderr). ExecStreamError (504) when it
+        does not finish in time, its output is too large or its stream breaks; a cancelled
+        caller ends it at its next read."""
+        deadline = Deadline(timeout)
         api = self.engine.client.api
-
-        def run() -> tuple[int, str]:
-            exec_id = api.exec_create(self.id, argv, user=self.user)["Id"]
-            output = api.exec_start(exec_id)
-            return int(api.exec_inspect(exec_id).get("ExitCode") or 0), output.decode(errors="replace")
-
-        return await asyncio.wait_for(self.engine.run(run), timeout)
+        async with self._lanes[lane].held(what):
+            try:
+                return await self.engine.run(
+                    run_helper,
+                    api,
+                    self.id,
+                    self.user,
+                    argv,
+                    deadline,
+                    what,
+                    stdin=stdin,
+                    workdir=workdir,
+                    max_output=max_output,
+                )
+            except asyncio.CancelledError:
+                deadline.stop.set()
+                raise
 
     async def signal_kernel(self, signum: int) -> None:
         """Send a signal to the kernel process (its pid file is in the sandbox's /tmp).
@@ -290,7 +363,7 @@ class SandboxContainer:
         """SIGKILL every process of the sandbox user but PID 1. False if that could not run."""
         try:
             code, _ = await self.run_as_sandbox([KILL, "-KILL", "-1"])
-        except (docker.errors.APIError, TimeoutError, asyncio.TimeoutError) as err:
+        except (docker.errors.APIError, ExecStreamError) as err:
             log.warning("kill -1 in sandbox failed: %s", err, extra={"container": self.id[:12]})
             return False
         # kill(-1) reports ESRCH (exit 1) when there was nothing left to kill: still a success.
@@ -303,7 +376,7 @@ class SandboxContainer:
             _, text = await self.run_as_sandbox(
                 ["/bin/sh", "-c", "exec /usr/bin/timeout 5 /usr/bin/tail -c 4000 /tmp/kernel.log 2>/dev/null"]
             )
-        except (docker.errors.APIError, TimeoutError, asyncio.TimeoutError):
+        except (docker.errors.APIError, ExecStreamError):
             return ""
         return text
 

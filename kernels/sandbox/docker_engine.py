@@ -1,7 +1,10 @@
 """Async access to the Docker engine, with its errors translated into sandkernel's.
 
-The Docker SDK is blocking, so every call runs in a worker thread (``asyncio.to_thread``):
-one slow ``containers.list()`` must never stall the gateway's event loop. Other modules use
+The Docker SDK is blocking, so every call runs in a worker thread: one slow
+``containers.list()`` must never stall the gateway's event loop. The engine has its own threads
+(:data:`DOCKER_WORKER_THREADS`), apart from the loop's default executor: Docker work that a
+sandbox holds up (a helper it stopped waits for its deadline) never delays the gateway's other
+blocking work (transcript writes, accounting walks, snapshot files). Other modules use
 :class:`DockerEngine` and catch ``docker.errors`` only where they translate them.
 
 dockerd restarts (issue 13): with ``live-restore`` (scripts/host-setup.sh) the sandboxes keep
@@ -17,10 +20,12 @@ sent once more on a fresh connection, anything that changes state is not (it may
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import docker
@@ -64,12 +69,18 @@ IDEMPOTENT_READS = frozenset(
 )
 
 
+# Threads of one engine's Docker calls (and of the SDK's connection pool): a sandbox holds at
+# most a few of them (container.HELPERS_PER_LANE per lane), each until its helper's deadline.
+DOCKER_WORKER_THREADS = 32
+
+
 class DockerEngine:
-    """One Docker client shared by a process, used from worker threads."""
+    """One Docker client shared by a process, used from its own worker threads."""
 
     def __init__(self, client: docker.DockerClient | None = None) -> None:
         self._client = client
         self._lock = threading.Lock()
+        self._executor = ThreadPoolExecutor(DOCKER_WORKER_THREADS, thread_name_prefix="sandkernel-docker")
 
     @property
     def client(self) -> docker.DockerClient:
@@ -77,7 +88,7 @@ class DockerEngine:
         with self._lock:
             if self._client is None:
                 try:
-                    self._client = docker.from_env(timeout=120)
+                    self._client = docker.from_env(timeout=120, max_pool_size=DOCKER_WORKER_THREADS)
                     self._client.ping()
                 except (docker.errors.DockerException, *CONNECTION_ERRORS) as err:
                     self._client = None
@@ -88,7 +99,8 @@ class DockerEngine:
         """Run a blocking SDK call in a worker thread, translating connection errors into
         :class:`DockerUnavailableError` (``docker.errors.APIError`` passes through: callers
         translate those with what they know); a read is retried once on a broken connection."""
-        return await asyncio.to_thread(self.call_sync, func, *args, **kwargs)
+        work = functools.partial(contextvars.copy_context().run, self.call_sync, func, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, work)
 
     def call_sync(self, func: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """:meth:`run`'s work, in the calling thread (for code that is already in a worker)."""

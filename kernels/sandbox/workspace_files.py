@@ -22,16 +22,19 @@ workspace dies with the container anyway.
 from __future__ import annotations
 
 import json
-import socket
 
 import docker.errors
-from docker.utils.socket import frames_iter
 
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
-from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON, WORKSPACE, SandboxContainer
+from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON, WORKSPACE, HelperLane, SandboxContainer
+from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT
 
 MAX_FILE_BYTES = 32 * 1024 * 1024
 MAX_LISTING = 10000
+# Bounds of a helper's output: a listing's JSON per entry (a 255-character name escaped as
+# \uXXXX is 1.5 KiB), and what an error's message adds to a file's bytes.
+LISTING_ENTRY_BYTES = 2048
+MESSAGE_BYTES = 64 * 1024
 
 # Runs inside the sandbox. argv: op, path, max_bytes. Exit 0 with the result on stdout, or 2
 # with {"error": code, "message": sentence} on stdout.
@@ -109,8 +112,9 @@ elif op == "write":
 class WorkspaceFiles:
     """Upload, download and list files in one session's /workspace."""
 
-    def __init__(self, container: SandboxContainer) -> None:
+    def __init__(self, container: SandboxContainer, timeout: float = FILE_HELPER_TIMEOUT) -> None:
         self.container = container
+        self.timeout = timeout  # seconds each operation may take in the sandbox (then 504)
 
     async def list(self, path: str = "") -> list[dict]:
         out = await self._run("list", path, MAX_LISTING)
@@ -127,30 +131,17 @@ class WorkspaceFiles:
     async def _run(self, op: str, path: str, limit: int, stdin: bytes | None = None) -> bytes:
         if not isinstance(path, str):
             raise ConfigError("path must be a string")
-        engine = self.container.engine
         argv = [SANDBOX_PYTHON, "-I", "-c", _HELPER, op, path, str(limit)]
-
-        def run() -> tuple[int, bytes, bytes]:
-            api = engine.client.api
-            exec_id = api.exec_create(
-                self.container.id, argv, user=self.container.user, workdir=WORKSPACE, stdin=stdin is not None
-            )["Id"]
-            if stdin is None:
-                stdout, stderr = api.exec_start(exec_id, demux=True)
-            else:
-                sock = api.exec_start(exec_id, socket=True)
-                raw = getattr(sock, "_sock", sock)
-                raw.sendall(stdin)
-                raw.shutdown(socket.SHUT_WR)
-                chunks: dict[int, list[bytes]] = {1: [], 2: []}
-                for stream_no, data in frames_iter(sock, tty=False):
-                    chunks.setdefault(stream_no, []).append(data)
-                sock.close()
-                stdout, stderr = b"".join(chunks[1]), b"".join(chunks[2])
-            return int(api.exec_inspect(exec_id).get("ExitCode") or 0), stdout or b"", stderr or b""
-
         try:
-            code, stdout, stderr = await engine.run(run)
+            code, stdout, stderr = await self.container.run_helper(
+                argv,
+                self.timeout,
+                what=f"the workspace {op} helper",
+                lane=HelperLane.FILES,
+                stdin=stdin,
+                workdir=WORKSPACE,
+                max_output=limit * LISTING_ENTRY_BYTES if op == "list" else limit + MESSAGE_BYTES,
+            )
         except docker.errors.APIError as err:
             raise KernelNotFoundError(f"the session's container is not available: {err.explanation}") from err
         if code == 2:

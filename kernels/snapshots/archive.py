@@ -33,10 +33,7 @@ import os
 import re
 import shlex
 import socket
-import struct
 import threading
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +41,17 @@ import docker.errors
 
 from sandkernel.errors import SnapshotError, SnapshotQuotaError, SnapshotRejectedError
 from sandkernel.kernels.sandbox.container import SandboxContainer
+from sandkernel.kernels.sandbox.exec_stream import (
+    CHUNK,
+    Deadline,
+    ExecStreamError,
+    exit_code,
+    frames,
+    kill_exec,
+    raw_socket,
+    send_all,
+    start_exec,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,14 +77,13 @@ KERNEL_TMP_FILES: tuple[str, ...] = (
     "/tmp/.matplotlib",
 )
 DEFAULT_TIMEOUT = 600.0  # seconds for one capture or restore, whatever its size
-IDLE_TIMEOUT = 60.0  # seconds without a byte moving before a transfer is given up
 STDERR_KEPT = 2000  # characters of tar's stderr carried in an error message
-CHUNK = 1024 * 1024  # bytes read from the snapshot file per send
 # tar exits 1 when a file changed, shrank or vanished while it was read (the kernel may be
 # writing): the archive is still whole. 2 is a real failure (unreadable file, disk full...).
 TAR_CHANGED = 1
 CLEANUP_FAILED = 90  # exit code of the restore script when emptying the old files failed
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+PACKING, UNPACKING = "packing the session's files", "unpacking the snapshot"  # what a stream error names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,10 +196,9 @@ async def capture_files(
     :class:`SnapshotQuotaError` past ``max_bytes``, :class:`SnapshotError` when tar fails (its
     stderr in the message), the container is gone, ``dest`` exists, or ``timeout`` seconds pass.
     On any failure ``dest`` is removed: no partial archive is left."""
-    stop = threading.Event()
+    deadline = Deadline(timeout)
 
     def work() -> ArchivePart:
-        deadline = _deadline(timeout)
         fd = _create(dest)
         kept = False
         try:
@@ -200,10 +206,9 @@ async def capture_files(
                 digest, size, stderr = hashlib.sha256(), 0, bytearray()
                 api = container.engine.client.api
                 exec_id = api.exec_create(container.id, capture_argv(), user=container.user, workdir="/")["Id"]
-                sock = api.exec_start(exec_id, socket=True)
+                sock = start_exec(api, container.id, exec_id, deadline, PACKING)
                 try:
-                    raw = _raw_socket(sock, timeout)
-                    for stream, data in _frames(raw, deadline, stop):
+                    for stream, data in frames(raw_socket(sock), deadline, PACKING):
                         if stream == 1:
                             size += len(data)
                             if size > max_bytes:
@@ -215,9 +220,12 @@ async def capture_files(
                             out.write(data)
                         else:
                             stderr = _keep_tail(stderr, data)
+                except BaseException:
+                    kill_exec(api, container.id, exec_id)  # a tar the sandbox stopped is not left behind
+                    raise
                 finally:
                     sock.close()
-                code = _exit_code(api, exec_id, deadline)
+                code = exit_code(api, exec_id, deadline, PACKING)
                 if code not in (0, TAR_CHANGED):
                     raise SnapshotError(
                         f"packing the session's files failed in the sandbox (tar exit {code}): {_text(stderr)}"
@@ -233,7 +241,7 @@ async def capture_files(
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(dest)
 
-    return await _in_thread(container, work, stop, "pack the session's files")
+    return await _in_thread(container, work, deadline.stop, "pack the session's files")
 
 
 async def restore_files(
@@ -247,10 +255,9 @@ async def restore_files(
     sandbox as its user, the old files are removed and tar unpacks the archive from stdin.
     Raises :class:`SnapshotError` when that fails (tar's stderr in the message); the sandbox's
     files are then partly restored and the caller must not hand the session out as restored."""
-    stop = threading.Event()
+    deadline = Deadline(timeout)
 
     def work() -> None:
-        deadline = _deadline(timeout)
         try:
             fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as err:
@@ -260,20 +267,23 @@ async def restore_files(
             archive.seek(0)
             api = container.engine.client.api
             exec_id = api.exec_create(container.id, restore_argv(), user=container.user, workdir="/", stdin=True)["Id"]
-            sock = api.exec_start(exec_id, socket=True)
+            sock = start_exec(api, container.id, exec_id, deadline, UNPACKING)
             try:
-                raw = _raw_socket(sock, timeout)
-                output = _Drain(raw, deadline, stop)
+                raw = raw_socket(sock)
+                output = _Drain(raw, deadline)
                 try:
-                    _send(raw, archive, deadline, stop)
+                    _send(raw, archive, deadline)
                 except BaseException:
                     raw.shutdown(socket.SHUT_RDWR)  # ends the drain's read at once
                     output.join()
                     raise
                 output.finish()
+            except BaseException:
+                kill_exec(api, container.id, exec_id)
+                raise
             finally:
                 sock.close()
-        code = _exit_code(api, exec_id, deadline)
+        code = exit_code(api, exec_id, deadline, UNPACKING)
         if code == CLEANUP_FAILED:
             raise SnapshotError(f"emptying the session's files before the restore failed: {_text(output.stderr)}")
         if code != 0:
@@ -281,7 +291,7 @@ async def restore_files(
                 f"unpacking the snapshot in the sandbox failed (tar exit {code}): {_text(output.stderr)}"
             )
 
-    await _in_thread(container, work, stop, "restore the session's files")
+    await _in_thread(container, work, deadline.stop, "restore the session's files")
 
 
 # -- the host side of the transfer: bytes only ----------------------------------------------------
@@ -312,98 +322,34 @@ def _verify(archive: Any, expected: ArchivePart) -> None:
         )
 
 
-def _deadline(timeout: float | None) -> float | None:
-    return None if timeout is None else time.monotonic() + timeout
-
-
-def _expired(deadline: float | None) -> bool:
-    return deadline is not None and time.monotonic() > deadline
-
-
-def _raw_socket(sock: Any, timeout: float | None) -> socket.socket:
-    """The exec's attach socket itself (the SDK hands a SocketIO over it), with an idle timeout."""
-    raw = getattr(sock, "_sock", sock)
-    raw.settimeout(IDLE_TIMEOUT if timeout is None else min(IDLE_TIMEOUT, timeout))
-    return raw
-
-
-def _frames(raw: socket.socket, deadline: float | None, stop: threading.Event) -> Iterator[tuple[int, bytes]]:
-    """Docker's multiplexed stream (8-byte header: stream number, length) as (stream, bytes), up
-    to 1 MiB a piece; ends at EOF. SnapshotError when the deadline passes, the socket stays
-    silent for the idle timeout, or the caller stopped waiting."""
-    while True:
-        header = _recv_exactly(raw, 8, deadline, stop)
-        if header is None:
-            return
-        stream, remaining = struct.unpack(">BxxxL", header)
-        while remaining:
-            data = _recv(raw, min(remaining, CHUNK), deadline, stop)
-            if not data:
-                raise SnapshotError("the sandbox's output stream ended in the middle of a frame")
-            remaining -= len(data)
-            yield stream, data
-
-
-def _recv_exactly(raw: socket.socket, n: int, deadline: float | None, stop: threading.Event) -> bytes | None:
-    """``n`` bytes, or None at a clean EOF before the first one."""
-    buf = b""
-    while len(buf) < n:
-        data = _recv(raw, n - len(buf), deadline, stop)
-        if not data:
-            if buf:
-                raise SnapshotError("the sandbox's output stream ended in the middle of a frame header")
-            return None
-        buf += data
-    return buf
-
-
-def _recv(raw: socket.socket, n: int, deadline: float | None, stop: threading.Event) -> bytes:
-    if stop.is_set():
-        raise SnapshotError("the transfer was cancelled")
-    if _expired(deadline):
-        raise SnapshotError("the transfer of the session's files took longer than its time limit")
-    try:
-        return raw.recv(n)
-    except TimeoutError as err:
-        raise SnapshotError(f"the sandbox was silent for {raw.gettimeout():.0f} s; the transfer was given up") from err
-    except OSError as err:
-        raise SnapshotError(f"the connection to the sandbox broke during the transfer ({err})") from err
-
-
-def _send(raw: socket.socket, archive: Any, deadline: float | None, stop: threading.Event) -> None:
+def _send(raw: socket.socket, archive: Any, deadline: Deadline) -> None:
     """Stream the archive into the exec's stdin, then close our writing half (tar sees EOF).
     A sandbox that stopped reading (its script failed, tar died) is not an error here: the exit
     code and stderr say what happened."""
     try:
         while chunk := archive.read(CHUNK):
-            if stop.is_set():
-                raise SnapshotError("the transfer was cancelled")
-            if _expired(deadline):
-                raise SnapshotError("the transfer of the session's files took longer than its time limit")
-            raw.sendall(chunk)
+            send_all(raw, chunk, deadline, UNPACKING)
         raw.shutdown(socket.SHUT_WR)
     except (BrokenPipeError, ConnectionResetError) as err:
         log.info("the sandbox stopped reading the archive: %s", err)
-    except TimeoutError as err:
-        raise SnapshotError(f"the sandbox took nothing for {raw.gettimeout():.0f} s; the restore was given up") from err
 
 
 class _Drain(threading.Thread):
     """Reads the exec's output while the archive is sent (tar's error messages must not fill the
     socket and stall the upload); keeps the tail of stderr for the error message."""
 
-    def __init__(self, raw: socket.socket, deadline: float | None, stop: threading.Event) -> None:
+    def __init__(self, raw: socket.socket, deadline: Deadline) -> None:
         super().__init__(name="snapshot-restore-output", daemon=True)
-        self.raw, self.deadline, self.stop = raw, deadline, stop
+        self.raw, self.deadline = raw, deadline
         self.stderr = bytearray()
         self.error: BaseException | None = None
         self.start()
 
     def run(self) -> None:
         try:
-            for _, data in _frames(self.raw, self.deadline, self.stop):
+            for _, data in frames(self.raw, self.deadline, UNPACKING):
                 self.stderr = _keep_tail(self.stderr, data)
-        except (SnapshotError, OSError) as err:
+        except (ExecStreamError, OSError) as err:
             self.error = err
 
     def finish(self) -> None:
@@ -411,19 +357,6 @@ class _Drain(threading.Thread):
         self.join()
         if self.error is not None:
             raise SnapshotError(f"reading the sandbox's output failed: {self.error}") from self.error
-
-
-def _exit_code(api: Any, exec_id: str, deadline: float | None) -> int:
-    """The exec's exit code; its stream ends a moment before Docker records the exit."""
-    limit = time.monotonic() + 10.0
-    while True:
-        state = api.exec_inspect(exec_id)
-        if not state.get("Running"):
-            code = state.get("ExitCode")
-            return -1 if code is None else int(code)
-        if time.monotonic() > limit or _expired(deadline):
-            raise SnapshotError("the sandbox's tar did not exit after its stream ended")
-        time.sleep(0.02)
 
 
 def _keep_tail(buf: bytearray, data: bytes) -> bytearray:
@@ -446,3 +379,5 @@ async def _in_thread(container: SandboxContainer, work: Any, stop: threading.Eve
         raise
     except docker.errors.APIError as err:
         raise SnapshotError(f"cannot {what}: the session's container is not available ({err.explanation})") from err
+    except ExecStreamError as err:
+        raise SnapshotError(f"cannot {what}: {err}") from err

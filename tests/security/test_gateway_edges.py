@@ -1,5 +1,6 @@
 """The gateway's own edges (issue 11, item 8): what an anonymous client learns, what the access
-log keeps, token guessing, slow-header clients and a shared tokens file."""
+log keeps, token guessing, slow-header clients and a shared tokens file; /metrics served to the
+operator alone (issue 30, item 7)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 
 from sandkernel.errors import ConfigError
 from sandkernel.gateway.auth import MAX_AUTH_FAILURES, TokenAuth
+from sandkernel.gateway.metrics import GatewayMetrics, ThrottledReading
 
-from ..gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway
+from ..gateway_fixtures import ALICE, BOB, OPERATOR, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.security
 
@@ -33,6 +35,64 @@ async def test_health_without_a_token_reveals_no_counts(gateway):
     assert status == 200 and "sessions" not in wrong
     status, known = await gateway.request("GET", "/api/health", token=ALICE)
     assert status == 200 and known["sessions"] == 0 and "warm_pool" in known
+
+
+@pytest.mark.docker
+async def test_metrics_are_served_to_the_operators_token_alone(gateway):
+    """The metrics count every tenant's sessions, snapshots and executions: neither an anonymous
+    caller nor a tenant reads them (each got a 200 before), only the operator's scraper."""
+    status, body = await gateway.request("GET", "/metrics", token=None)
+    assert status == 401 and "metrics token" in body["message"], body
+    status, body = await gateway.request("GET", "/metrics", token=ALICE)
+    assert status == 401 and "not a tenant's" in body["message"], body
+    status, metrics = await gateway.request("GET", "/metrics", headers={"Authorization": f"Bearer {OPERATOR}"}, token=None)
+    assert status == 200 and "sandkernel_sessions " in metrics, metrics
+    status, metrics = await gateway.request("GET", "/metrics", token=OPERATOR)
+    assert status == 200 and "sandkernel_sessions " in metrics
+    # The operator's token opens nothing else: it is not a tenant's.
+    status, _ = await gateway.request("GET", "/api/sessions", token=OPERATOR)
+    assert status == 401
+
+
+@pytest.mark.docker
+async def test_metrics_are_closed_when_the_operator_set_no_token(tmp_path):
+    gw = await start_gateway(tmp_path, metrics_token=None)
+    try:
+        status, body = await gw.request("GET", "/metrics", token=ALICE)
+        assert status == 403 and "--metrics-token" in body["message"], body
+        status, _ = await gw.request("GET", "/api/health", token=None)
+        assert status == 200
+    finally:
+        await stop_gateway(gw)
+
+
+def test_a_metrics_token_must_be_long_and_no_tenants():
+    auth = TokenAuth({ALICE: "alice"})
+    with pytest.raises(ConfigError, match="differ from every tenant's token"):
+        auth.set_metrics_token(ALICE)
+    with pytest.raises(ConfigError, match="16"):
+        auth.set_metrics_token("short")
+    auth.set_metrics_token(OPERATOR)
+    assert auth.is_metrics_token(f"Bearer {OPERATOR}") and not auth.is_metrics_token(f"token {ALICE}")
+    assert auth.tenant_for(f"token {OPERATOR}") is None
+
+
+async def test_scrapes_share_one_walk_of_the_snapshot_store():
+    """Each scrape used to walk every tenant's snapshots in the shared worker threads: now one
+    walk per interval serves every scrape in it, however many arrive at once."""
+    walks = []
+
+    def walk() -> int:
+        walks.append(1)
+        return 4096 * len(walks)
+
+    reading = ThrottledReading(GatewayMetrics().snapshot_bytes, interval=3600)
+    await asyncio.gather(*(reading.refresh(walk) for _ in range(50)))
+    await reading.refresh(walk)
+    assert len(walks) == 1 and reading.gauge._value.get() == 4096
+    reading.interval = 0
+    await reading.refresh(walk)
+    assert len(walks) == 2 and reading.gauge._value.get() == 8192
 
 
 @pytest.mark.docker

@@ -116,7 +116,8 @@ async def test_malformed_and_oversized_websocket_frames(arena):
     assert (await arena.attack("print('idle')"))["text"] == "idle\n"  # the kernel is done with earlier attacks
     conn = await ws(arena)
     try:
-        for frame in ("{not json", json.dumps({"channel": "shell"}), json.dumps([1, 2]), "x" * 1000):
+        nested = "[" * 100_000 + "]" * 100_000  # valid JSON too deep for Python's parser
+        for frame in ("{not json", json.dumps({"channel": "shell"}), json.dumps([1, 2]), "x" * 1000, nested):
             await conn.write_message(frame)
             assert (await read_complaint(conn))["error"] == "bad_message"
         await conn.write_message(b"\x00\x01garbage", binary=True)

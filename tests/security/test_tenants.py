@@ -138,8 +138,11 @@ ABSURD_BODIES = [
     ("POST", "/api/sessions", {"limits": {"image": "../../etc"}}, 403, "not_permitted", "image can only be set"),
     ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": ["x"]}}}, 403, "not_permitted", "env can only"),
     ("POST", "/api/sessions", {"limits": {"env": {"LD_PRELOAD": "/x.so"}}}, 403, "not_permitted", "env can only"),
-    ("POST", "/api/sessions", {"limits": [1, 2]}, 400, "bad_request", "limits and metadata must be JSON objects"),
-    ("POST", "/api/sessions", {"metadata": "nope"}, 400, "bad_request", "limits and metadata must be JSON objects"),
+    ("POST", "/api/sessions", {"limits": [1, 2]}, 400, "bad_request", "limits must be a JSON object"),
+    ("POST", "/api/sessions", {"metadata": "nope"}, 400, "config", "metadata must be a JSON object"),
+    ("POST", "/api/sessions", {"metadata": {"x": float("nan")}}, 400, "config", "metadata must be plain JSON"),
+    # Metadata is kept with the session and rewritten with its record: a few KiB, not the 40 MiB body.
+    ("POST", "/api/sessions", {"metadata": {"notes": "x" * 5000}}, 413, "too_large", "a session keeps at most 4096"),
     ("POST", "/api/sessions/{sid}/execute", {"code": None}, 400, "bad_code", "'code' must be a string"),
     ("POST", "/api/sessions/{sid}/execute", {"code": ["print(1)"]}, 400, "bad_code", "'code' must be a string"),
     ("POST", "/api/sessions/{sid}/execute", {"code": "1", "timeout": "soon"}, 400, "config", "timeout must be"),
@@ -173,7 +176,8 @@ async def test_absurd_json_gets_a_clear_4xx(arena, case):
 
 async def test_malformed_bodies_get_a_clear_4xx(arena):
     sid = arena.attacker["id"]
-    for raw in (b"{", b"[]", b"\xff\xfe", b'"just a string"', b"null", b"{" * 10000 + b"}" * 10000):
+    nested = b"[" * 100_000 + b"]" * 100_000  # valid JSON that Python's parser cannot descend (a 500 before)
+    for raw in (b"{", b"[]", b"\xff\xfe", b'"just a string"', b"null", b"{" * 10000 + b"}" * 10000, nested):
         status, reply = await arena.gateway.request("POST", f"/api/sessions/{sid}/execute", raw=raw)
         assert_clear_error(status, reply, 400)
 

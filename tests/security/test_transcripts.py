@@ -13,7 +13,7 @@ from nbformat.sign import NotebookNotary
 
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
-from ..gateway_fixtures import BOB
+from ..gateway_fixtures import BOB, OPERATOR
 
 pytestmark = [pytest.mark.security, pytest.mark.docker]
 
@@ -58,7 +58,7 @@ async def test_a_printed_secret_goes_only_to_the_reply_and_the_transcript(arena)
     try:
         reply = await arena.attack(f"print({secret[::-1]!r}[::-1])")
         await arena.attack("raise ValueError('boom')")
-        _, metrics = await arena.gateway.request("GET", "/metrics", token=None)
+        _, metrics = await arena.gateway.request("GET", "/metrics", token=OPERATOR)
         listed = await arena.gateway.request("GET", "/api/sessions")
     finally:
         root.removeHandler(logs)

@@ -1,0 +1,233 @@
+"""A ``docker exec`` in a sandbox, read and written within a deadline, and killed at it.
+
+docker-py reads an exec's output with the socket's timeout turned off, so a helper that the
+sandbox's own code stops (tenant code runs as the same user and can SIGSTOP every new process)
+held the reading worker thread for good, and every later call waiting for a worker thread with
+it: one tenant stopped the gateway for all. Every exec the host starts in a sandbox (the files
+API, signals, the restart's kill, the snapshot archive and fingerprint) reads through here: the
+attach socket gets an idle timeout, every read checks a wall-clock deadline and a stop flag (set
+when the awaiting task was cancelled), and a helper given up on is killed when its process can
+be shown to be this container's (:func:`kill_exec`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import requests.exceptions
+
+from sandkernel.errors import SandkernelError
+from sandkernel.kernels.sandbox.cgroup import kill_stopped_runc_inits
+
+CHUNK = 1024 * 1024  # bytes read from the socket at most per call
+IDLE_TIMEOUT = 60.0  # seconds without a byte moving before a stream is given up
+EXIT_GRACE = 10.0  # seconds Docker may take to record an exec's exit after its stream ended
+# Seconds one file operation (list, download, upload) may take inside the sandbox by default (the
+# largest upload, 32 MiB, takes well under one; the gateway's --helper-timeout): a helper the
+# sandbox's code stopped is given up then, and the call fails with 504.
+FILE_HELPER_TIMEOUT = 60.0
+
+
+class ExecStreamError(SandkernelError):
+    """An exec's stream broke, stalled or passed its deadline (the message says which)."""
+
+    status = 504
+    code = "sandbox_helper_failed"
+
+
+class Deadline:
+    """A wall-clock limit for one exec (None: none), and the flag a cancelled caller sets."""
+
+    def __init__(self, seconds: float | None, stop: threading.Event | None = None) -> None:
+        self.seconds = seconds
+        self.at = None if seconds is None else time.monotonic() + seconds
+        self.stop = stop or threading.Event()
+
+    def check(self, what: str) -> None:
+        if self.stop.is_set():
+            raise ExecStreamError(f"{what} was cancelled")
+        if self.at is not None and time.monotonic() > self.at:
+            raise ExecStreamError(f"{what} did not finish within its {self.seconds:g} s limit")
+
+    def socket_timeout(self) -> float:
+        """A read's timeout: the idle timeout, or less when the deadline comes first."""
+        if self.at is None:
+            return IDLE_TIMEOUT
+        return max(0.05, min(IDLE_TIMEOUT, self.at - time.monotonic()))
+
+
+def start_exec(api: Any, container_id: str, exec_id: str, deadline: Deadline, what: str) -> Any:
+    """docker-py's ``exec_start(exec_id, socket=True)``, with its wait bounded by the deadline.
+
+    dockerd answers the start only once the new process runs, and a sandbox can stop that
+    process while it is still runc's init (before it is the helper at all): the SDK's own call
+    then waits for its client timeout (120 s), holding a worker thread, and dockerd holds the
+    container's lock meanwhile (every later exec of it waits). The same request is sent here
+    with the deadline as its read timeout (the SDK's request helpers, as exec_start uses them);
+    at the deadline the stopped init is killed, which ends dockerd's wait."""
+    deadline.check(what)
+    try:
+        response = api._post_json(
+            api._url("/exec/{0}/start", exec_id),
+            headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+            data={"Tty": False, "Detach": False},
+            stream=True,
+            timeout=deadline.socket_timeout(),
+        )
+    except requests.exceptions.Timeout as err:
+        kill_stopped_runc_inits(container_id)
+        deadline.check(what)
+        raise ExecStreamError(f"{what}: the sandbox did not start it within {IDLE_TIMEOUT:g} s") from err
+    return api._get_raw_response_socket(response)
+
+
+def raw_socket(sock: Any) -> socket.socket:
+    """The exec's attach socket itself (the SDK hands a SocketIO over it)."""
+    return getattr(sock, "_sock", sock)
+
+
+def frames(raw: socket.socket, deadline: Deadline, what: str) -> Iterator[tuple[int, bytes]]:
+    """Docker's multiplexed stream (8-byte header: stream number, length) as (stream, bytes), up
+    to 1 MiB a piece; ends at EOF. ExecStreamError when the deadline passes, the socket stays
+    silent for the idle timeout, or the caller stopped waiting."""
+    while True:
+        header = _recv_exactly(raw, 8, deadline, what)
+        if header is None:
+            return
+        stream, remaining = struct.unpack(">BxxxL", header)
+        while remaining:
+            data = recv(raw, min(remaining, CHUNK), deadline, what)
+            if not data:
+                raise ExecStreamError(f"{what}: the sandbox's output ended in the middle of a frame")
+            remaining -= len(data)
+            yield stream, data
+
+
+def _recv_exactly(raw: socket.socket, n: int, deadline: Deadline, what: str) -> bytes | None:
+    """``n`` bytes, or None at a clean EOF before the first one."""
+    buf = b""
+    while len(buf) < n:
+        data = recv(raw, n - len(buf), deadline, what)
+        if not data:
+            if buf:
+                raise ExecStreamError(f"{what}: the sandbox's output ended in the middle of a frame header")
+            return None
+        buf += data
+    return buf
+
+
+def recv(raw: socket.socket, n: int, deadline: Deadline, what: str) -> bytes:
+    """One read of at most ``n`` bytes, within the deadline (the timeout is set per read)."""
+    deadline.check(what)
+    raw.settimeout(deadline.socket_timeout())
+    try:
+        return raw.recv(n)
+    except TimeoutError as err:
+        deadline.check(what)  # the deadline, if that is what ended the wait
+        raise ExecStreamError(f"{what}: the sandbox was silent for {IDLE_TIMEOUT:g} s and was given up") from err
+    except OSError as err:
+        raise ExecStreamError(f"{what}: the connection to the sandbox broke ({err})") from err
+
+
+def send_all(raw: socket.socket, data: bytes, deadline: Deadline, what: str) -> None:
+    """Write ``data`` to the exec's stdin within the deadline (a sandbox that stops reading
+    stalls the write: each chunk's wait is bounded like a read's)."""
+    view = memoryview(data)
+    while view:
+        deadline.check(what)
+        raw.settimeout(deadline.socket_timeout())
+        try:
+            sent = raw.send(view[:CHUNK])
+        except TimeoutError as err:
+            deadline.check(what)
+            raise ExecStreamError(f"{what}: the sandbox took nothing for {IDLE_TIMEOUT:g} s and was given up") from err
+        view = view[sent:]
+
+
+def exit_code(api: Any, exec_id: str, deadline: Deadline, what: str) -> int:
+    """The exec's exit code; its stream ends a moment before Docker records the exit."""
+    limit = time.monotonic() + EXIT_GRACE
+    while True:
+        state = api.exec_inspect(exec_id)
+        if not state.get("Running"):
+            code = state.get("ExitCode")
+            return -1 if code is None else int(code)
+        if time.monotonic() > limit:
+            raise ExecStreamError(f"{what}: the sandbox's process did not exit after its output ended")
+        deadline.check(what)
+        time.sleep(0.02)
+
+
+def kill_exec(api: Any, container_id: str, exec_id: str) -> bool:
+    """SIGKILL an exec given up on, if it still runs. Docker has no call for it; its host pid
+    is killed only when /proc shows that pid in this container's cgroup (a gateway in another
+    pid namespace, or a pid reused meanwhile, kills nothing). Under gVisor that pid is the
+    ``runsc exec`` process: killing it ends the exec as Docker sees it. True if a kill was sent.
+
+    First, an exec the sandbox stopped while it was still runc's init (dockerd answers the start
+    at once, then waits for it holding the container's lock, so even an inspect would wait) is
+    killed by :func:`kill_stopped_runc_inits`."""
+    if kill_stopped_runc_inits(container_id):
+        return True
+    try:
+        state = api.exec_inspect(exec_id)
+    except Exception:  # best effort: the caller's error says what happened
+        return False
+    pid = state.get("Pid")
+    if not state.get("Running") or not isinstance(pid, int) or pid <= 1:
+        return False
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="ascii", errors="replace") as cgroup:
+            if container_id not in cgroup.read():
+                return False
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        return False
+    return True
+
+
+def run_helper(
+    api: Any,
+    container_id: str,
+    user: str,
+    argv: list[str],
+    deadline: Deadline,
+    what: str,
+    *,
+    stdin: bytes | None = None,
+    workdir: str | None = None,
+    max_output: int = 64 * 1024 * 1024,
+) -> tuple[int, bytes, bytes]:
+    """Run ``argv`` in the container as ``user`` (blocking: call it in a worker thread) and
+    return (exit code, stdout, stderr). ``stdin`` is sent first, then closed. ExecStreamError
+    when the deadline passes, the output passes ``max_output`` bytes or the stream breaks; the
+    helper is then killed where it can be (:func:`kill_exec`)."""
+    exec_id = api.exec_create(container_id, argv, user=user, workdir=workdir, stdin=stdin is not None)["Id"]
+    # Not started in time: start_exec killed it (an inspect of it would wait on dockerd).
+    sock = start_exec(api, container_id, exec_id, deadline, what)
+    finished = False
+    try:
+        raw = raw_socket(sock)
+        if stdin is not None:
+            send_all(raw, stdin, deadline, what)
+            raw.shutdown(socket.SHUT_WR)
+        output: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
+        for stream, data in frames(raw, deadline, what):
+            kept = output.setdefault(stream, bytearray())
+            if len(kept) + len(data) > max_output:
+                raise ExecStreamError(f"{what}: the sandbox's output passed {max_output} bytes")
+            kept += data
+        code = exit_code(api, exec_id, deadline, what)
+        finished = True
+    finally:
+        sock.close()
+        if not finished:
+            kill_exec(api, container_id, exec_id)
+    return code, bytes(output[1]), bytes(output[2])
