@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
 import sys
 import textwrap
-import uuid
-from types import SimpleNamespace
 
 import pytest
 
-from sandkernel.kernels.execution.deaths import LATE_OOM_EVENT_SECONDS
 from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, SESSION_LABEL, owner_label, reap
-from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON, SandboxContainer
+from sandkernel.kernels.lifecycle.reaper import reap
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
@@ -145,48 +139,3 @@ async def test_reaper_removes_containers_of_a_crashed_process():
     assert any(left["session"][:12] in name for name in report.removed)
     assert container_ids_of(left["session"]) == []
     assert not os.path.exists(left["rundir"])
-
-
-@pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
-async def test_the_engines_oom_event_tells_an_oom_from_a_kill(runtime):
-    """A gVisor sandbox killed for memory can be recorded as a plain exit 137 (Docker sets
-    OOMKilled only when the runtime's OOM event came before its exit event); the death is then
-    told by the engine's ``oom`` event, which a container killed by a signal never has."""
-    require_runtime(runtime)
-    engine = default_engine()
-    profile = resolve_profile()
-    session_id = f"oom-event-{uuid.uuid4().hex[:8]}"
-
-    async def finished(command: list[str], kill: bool) -> tuple[SandboxContainer, dict]:
-        def run() -> str:
-            container = engine.client.containers.run(
-                profile.image,
-                command,
-                entrypoint=[SANDBOX_PYTHON],
-                detach=True,
-                runtime=runtime,
-                mem_limit="128m",
-                memswap_limit="128m",
-                network_mode="none",
-                # This process as its owner: another worker's gateway reaps a sandkernel
-                # container whose owner is dead or missing.
-                labels={SESSION_LABEL: session_id, OWNER_LABEL: owner_label()},
-            )
-            if kill:
-                container.kill()
-            container.wait(timeout=120)
-            return container.id
-
-        found = SandboxContainer(engine, await asyncio.to_thread(run), SimpleNamespace(user="root"))
-        return found, await found.engine_state()
-
-    try:
-        bomb, bomb_state = await finished(["-c", "x = [bytearray(1 << 20) for _ in range(1000)]"], kill=False)
-        killed, killed_state = await finished(["-c", "import time; time.sleep(600)"], kill=True)
-        assert bomb_state["ExitCode"] == killed_state["ExitCode"] == 137, (bomb_state, killed_state)
-        # With the classifier's grace: the OOM event may come after the exit (that is the point).
-        assert await bomb.oom_event_logged(bomb_state["StartedAt"], grace=LATE_OOM_EVENT_SECONDS)
-        assert not await killed.oom_event_logged(killed_state["StartedAt"], grace=LATE_OOM_EVENT_SECONDS)
-    finally:
-        for container_id in container_ids_of(session_id):
-            engine.client.api.remove_container(container_id, force=True)

@@ -407,7 +407,9 @@ class SandboxContainer:
         event; gVisor's shim may send them the other way round on a loaded host, and the stop is
         then recorded as a plain exit 137 though the ``oom`` event is still logged. The events
         are read up to ``grace`` seconds from now (an OOM event may follow the exit), and the
-        stream ends at the first match or at that deadline."""
+        stream ends at the first match or at that deadline. Best effort: dockerd keeps only its
+        last 256 events, which a busy host can pass before this looks (two parallel rehearsals
+        found no event for a real OOM this way), so a death it misses stays ``kernel_died``."""
         try:
             since = int(parse_engine_time(started_at)) - 1
         except ValueError:  # no start recorded: the engine keeps a short history, read all of it
