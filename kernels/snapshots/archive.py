@@ -47,7 +47,6 @@ from sandkernel.kernels.sandbox.exec_stream import (
     ExecStreamError,
     exit_code,
     frames,
-    kill_exec,
     raw_socket,
     send_all,
     start_exec,
@@ -220,9 +219,6 @@ async def capture_files(
                             out.write(data)
                         else:
                             stderr = _keep_tail(stderr, data)
-                except BaseException:
-                    kill_exec(api, container.id, exec_id)  # a tar the sandbox stopped is not left behind
-                    raise
                 finally:
                     sock.close()
                 code = exit_code(api, exec_id, deadline, PACKING)
@@ -278,9 +274,6 @@ async def restore_files(
                     output.join()
                     raise
                 output.finish()
-            except BaseException:
-                kill_exec(api, container.id, exec_id)
-                raise
             finally:
                 sock.close()
         code = exit_code(api, exec_id, deadline, UNPACKING)
