@@ -6,6 +6,7 @@ Against real containers under both runtimes; the record checks are pure (no engi
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import os
@@ -15,6 +16,7 @@ import sys
 import pytest
 
 from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError, SandboxLostError
+from sandkernel.kernels.execution.deaths import SIGKILL_EXIT
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
@@ -133,6 +135,36 @@ async def test_workspace_files_are_not_charged_to_memory(runtime, storage, expec
         assert result.status is expected, result
         if expected is ExecutionStatus.OK:
             assert result.text.split() == ["150", "300"]
+    finally:
+        await session.shutdown()
+
+
+@pytest.mark.parametrize("runtime", [RUNC])
+async def test_a_tmpfs_workspace_that_leaves_no_room_for_a_kernel_gets_a_new_container(runtime):
+    """Files in a tmpfs workspace fill the memory limit between executions (from outside the
+    kernel, so all of them land): the kernel is killed for memory, and a restarted one would
+    be too (tmpfs pages are never reclaimed). The next execute replaces the container, says
+    so, and runs; before, it raised KernelStartError and the session had no kernel."""
+    session = await start(runtime, memory_mb=256, workspace_mb=512, workspace_storage="memory")
+    try:
+        assert (await session.execute("open('/workspace/before', 'w').write('x')")).status is ExecutionStatus.OK
+        provisioner = session._kernel.provisioner
+        container = default_engine().client.containers.get(provisioner.container.id)
+        # 240 of 256 MiB: the kernel is the biggest process, so the OOM killer takes it first;
+        # the writer is killed too (137) only when the cgroup's own overhead left no room even then
+        filled = await asyncio.to_thread(
+            container.exec_run, ["sh", "-c", "head -c 240M /dev/zero > /workspace/fill"], user=str(provisioner.uid)
+        )
+        assert filled.exit_code in (0, SIGKILL_EXIT), filled.output
+        old = provisioner.container.id
+        result = await session.execute("import os; print(sorted(os.listdir('/workspace')))", timeout=120)
+        assert result.status is ExecutionStatus.OK, result
+        listed = result.text.strip()
+        assert "before" not in listed and "fill" not in listed, listed  # the tmpfs went with the container
+        assert result.state_lost is not None
+        assert "ran out of memory" in result.state_lost and "container was replaced" in result.state_lost
+        assert session._kernel.provisioner.container.id != old
+        assert (await session.execute("print(6 * 7)")).text.strip() == "42"
     finally:
         await session.shutdown()
 

@@ -95,9 +95,9 @@ class DeathClassifier:
             state.get("StartedAt", ""), LATE_OOM_EVENT_SECONDS
         )
 
-    def sentence(self, status: ExecutionStatus, between_executes: bool) -> str:
-        """The state-loss sentence a result and the transcript carry."""
+    def sentence(self, status: ExecutionStatus, between_executes: bool, ended: str = "and was restarted") -> str:
+        """The state-loss sentence a result and the transcript carry; ``ended`` says what followed."""
         when = "between executions" if between_executes else "during this execution"
         if status is ExecutionStatus.OOM:
-            return f"the kernel ran out of memory (limit {self.memory_mb} MiB) {when} and was restarted"
-        return f"the kernel died {when} and was restarted"
+            return f"the kernel ran out of memory (limit {self.memory_mb} MiB) {when} {ended}"
+        return f"the kernel died {when} {ended}"

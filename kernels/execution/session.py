@@ -578,7 +578,7 @@ class KernelSession:
     ) -> tuple[ExecutionRequest, ExecutionResult]:
         if not await self._kernel.is_alive():
             status = await self._deaths.classify(self.container, None)
-            await self._restart_kernel(self._deaths.sentence(status, between_executes=True))
+            await self._restart_after_death(status, between_executes=True)
         state_lost, self._pending_state_lost = self._pending_state_lost, None
         oom_before = await self._deaths.baseline(self.container)
         meter = self.meter
@@ -603,7 +603,7 @@ class KernelSession:
             ended_by = await self._stop_runaway(watch, timeout)
         elif status is ExecutionStatus.KERNEL_DIED and epoch == self._kernel.epoch:
             status = await self._deaths.classify(self.container, oom_before)
-            await self._restart_kernel(self._deaths.sentence(status, between_executes=False))
+            await self._restart_after_death(status, between_executes=False)
         elif status is ExecutionStatus.OK:
             status = await watch.reply_status()
         # A restart during this execution is reported now and again by the next one.
@@ -637,6 +637,25 @@ class KernelSession:
             await self.observers.emit("output_received", request, output)
 
         return deliver
+
+    async def _restart_after_death(self, status: ExecutionStatus, between_executes: bool) -> None:
+        """Restart a kernel that died; when the new one does not come up, replace the container.
+
+        A kernel can die of what stays in its container: a tmpfs workspace holding nearly all of
+        the memory limit (tmpfs pages are never reclaimed) leaves no room for a new kernel,
+        which is then killed before it answers. Without the last rung the session would be
+        left with no kernel at all."""
+        try:
+            await asyncio.wait_for(
+                self._restart_kernel(self._deaths.sentence(status, between_executes)),
+                timeout=self.profile.start_timeout + self.profile.interrupt_grace,
+            )
+        except (asyncio.TimeoutError, SandkernelError, RuntimeError) as err:
+            log.warning("restart after a death failed, replacing the container: %s", err, extra={"session": self.id})
+            await self._replace_kernel(
+                self._deaths.sentence(status, between_executes, ended="and its restart did not come up")
+                + ", so the container was replaced"
+            )
 
     async def _stop_runaway(self, watch: ExecutionWatch, timeout: float) -> TimeoutStep:
         """The ladder: interrupt, wait the grace period, restart the kernel, replace the container."""
