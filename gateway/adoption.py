@@ -179,8 +179,9 @@ def managed_from_record(
         gateway.get("kernel_name") or kernel_name_for(session.profile.runtime),
         origin=gateway.get("origin") or "session_api",
         recorder=recorder,
+        lifetime_from=gateway.get("lifetime_from") if isinstance(gateway.get("lifetime_from"), str) else None,
     )
-    managed.created_mono = time.monotonic() - seconds_since(managed.created)
+    managed.created_mono = time.monotonic() - seconds_since(managed.lifetime_from or managed.created)
     return managed
 
 

@@ -13,6 +13,7 @@ client waits for an engine that restarts, an open start breaker or a gateway tha
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import math
@@ -32,6 +33,7 @@ from sandkernel.owner_hint import HOST_HEADER
 if TYPE_CHECKING:
     from sandkernel.gateway.cluster.catalog import HostInfo
     from sandkernel.gateway.cluster.forward import ClusterLink
+    from sandkernel.gateway.cluster.signing import Forwarded
 
 log = logging.getLogger(__name__)
 
@@ -211,12 +213,29 @@ class BaseHandler(web.RequestHandler):
         if cluster is None:
             return None  # a single host: nothing below runs
         self.set_header(HOST_HEADER, cluster.url)  # this host answers (a forwarded answer: the owner's)
-        self.forwarded_from = cluster.forwarded_from(self.request)  # 401 on a bad signature
+        forwarded = cluster.forwarded_from(self.request)  # 401 on a bad signature
+        if forwarded is not None:
+            self.forwarded_from = forwarded.origin
+            self._check_body_once_in(forwarded)
         session_id = self.path_kwargs.get("session_id")
         kernel_id = self.path_kwargs.get("kernel_id")
         if self.forwarded_from is not None or (session_id is None and kernel_id is None):
             return None  # forwarded once already (the loop guard), or no session in the path
         return self._route(cluster, session_id, kernel_id)
+
+    def _check_body_once_in(self, forwarded: Forwarded) -> None:
+        """The verb runs only if the body that came is the one the forwarding gateway signed
+        (401 otherwise): tornado calls it by name once the body is in, so it is wrapped here."""
+        verb_name = (self.request.method or "get").lower()
+        verb = getattr(self, verb_name)
+
+        async def checked(*args: Any, **kwargs: Any) -> None:
+            forwarded.check_body(self.body)
+            answer = verb(*args, **kwargs)
+            if inspect.isawaitable(answer):
+                await answer
+
+        setattr(self, verb_name, checked)
 
     @property
     def cluster(self) -> ClusterLink | None:

@@ -126,8 +126,11 @@ class ChannelsHandler(websocket.WebSocketHandler):
             return
         cluster = cluster_of(self.registry)
         try:  # a request another gateway of the cluster forwarded: never forwarded again
-            self.forwarded_from = cluster.forwarded_from(self.request) if cluster is not None else None
-        except ApiError as err:  # a bad or stale signature
+            forwarded = cluster.forwarded_from(self.request) if cluster is not None else None
+            if forwarded is not None:
+                forwarded.check_body(b"")  # a websocket's request has none
+                self.forwarded_from = forwarded.origin
+        except ApiError as err:  # a bad, stale or replayed signature
             self._refuse(*error_reply(err))
             return
         try:

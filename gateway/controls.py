@@ -2,10 +2,11 @@
 
 One object built at start-up from the settings: the execution policy (a gate asked before any
 code reaches a kernel), the session circuit breaker (a gate and an observer), per-cell
-accounting (on or off), the audit stream (an observer, plus the records the registry writes for
-session lifecycle and files) and the start breaker (around every cold sandbox start). The
-registry calls :meth:`SessionControls.attach` wherever it takes a session on (created, handed
-out of the pool, adopted), so no door can run code around them.
+accounting (on or off), the audit stream (an observer, a gate that holds back a tenant the log
+cannot keep up with, plus the records the registry writes for session lifecycle and files) and
+the start breaker (around every cold sandbox start). The registry calls
+:meth:`SessionControls.attach` wherever it takes a session on (created, handed out of the pool,
+adopted), so no door can run code around them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sandkernel.gateway.audit.gate import AuditGate
 from sandkernel.gateway.audit.log import AuditLog
 from sandkernel.gateway.audit.observer import AuditObserver
 from sandkernel.gateway.breakers import SessionBreaker, StartBreaker
@@ -26,6 +28,7 @@ if TYPE_CHECKING:
     from sandkernel.gateway.registry import ManagedSession
 
 AUDIT_SUBDIR = "audit"
+MiB = 2**20
 
 
 @dataclasses.dataclass
@@ -49,15 +52,21 @@ class SessionControls:
                 audit_dir(settings),
                 include_code=settings.audit_code,
                 max_bytes=settings.audit_max_bytes,
-                keep=settings.audit_keep,
+                keep_days=settings.audit_keep_days,
+                max_disk_bytes=settings.audit_max_mb * MiB,
+                tenant_bytes_per_minute=settings.audit_tenant_mb_per_minute * MiB,
             )
         return cls(settings, metrics, StartBreaker(settings, metrics), policy, audit)
 
     def attach(self, managed: ManagedSession) -> None:
-        """Put the controls on a session the registry takes on: policy first (a refused cell
-        never counts toward the breaker), then the breaker, accounting and the audit observer."""
+        """Put the controls on a session the registry takes on: the audit gate first (the
+        cheapest, and a tenant the log cannot keep up with should not cost a policy review
+        either), then the policy (a refused cell never counts toward the breaker), the breaker,
+        accounting and the audit observer."""
         session = managed.session
         session.set_accounting(self.settings.accounting)
+        if self.audit is not None:
+            session.add_gate(AuditGate(self.audit, managed.tenant))
         if self.policy is not None:
             session.add_gate(PolicyGate(self.policy))
         breaker = SessionBreaker(managed, self.settings, self.metrics)

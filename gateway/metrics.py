@@ -127,7 +127,7 @@ class GatewayMetrics:
         )
         self.refused = Counter(
             "sandkernel_refused_executions",
-            "Executions refused before they ran, by who refused them (policy, breaker)",
+            "Executions refused before they ran, by who refused them (policy, breaker, audit)",
             ["by"],
             registry=self.registry,
         )

@@ -106,6 +106,9 @@ class ManagedSession:
     breaker: SessionBreaker | None = None  # its circuit breaker (gateway/controls.py attaches it)
     audit: AuditLog | None = None  # the gateway's audit stream, when it writes one
     helper_timeout: float = FILE_HELPER_TIMEOUT  # the gateway's --helper-timeout (attach_observers)
+    # When its --max-lifetime started counting: its creation, or for a fork its parent's (a
+    # fork must not renew a lifetime). Kept in the catalog so a later gateway counts the same.
+    lifetime_from: str | None = None
 
     @property
     def files(self) -> WorkspaceFiles:
@@ -192,6 +195,7 @@ class ManagedSession:
         it as this one did (the tenant and the kernel's state are fields of their own)."""
         return {
             "created": self.created,
+            "lifetime_from": self.lifetime_from or self.created,
             "metadata": self.metadata,
             "kernel_name": self.kernel_name,
             "origin": self.origin,

@@ -62,6 +62,7 @@ from sandkernel.gateway.sessions_api import (
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.gateway.snapshots import SnapshotManager
 from sandkernel.gateway.snapshots_api import SnapshotActionHandler
+from sandkernel.gateway.stop_watch import bounded_stop
 from sandkernel.gateway.tls import server_context
 from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.records import SandboxState
@@ -490,7 +491,8 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event | None = None) ->
     try:
         await stop.wait()
     finally:
-        await gateway.stop()
+        log.info("stopping (shutdown grace %.0f s)", settings.shutdown_grace)
+        await bounded_stop(gateway.stop(), settings.shutdown_grace)
         if settings.on_exit == "delete":
             print("gateway stopped; all sessions shut down", flush=True)
         else:

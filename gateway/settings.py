@@ -227,6 +227,13 @@ class GatewaySettings:
         "cell restores them exactly; costs an archive of /workspace and /tmp after every cell",
     )
     checkpoints_kept: int = _setting(10, "per-cell checkpoints kept per session", metavar="N", positive=True)
+    checkpoint_mb_per_minute: int = _setting(
+        1024,
+        "what each token's per-cell checkpoints may write in any minute, MiB (past it, cells go on without one "
+        "until the minute has passed): a burst of cells over large files cannot keep the disk busy",
+        metavar="MB",
+        positive=True,
+    )
     snapshot_quota_mb: int = _setting(
         10240, "disk each token's snapshots may use, MiB (a pause beyond it is refused)", metavar="MB", positive=True
     )
@@ -351,9 +358,31 @@ class GatewaySettings:
     )
     audit_code: bool = _setting(True, "keep the code itself in audit records (its SHA-256 is always kept)")
     audit_max_bytes: int = _setting(
-        64 * 1024 * 1024, "size at which the audit file is rotated", metavar="BYTES", positive=True
+        64 * 1024 * 1024, "size at which the audit file is rotated (also once a day)", metavar="BYTES", positive=True
     )
-    audit_keep: int = _setting(10, "rotated audit files kept (older ones are deleted)", metavar="N", positive=True)
+    audit_keep_days: float = _setting(
+        7.0,
+        "days a rotated audit file is kept after its last record; older ones are deleted, younger ones never "
+        "(not even for room: see --audit-max-mb)",
+        metavar="DAYS",
+        positive=True,
+    )
+    audit_max_mb: int = _setting(
+        4096,
+        "disk budget of the audit directory, MiB; must hold --audit-keep-days of records (an execution's is about "
+        "1 KiB plus up to 4 KiB of its code). "
+        "Full of records younger than that, it deletes nothing: the tenants holding the most of it have their "
+        "executions refused until files age out",
+        metavar="MB",
+        positive=True,
+    )
+    audit_tenant_mb_per_minute: int = _setting(
+        16,
+        "audit records each tenant's activity may write in any minute, MiB; past it, that tenant's executions are "
+        "refused until the minute has passed, so one tenant's burst cannot crowd the others out of the audit history",
+        metavar="MB",
+        positive=True,
+    )
 
     # -- what one execute reply may carry (see gateway/budget.py) ---------------------------
     output_budget: int = _setting(64 * 1024, "bytes of text per execute reply", metavar="BYTES")

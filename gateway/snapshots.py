@@ -22,7 +22,6 @@ before it, and the calls that resume by themselves (:meth:`SessionRegistry.live`
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import logging
 import time
@@ -46,8 +45,10 @@ from sandkernel.gateway.registry import ManagedSession, PausedSession, SessionRe
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.adoption import profile_from_record, profile_record
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.lifecycle.profiles import Profile
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.snapshots.archive import capture_files
+from sandkernel.kernels.snapshots.quota import CHECKPOINT_WINDOW_SECONDS, TenantSnapshotBytes, WrittenInWindow
 from sandkernel.kernels.snapshots.store import SnapshotManifest, SnapshotStore
 from sandkernel.notebooks.compare import code_cells
 from sandkernel.notebooks.observer import attach_transcript
@@ -77,6 +78,10 @@ class SnapshotManager:
         self.store = store or SnapshotStore(settings.snapshot_dir)
         self._locks: dict[str, asyncio.Lock] = {}
         self._owners: dict[str, str] = {}  # session id -> tenant, for every lock made
+        # Per tenant: its snapshot bytes, written ones counted as they are written (the quota),
+        # and what its per-cell checkpoints wrote in the last minute.
+        self._tenant_bytes: dict[str, TenantSnapshotBytes] = {}
+        self._checkpoint_bytes: dict[str, WrittenInWindow] = {}
         registry.snapshots = self
 
     def _lock(self, session_id: str, tenant: str) -> asyncio.Lock:
@@ -140,32 +145,48 @@ class SnapshotManager:
         return paused
 
     async def _snapshot(self, managed: ManagedSession, kind: str) -> SnapshotManifest:
-        """Archive the live session's files and sign a manifest naming the cells in its memory."""
-        used = await asyncio.to_thread(self.store.tenant_bytes, managed.tenant)
+        """Archive the live session's files and sign a manifest naming the cells in its memory.
+        Every byte written is taken from the tenant's quota as it is written, shared with its
+        other snapshots being written (kernels/snapshots/quota.py)."""
         quota = self.settings.snapshot_quota_mb * MiB
+        tenant_bytes = self._tenant_bytes.setdefault(managed.tenant, TenantSnapshotBytes())
+        used = await self._used(managed.tenant, tenant_bytes)
         if used >= quota and kind != CELL:  # a pause or a fork outranks the session's own cell checkpoints
             for old in await asyncio.to_thread(self.store.list, managed.id):
                 if old.kind == CELL:
                     await asyncio.to_thread(self.store.remove, managed.id, old.snapshot_id)
-            used = await asyncio.to_thread(self.store.tenant_bytes, managed.tenant)
+            used = await self._used(managed.tenant, tenant_bytes)
         if used >= quota:
             raise SnapshotQuotaError(
-                f"this token's snapshots already use {used // MiB} MiB of its {quota // MiB} MiB quota; "
-                "delete paused sessions it no longer needs, or ask the operator for a larger --snapshot-quota-mb"
+                f"this token's snapshots already use {used // MiB} MiB of its {quota // MiB} MiB quota "
+                "(snapshots being written count too); delete paused sessions it no longer needs, or ask the "
+                "operator for a larger --snapshot-quota-mb"
             )
         session = managed.session
+        allowance = tenant_bytes.allowance(quota)
         draft = await asyncio.to_thread(self.store.draft, managed.id)
+        kept = False
         try:
             part = await capture_files(
-                session.container, draft.part_path(FILES), quota - used, timeout=self.settings.pause_timeout
+                session.container,
+                draft.part_path(FILES),
+                quota,
+                timeout=self.settings.pause_timeout,
+                allowance=allowance,
             )
             notebook = await _notebook_of(managed)
             parts = {FILES: part}
             if kind == PAUSE and managed.recorder is not None:
                 # The transcript goes with the pause: another host resuming it (a shared snapshot
                 # dir, its host down) replays its cells from this copy (gateway/cluster/takeover.py).
-                text = nbformat.writes(notebook).encode()
+                text = managed.recorder.document().encode()
+                if not allowance.take(len(text)):
+                    raise SnapshotQuotaError(
+                        f"the session's transcript ({len(text)} bytes) does not fit in what is left of this token's "
+                        f"{quota // MiB} MiB snapshot quota; delete paused sessions it no longer needs"
+                    )
                 parts[TRANSCRIPT] = await asyncio.to_thread(self.store.write_part, draft, TRANSCRIPT, text)
+            in_memory = cells_in_memory(notebook, lost_since=session.state_lost_pending)
             manifest = SnapshotManifest(
                 snapshot_id=draft.snapshot_id,
                 session_id=managed.id,
@@ -177,12 +198,25 @@ class SnapshotManager:
                 replay_from=0,
                 cell=len(code_cells(notebook)) if kind == CELL else None,
                 parts=parts,
-                extra={"cells_in_memory": cells_in_memory(notebook, lost_since=session.state_lost_pending)},
+                extra={"cells_in_memory": in_memory},
             )
-            return await asyncio.to_thread(self.store.commit, draft, manifest)
+            if not allowance.claim():
+                raise SnapshotQuotaError(
+                    f"this token's other snapshots, started earlier, took the rest of its {quota // MiB} MiB snapshot "
+                    "quota while this one was written; delete paused sessions it no longer needs"
+                )
+            committed = await asyncio.to_thread(self.store.commit, draft, manifest)
+            kept = True
+            return committed
         except BaseException:
             await asyncio.to_thread(self.store.discard, draft)
             raise
+        finally:
+            allowance.settle(kept)
+
+    async def _used(self, tenant: str, tenant_bytes: TenantSnapshotBytes) -> int:
+        """The tenant's snapshot bytes: committed (walked again) and being written."""
+        return await asyncio.to_thread(tenant_bytes.refresh, lambda: self.store.tenant_bytes(tenant))
 
     # -- resume -----------------------------------------------------------------------------
 
@@ -220,7 +254,8 @@ class SnapshotManager:
             )
         else:
             cells, files, files_from = await self._state_after(paused.id, paused.tenant, notebook, rewind_to)
-        session = await self.registry.cold_start(profile_from_record(manifest.profile), paused.id)
+        profile = self._profile_now(profile_from_record(manifest.profile), paused.id, "stays paused")
+        session = await self.registry.cold_start(profile, paused.id)
         try:
             restored = await rebuild(session, notebook, cells=cells, files=files, files_from=files_from)
         except BaseException as err:
@@ -258,6 +293,18 @@ class SnapshotManager:
         )
         log.info("session resumed", extra={"session": managed.id, "tenant": managed.tenant})
         return managed, restored
+
+    def _profile_now(self, recorded: Profile, session_id: str, outcome: str) -> Profile:
+        """The profile a session starts again with: the operator's current settings, its
+        tenant's choices checked again (ProfileCatalog.recheck). A session its snapshot would
+        carry past settings the operator has since narrowed is refused (409), saying what."""
+        try:
+            return self.registry.catalog.recheck(recorded)
+        except ConfigError as err:
+            raise SnapshotError(
+                f"session {session_id} no longer fits this gateway's settings ({err}); it {outcome}: delete it, "
+                "or ask the operator to offer its settings again"
+            ) from err
 
     def _files(self, manifest: SnapshotManifest) -> tuple[Path, Any]:
         return self.store.part_path(manifest, FILES), manifest.parts[FILES]
@@ -326,8 +373,18 @@ class SnapshotManager:
 
     async def checkpoint(self, managed: ManagedSession) -> SnapshotManifest:
         """Archive the files as the last cell left them, and drop the oldest checkpoints beyond
-        ``checkpoints_kept``. Takes no lock: a pause may be waiting for it (gateway/checkpoints.py)."""
+        ``checkpoints_kept``. Takes no lock: a pause may be waiting for it (gateway/checkpoints.py).
+        SnapshotQuotaError when the tenant's checkpoints wrote ``checkpoint_mb_per_minute`` in
+        the last minute (the cell goes on without one)."""
+        written = self._checkpoint_bytes.setdefault(managed.tenant, WrittenInWindow(CHECKPOINT_WINDOW_SECONDS))
+        limit = self.settings.checkpoint_mb_per_minute * MiB
+        if written.total() >= limit:
+            raise SnapshotQuotaError(
+                f"this token's per-cell checkpoints wrote {written.total() // MiB} MiB in the last minute, the most "
+                f"--checkpoint-mb-per-minute ({limit // MiB}) allows; this cell has none"
+            )
         manifest = await self._snapshot(managed, CELL)
+        written.add(manifest.bytes)
         kept = [m for m in await asyncio.to_thread(self.store.list, managed.id) if m.kind == CELL]
         for old in kept[: max(0, len(kept) - self.settings.checkpoints_kept)]:
             await asyncio.to_thread(self.store.remove, managed.id, old.snapshot_id)
@@ -360,7 +417,7 @@ class SnapshotManager:
 
     async def _fork_reserved(self, managed: ManagedSession, count: int, cell: Any, door: str) -> list[dict[str, Any]]:
         async with self._lock(managed.id, managed.tenant):
-            notebook = copy.deepcopy(await _notebook_of(managed))
+            notebook = await _notebook_copy(managed)
             total = len(code_cells(notebook))
             manifest = None
             if cell is None:
@@ -373,7 +430,7 @@ class SnapshotManager:
                 _check_cell(cell, total)
                 cells, files, files_from = await self._state_after(managed.id, managed.tenant, notebook, cell)
                 upto = cell
-            profile = managed.session.profile
+            profile = self._profile_now(managed.session.profile, managed.id, "was not forked")
         limit = asyncio.Semaphore(FORKS_AT_ONCE)
 
         async def one() -> tuple[ManagedSession, Restored]:
@@ -424,6 +481,8 @@ class SnapshotManager:
                 kernel_name_for(session.profile.runtime),
                 origin=parent.origin,
                 recorder=recorder,
+                lifetime_from=parent.lifetime_from or parent.created,
+                created_mono=parent.created_mono,  # --max-lifetime counts from the parent's start
             )
             await self.registry.record(child)
         except BaseException:
@@ -513,6 +572,16 @@ async def _notebook_of(managed: ManagedSession) -> nbformat.NotebookNode:
         return build_notebook([], {})
     await managed.recorder.flushed()
     return managed.recorder.notebook
+
+
+async def _notebook_copy(managed: ManagedSession) -> nbformat.NotebookNode:
+    """A copy of the session's transcript that later cells do not change: its text joined on
+    the loop (linear), parsed in a thread (a deepcopy on the loop of a 50,000-cell transcript
+    held every other tenant's requests for seconds)."""
+    if managed.recorder is None:
+        return build_notebook([], {})
+    await managed.recorder.flushed()
+    return await asyncio.to_thread(nbformat.reads, managed.recorder.document(), as_version=nbformat.NO_CONVERT)
 
 
 async def _reopen_transcript(path: Any) -> TranscriptRecorder | None:

@@ -230,6 +230,11 @@ class TranscriptRecorder:
         if self._writer is None:
             self._writer = asyncio.create_task(self._write_behind())
 
+    def document(self) -> str:
+        """The transcript as its file holds it once written: the cells' JSON kept as each was
+        recorded, joined (linear, no re-encoding of the notebook: cheap enough for the loop)."""
+        return self._document()
+
     def _document(self) -> str:
         shell = dict(self.notebook)
         shell["cells"] = []

@@ -210,6 +210,14 @@ class SessionBusyError(SandkernelError):
     code = "session_busy"
 
 
+class HelperKilledError(SandkernelError):
+    """A helper the gateway ran in the sandbox (a file operation) was killed there before it
+    answered: the session's own code stopped or killed it, or the sandbox ran out of memory."""
+
+    status = 409
+    code = "sandbox_helper_killed"
+
+
 class HelpersBusyError(SandkernelError):
     """A session already has as many helper calls (file operations, signals) running or waiting
     as it may: the call is refused at once instead of queueing without bound."""

@@ -153,26 +153,50 @@ async def test_code_is_capped_with_its_full_sha256_and_can_be_left_out(tmp_path)
 
 async def test_a_huge_record_is_bounded_and_says_what_it_left_out(tmp_path):
     paths = [{"path": "p" * 10_000 + str(i), "size": i, "sha256": "0" * 64} for i in range(5000)]
+    accounting = {"cpu_seconds": 1.5, "files": {"created": paths, "deleted": ["a.txt"]}}
     audit = AuditLog.open(tmp_path)
-    audit.record("execution", tenant="alice", session="s1", status="ok", accounting={"files": {"created": paths}})
+    audit.record("execution", tenant="alice", session="s1", status="ok", accounting=accounting, tag="t" * 9000)
     await audit.close()
     line = lines(tmp_path / chain.CURRENT_NAME)[1]
-    assert len(line) <= fields.MAX_RECORD_BYTES + 1024
+    assert len(line) < fields.MAX_RECORD_BYTES
     record = json.loads(line)
-    assert record["omitted"] == ["accounting"] and record["accounting"]["omitted_bytes"] > fields.MAX_RECORD_BYTES
-    assert record["tenant"] == "alice" and record["status"] == "ok"
+    assert record["omitted"] == ["accounting.files.created"]  # only what had to go: the rest of it stays
+    created = record["accounting"]["files"]["created"]
+    assert created["omitted_bytes"] > fields.MAX_RECORD_BYTES and len(created["sha256"]) == 64
+    assert record["accounting"]["cpu_seconds"] == 1.5 and record["accounting"]["files"]["deleted"] == ["a.txt"]
+    assert record["tenant"] == "alice" and record["status"] == "ok" and "cut here" in record["tag"]
     assert verify([tmp_path]).ok
 
 
-async def test_rotation_keeps_the_chain_and_the_newest_files(tmp_path, capsys):
-    audit = await write(tmp_path, 60, max_bytes=2000, keep=2)
+async def test_a_record_of_many_small_values_is_bounded_too(tmp_path):
+    many = {f"k{i}": "v" * 60 for i in range(fields.MAX_ITEMS)}  # no one value worth replacing alone
+    audit = AuditLog.open(tmp_path)
+    audit.record("execution", tenant="alice", first=many, second=dict(many))
+    await audit.close()
+    line = lines(tmp_path / chain.CURRENT_NAME)[1]
+    assert len(line) < fields.MAX_RECORD_BYTES
+    record = json.loads(line)
+    assert record["omitted"] and record["tenant"] == "alice"
+    assert verify([tmp_path]).ok
+
+
+async def test_rotation_keeps_the_chain_and_deletes_only_files_past_their_age(tmp_path, capsys):
+    audit = await write(tmp_path, 60, max_bytes=2000, keep_days=1)
+    await audit.close()
+    young = sorted(p.name for p in tmp_path.glob("audit-*.jsonl"))
+    assert len(young) >= 8  # all younger than a day: none deleted, however many
+    two_days_ago = time.time() - 2 * 86_400
+    for name in [*young[:3], young[5]]:  # the fourth is young: the sixth stays too (no hole in the chain)
+        os.utime(tmp_path / name, (two_days_ago, two_days_ago))
+    audit = await write(tmp_path, 10, max_bytes=2000, keep_days=1)
     await audit.close()
     rotated = sorted(p.name for p in tmp_path.glob("audit-*.jsonl"))
-    assert len(rotated) == 2
+    assert set(young) - set(rotated) == set(young[:3])
     current = [json.loads(line) for line in lines(tmp_path / chain.CURRENT_NAME)]
     first = current[0]
     assert first["event"] == "log_rotated" and first["previous_file"] == rotated[-1]
-    assert first["removed"]  # older files were deleted, and the chain says which
+    every_rotation = [r for r in records(tmp_path) if r["event"] == "log_rotated"]
+    assert sorted(n for r in every_rotation for n in r["removed"]) == young[:3]  # the chain says which went
     previous_last = json.loads(lines(tmp_path / rotated[-1])[-1])
     assert first["prev"] == previous_last["hash"] and first["seq"] == previous_last["seq"] + 1
     for path in tmp_path.glob("audit*.jsonl"):
@@ -182,6 +206,44 @@ async def test_rotation_keeps_the_chain_and_the_newest_files(tmp_path, capsys):
     report = verify(files)
     assert report.ok and report.last_seq == current[-1]["seq"]
     assert any("starts at seq" in note for note in report.notes)  # the deleted files' records are gone
+
+
+def age(directory: Path, days: float) -> list[str]:
+    """Make every rotated file ``days`` old; their names, oldest first."""
+    names = sorted(p.name for p in directory.glob("audit-*.jsonl"))
+    then = time.time() - days * 86_400
+    for name in names:
+        os.utime(directory / name, (then, then))
+    return names
+
+
+async def test_a_quiet_log_is_rotated_daily_so_its_old_files_still_age_out(tmp_path, monkeypatch):
+    await (await write(tmp_path, 30, max_bytes=2000, keep_days=1)).close()
+    old = age(tmp_path, 2)
+    monkeypatch.setattr(audit_log, "ROTATE_SECONDS", 0)  # as if the current file was started a day ago
+    audit = await write(tmp_path, 1, keep_days=1)  # far from its size: only the day rotates it
+    await audit.close()
+    rotated = [r for r in records(tmp_path) if r["event"] == "log_rotated"]
+    assert sorted(rotated[-1]["removed"]) == old and not set(old) & {p.name for p in tmp_path.iterdir()}
+    assert verify([tmp_path]).ok
+
+
+async def test_reaching_the_budget_deletes_files_past_their_age_at_once(tmp_path):
+    await (await write(tmp_path, 60, max_bytes=2000, keep_days=1)).close()
+    old = age(tmp_path, 2)
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) > 8000
+    audit = AuditLog.open(tmp_path, max_bytes=4000, keep_days=1, max_disk_bytes=8000)
+    await audit.flush()
+    assert not audit.retention.full  # the room was made by files past their age
+    await audit.close()
+    rotated = [r for r in records(tmp_path) if r["event"] == "log_rotated"]
+    assert sorted(rotated[-1]["removed"]) == old
+    assert sum(p.stat().st_size for p in tmp_path.iterdir()) < 8000 and verify([tmp_path]).ok
+
+
+async def test_a_disk_budget_that_cannot_hold_two_files_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="at least two files"):
+        AuditLog.open(tmp_path, max_bytes=1 << 20, max_disk_bytes=1 << 20)
 
 
 async def test_a_restarted_gateway_continues_the_chain(tmp_path):

@@ -69,7 +69,7 @@ def test_full_hosts_no_hosts_and_an_unreadable_catalog_each_say_so() -> None:
 async def listing(host: Host, token: str = ALICE, *, local: bool = False) -> list[dict[str, Any]]:
     """GET /api/kernels on ``host``; ``local``: signed as forwarded by a gateway, so the host
     answers with the kernels it holds itself (a forwarded request is never fanned out)."""
-    headers = sign(CLUSTER_SECRET, "GET", "/api/kernels", "host-x") if local else None
+    headers = sign(CLUSTER_SECRET, "GET", "/api/kernels", "host-x", credential=f"token {token}") if local else None
     status, kernels, _ = await host.call("GET", "/api/kernels", token=token, headers=headers)
     assert status == 200, (host.host_id, status, kernels)
     return kernels

@@ -3,13 +3,19 @@ tags, error text), so each is made JSON-safe and size-limited before it is seale
 
 * Code (``code``, and a shell-door command ``shell``): the SHA-256 of the whole text is always
   kept (``code_sha256``, ``shell_sha256``: UTF-8, lone surrogates encoded as they are, so two
-  different strings never share a hash); the text itself is kept up to :data:`MAX_CODE_CHARS`
-  (head and tail around the one cut marker) when the operator keeps code, else dropped.
+  different strings never share a hash), and its length (``code_chars``) whenever the text is
+  not kept whole; the text itself is kept up to its first :data:`MAX_CODE_CHARS` characters (then
+  the cut marker) when the operator keeps code, else dropped. A prefix, not 64 Ki characters as
+  before: a tenant sending large cells must not fill the log (and so its retention, see
+  retention.py) with them; the transcript keeps the whole cell, and the hash finds it there.
+  A :class:`DigestOnly` value keeps its hash and length only (an execution the audit gate refused).
 * Other text: :data:`MAX_TEXT_CHARS` (head and tail, marker with the SHA-256).
 * Lists: :data:`MAX_ITEMS` items, then a marker string saying how many were cut; nesting
   :data:`MAX_DEPTH` levels; non-finite floats and values JSON has no type for become strings.
 * The whole record: :data:`MAX_RECORD_BYTES`; over it, the largest fields are replaced, one by
-  one, by ``{"omitted_bytes": n, "sha256": ...}`` and named in ``omitted``.
+  one, by ``{"omitted_bytes": n, "sha256": ...}`` and named in ``omitted`` (a field that is an
+  object is entered first, so a cell's accounting keeps its CPU and memory when only its list of
+  files is too long: ``omitted`` then names ``accounting.files.created``).
 
 Escaping is the sealer's (chain.py: ASCII-only JSON), so nothing here can break a line.
 Runs on the audit log's worker thread, never on the event loop (hashing megabytes of code is
@@ -26,14 +32,23 @@ from typing import Any
 from sandkernel.gateway.audit.chain import RESERVED
 from sandkernel.truncation import cut_marker
 
-MAX_CODE_CHARS = 64 * 1024
+MAX_CODE_CHARS = 4096
 MAX_TEXT_CHARS = 8192
 MAX_ITEMS = 1000
 MAX_DEPTH = 8
-MAX_RECORD_BYTES = 1024 * 1024
+MAX_RECORD_BYTES = 64 * 1024
 CODE_FIELDS = ("code", "shell")
 # Never replaced when a record is too large: they say what the record is about.
 _KEPT_WHOLE = frozenset({"seq", "time", "event", "prev", "tenant", "session", "door", "status"})
+# Bytes a record may still gain once fitted: "omitted" itself, and the seal's ``,"hash":"..."``.
+_FIT_MARGIN = 256
+
+
+class DigestOnly(str):
+    """Code a record keeps the SHA-256 and length of, never the text, whatever the operator chose:
+    the code of an execution the audit gate refused, whose tenant already writes too much."""
+
+    __slots__ = ()
 
 
 def text_sha256(text: str) -> str:
@@ -49,6 +64,14 @@ def clip(text: str, keep: int, what: str, digest: str | None = None) -> str:
     half = keep // 2
     marker = cut_marker(len(text) - 2 * half, "characters", what, "audit record limit", digest or text_sha256(text))
     return text[:half] + marker + (text[-half:] if half else "")
+
+
+def prefix(text: str, keep: int, what: str, digest: str) -> str:
+    """``text`` itself when at most ``keep`` characters, else its first ``keep`` and the marker
+    (with the SHA-256 of the whole)."""
+    if len(text) <= keep:
+        return text
+    return text[:keep] + cut_marker(len(text) - keep, "characters", what, "audit record limit", digest)
 
 
 def bound(value: Any, depth: int = 0) -> Any:
@@ -86,36 +109,54 @@ def prepare(fields: dict[str, Any], include_code: bool) -> dict[str, Any]:
         key = f"field_{name}" if name in RESERVED else name
         if name in CODE_FIELDS and isinstance(value, str):
             digest = text_sha256(value)
+            keep_text = include_code and not isinstance(value, DigestOnly)
             out[f"{name}_sha256"] = digest
-            if len(value) > MAX_CODE_CHARS or not include_code:
+            if len(value) > MAX_CODE_CHARS or not keep_text:
                 out[f"{name}_chars"] = len(value)
-            if include_code:
-                out[key] = clip(value, MAX_CODE_CHARS, name, digest)
+            if keep_text:
+                out[key] = prefix(str(value), MAX_CODE_CHARS, name, digest)
             continue
         out[key] = bound(value)
     return out
 
 
 def fit(record: dict[str, Any]) -> dict[str, Any]:
-    """``record`` itself when its JSON is within :data:`MAX_RECORD_BYTES`, else with its largest
-    fields replaced by their size and SHA-256 until it fits (named in ``omitted``)."""
-    sizes = {k: len(_json(v)) for k, v in record.items()}
-    total = sum(sizes.values()) + 16 * len(sizes)
-    if total <= MAX_RECORD_BYTES:
+    """``record`` itself when its JSON (sealed) is within :data:`MAX_RECORD_BYTES`, else with its
+    largest fields replaced by their size and SHA-256 until it fits (named in ``omitted``)."""
+    over = len(_json(record)) + _FIT_MARGIN - MAX_RECORD_BYTES
+    if over <= 0:
         return record
     record = dict(record)
-    omitted = []
-    for name in sorted(sizes, key=sizes.__getitem__, reverse=True):
-        if total <= MAX_RECORD_BYTES:
-            break
-        if name in _KEPT_WHOLE:
-            continue
-        raw = _json(record[name])
-        record[name] = {"omitted_bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
-        total -= len(raw) - len(_json(record[name]))
-        omitted.append(name)
+    omitted: list[str] = []
+    _shrink(record, over, "", omitted, _KEPT_WHOLE)
     record["omitted"] = omitted
     return record
+
+
+def _shrink(value: dict[str, Any], over: int, path: str, omitted: list[str], kept: frozenset[str]) -> int:
+    """Replace entries of ``value`` in place, largest first, until ``over`` bytes are saved (an
+    object is shrunk inside when that is enough, else replaced whole); the bytes still over."""
+    sizes = {k: len(_json(v)) for k, v in value.items() if k not in kept}
+    for name in sorted(sizes, key=sizes.__getitem__, reverse=True):
+        if over <= 0:
+            break
+        child = value[name]
+        if isinstance(child, dict):
+            inner, found = dict(child), []
+            left = _shrink(inner, over, f"{path}{name}.", found, frozenset())
+            if left <= 0:
+                value[name] = inner
+                omitted.extend(found)
+                return left
+        raw = _json(child)
+        stub = {"omitted_bytes": len(raw), "sha256": hashlib.sha256(raw).hexdigest()}
+        saved = len(raw) - len(_json(stub)) - len(path + name) - 4  # its name goes into "omitted"
+        if saved <= 0:
+            continue
+        value[name] = stub
+        omitted.append(path + name)
+        over -= saved
+    return over
 
 
 def _json(value: Any) -> bytes:

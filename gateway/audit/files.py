@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import json
 import logging
 import os
 import stat
@@ -26,8 +27,12 @@ from sandkernel.pid_lock import LockHeldError, take_pid_lock
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "audit.lock"
-# Bytes read from a file's end to find its last intact record (records are at most MAX_RECORD_BYTES).
-TAIL_WINDOW = 2 * MAX_RECORD_BYTES + 4096
+# Records written before issue 30 were bounded at 1 MiB, not MAX_RECORD_BYTES: a log carried over
+# from then must still be resumed from its last record, not set aside as damaged.
+EARLIER_MAX_RECORD_BYTES = 1024 * 1024
+# Bytes read from a file's end (or start) to find its last (first) intact record.
+TAIL_WINDOW = 2 * max(MAX_RECORD_BYTES, EARLIER_MAX_RECORD_BYTES) + 4096
+_READ_CHUNK = 1024 * 1024
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -35,6 +40,14 @@ _FILE_FLAGS = os.O_RDWR | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC
 def utc_now() -> str:
     """The time a record carries: ISO 8601 UTC, microseconds."""
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def record_time(record: dict[str, Any] | None) -> float | None:
+    """A record's ``time`` as a POSIX timestamp (None: no record, or no readable time)."""
+    try:
+        return dt.datetime.fromisoformat(str((record or {})["time"]).replace("Z", "+00:00")).timestamp()
+    except (KeyError, ValueError):
+        return None
 
 
 @dataclasses.dataclass
@@ -122,13 +135,73 @@ def open_file(dir_fd: int, name: str, create: bool) -> int | None:
     return fd
 
 
+def first_record(fd: int) -> dict[str, Any] | None:
+    """A file's first record (None: not a readable record). Reads a record's worth, and the
+    whole window only when the first line is longer."""
+    for size in (MAX_RECORD_BYTES, TAIL_WINDOW):
+        head = os.pread(fd, size, 0)
+        end = head.find(b"\n")
+        if end >= 0 or len(head) < size:
+            break
+    try:
+        return unseal(head[:end]) if end >= 0 else None
+    except BrokenRecord:
+        return None
+
+
 def first_seq(fd: int) -> int | None:
     """The seq of a file's first record (None: not a readable record)."""
-    head = os.pread(fd, TAIL_WINDOW, 0)
+    record = first_record(fd)
+    return None if record is None else record["seq"]
+
+
+def tenant_bytes(fd: int) -> dict[str, int]:
+    """Bytes of a file's lines per tenant they name (lines naming none, or unreadable, are not
+    counted). Reads the whole file: once, when a gateway resumes its current file."""
+    counts: dict[str, int] = {}
+    offset, rest = 0, b""
+    while chunk := os.pread(fd, _READ_CHUNK, offset):
+        offset += len(chunk)
+        lines = (rest + chunk).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            try:
+                tenant = json.loads(line).get("tenant")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(tenant, str):
+                counts[tenant] = counts.get(tenant, 0) + len(line) + 1
+    return counts
+
+
+def read_first_record(dir_fd: int, name: str) -> dict[str, Any] | None:
+    """The first record of the file ``name`` (None: gone, or not a readable record)."""
     try:
-        return unseal(head[: head.index(b"\n")])["seq"]
-    except (ValueError, BrokenRecord):
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError:
         return None
+    try:
+        return first_record(fd)
+    finally:
+        os.close(fd)
+
+
+def stat_file(dir_fd: int, name: str) -> os.stat_result | None:
+    """``name``'s stat, not following a link (None: gone)."""
+    try:
+        return os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+
+
+def stored_bytes(dir_fd: int) -> int:
+    """Bytes of every file in the directory but the current one (rotated, set aside, the lock):
+    what the disk budget counts besides the file being written."""
+    total = 0
+    for name in os.listdir(dir_fd):
+        if name != CURRENT_NAME and (st := stat_file(dir_fd, name)) is not None and stat.S_ISREG(st.st_mode):
+            total += st.st_size
+    return total
 
 
 def set_aside(dir_fd: int, seq: int | None) -> str:
@@ -145,11 +218,7 @@ def set_aside(dir_fd: int, seq: int | None) -> str:
 
 
 def _exists(dir_fd: int, name: str) -> bool:
-    try:
-        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-    except FileNotFoundError:
-        return False
-    return True
+    return stat_file(dir_fd, name) is not None
 
 
 def rotated_names(dir_fd: int) -> list[str]:

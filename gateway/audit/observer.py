@@ -3,15 +3,19 @@
 Attached by the gateway to every session it holds (gateway/controls.py), whichever door runs
 the code, so the record is written where the result is known: after the execution ended, with
 the accounting (CPU, memory, files written with their SHA-256, egress, packages), the policy's
-findings and any refusal. Session lifecycle and file API records are written by the registry
-with :meth:`AuditLog.record` directly. Everything here runs on the event loop and only queues:
-bounding, hashing the code and writing happen on the log's worker thread.
+findings and any refusal. An execution the audit gate refused (gate.py) keeps its code's SHA-256
+and length but not its text: its tenant is already writing too much. Session lifecycle and file
+API records are written by the registry with :meth:`AuditLog.record` directly. Everything here
+runs on the event loop and only queues: bounding, hashing the code and writing happen on the
+log's worker thread.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sandkernel.gateway.audit.fields import DigestOnly
+from sandkernel.gateway.audit.gate import BY
 from sandkernel.gateway.audit.log import AuditLog
 from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionResult
@@ -22,17 +26,19 @@ if TYPE_CHECKING:
 
 def execution_fields(request: ExecutionRequest, result: ExecutionResult) -> dict[str, Any]:
     """The fields of an ``execution`` record (besides tenant and session)."""
+    refused_by_audit = result.refusal is not None and result.refusal.get("by") == BY
     fields: dict[str, Any] = {
         "door": request.source,
         "msg_id": request.msg_id,
-        "code": request.code,  # the log keeps its SHA-256, and the text unless the operator turned that off
+        # the log keeps its SHA-256, and its start unless the operator turned that off
+        "code": DigestOnly(request.code) if refused_by_audit else request.code,
         "status": result.status.value,
         "execution_count": result.execution_count,
         "started_at": result.started_at,
         "duration": result.duration,
     }
     if request.shell is not None:
-        fields["shell"] = request.shell
+        fields["shell"] = DigestOnly(request.shell) if refused_by_audit else request.shell
     if request.silent:
         fields["silent"] = True
     if request.tag is not None:

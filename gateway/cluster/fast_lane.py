@@ -63,7 +63,6 @@ from sandkernel.errors import ClusterUnavailableError, SandkernelError
 from sandkernel.gateway.base import error_reply, retry_after_of
 from sandkernel.gateway.cluster.forward import HOP_HEADERS, ClusterLink, end_to_end, unreachable
 from sandkernel.gateway.cluster.peer_pool import Exchange, Hop
-from sandkernel.gateway.cluster.signing import sign
 
 if TYPE_CHECKING:
     from sandkernel.gateway.auth import TokenAuth
@@ -478,7 +477,7 @@ class FastLane:
         peer pool has one; a short answer is written back by the connection's callback
         (:meth:`_answered`), any other by a task (:meth:`_pass_answer`)."""
         headers = end_to_end(request.headers)
-        headers += sign(self.link.secret, request.method, request.target, self.link.host_id).items()
+        headers += self.link.signed(request.method, request.target, headers, body).items()
         sent = body if body or request.method in ("POST", "PUT") else None
         relay = _Relay(client, request, host, headers, sent, _Answer(client.conn), time.monotonic())
         client.hop = Hop()

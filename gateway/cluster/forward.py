@@ -38,7 +38,15 @@ from tornado.iostream import StreamClosedError
 from sandkernel.errors import ClusterUnavailableError, SandkernelError
 from sandkernel.gateway.base import MAX_BODY_BYTES
 from sandkernel.gateway.cluster.peer_pool import Hop, PeerPool
-from sandkernel.gateway.cluster.signing import FORWARDED_HEADER, PLACE_HERE_HEADER, sign, verify
+from sandkernel.gateway.cluster.signing import (
+    FORWARDED_HEADER,
+    PLACE_HERE_HEADER,
+    Forwarded,
+    NonceLedger,
+    credential_of,
+    sign,
+    verify,
+)
 from sandkernel.gateway.registry import LostSession, PausedSession, recorded_model
 from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 from sandkernel.owner_hint import HOST_HEADER
@@ -134,15 +142,22 @@ class ClusterLink:
     # Take-overs of paused sessions of down hosts under way here (gateway/cluster/takeover.py):
     # a session's concurrent requests wait for the one take-over.
     takeovers: dict[str, asyncio.Future[bool]] = dataclasses.field(default_factory=dict)
+    # The nonces of the forwarded requests this host accepted lately: each is accepted once.
+    nonces: NonceLedger = dataclasses.field(default_factory=NonceLedger)
 
-    def forwarded_from(self, request: httputil.HTTPServerRequest) -> str | None:
-        """The origin host of a request another gateway forwarded (verified: ApiError 401 on a
-        bad or stale signature), or None for a request straight from a client."""
+    def forwarded_from(self, request: httputil.HTTPServerRequest) -> Forwarded | None:
+        """A request another gateway forwarded, verified (ApiError 401 on a bad, stale or
+        replayed signature; its body is checked once in, :meth:`Forwarded.check_body`), or None
+        for a request straight from a client."""
         if FORWARDED_HEADER not in request.headers:
             if PLACE_HERE_HEADER in request.headers:
                 verify(self.secret, request.headers, request.method or "", request.uri or "")  # refuses: no signature
             return None
-        return verify(self.secret, request.headers, request.method or "", request.uri or "")
+        return verify(self.secret, request.headers, request.method or "", request.uri or "", self.nonces)
+
+    def signed(self, method: str, uri: str, headers: Iterable[tuple[str, str]], body: bytes = b"") -> dict[str, str]:
+        """The signature header for forwarding a request with these end-to-end ``headers``."""
+        return sign(self.secret, method, uri, self.host_id, body=body, credential=credential_of(headers))
 
     async def ask(self, call: Awaitable[Any], what: str) -> Any:
         """A catalog call, bounded: a catalog that cannot answer is a 503, never a hung request."""
@@ -339,13 +354,13 @@ async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool
     request = handler.request
     method = request.method or "GET"
     headers = _end_to_end(request)
-    headers += sign(link.secret, method, request.uri or "/", link.host_id).items()
+    body = handler.body
+    headers += link.signed(method, request.uri or "/", headers, body).items()
     if place_here:
         headers.append((PLACE_HERE_HEADER, "1"))
     relay = _Relay(handler, host)
     handler.forwarding = relay
     handler.registry.metrics.forwarded.labels("handler").inc()
-    body = handler.body
     error: ConnectionError | None = None
     try:
         await link.peers.fetch(
@@ -430,7 +445,7 @@ class ForwardedChannels:
         scheme = "wss" if parts.scheme == "https" else "ws"
         headers = _request_headers(request)
         headers.pop("Origin", None)  # checked by the handler: the owner would compare it with its own Host
-        headers.update(sign(link.secret, request.method or "GET", request.uri or "/", link.host_id))
+        headers.update(link.signed(request.method or "GET", request.uri or "/", headers.get_all()))
         try:
             upstream = await websocket.websocket_connect(
                 HTTPRequest(

@@ -15,6 +15,7 @@ import time
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.sandbox.container import SandboxContainer
+from sandkernel.kernels.sandbox.exec_stream import SIGKILL_EXIT
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,6 @@ log = logging.getLogger(__name__)
 ENGINE_STOP_TIMEOUT = 30.0
 # Seconds an OOM event may follow the container's exit event (the shim sends them separately).
 LATE_OOM_EVENT_SECONDS = 5.0
-SIGKILL_EXIT = 128 + 9  # the exit code of a container whose init was killed (as the OOM killer does)
 
 
 class DeathClassifier:

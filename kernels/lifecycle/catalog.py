@@ -273,6 +273,26 @@ class ProfileCatalog:
             changes[key] = checked
         return dataclasses.replace(profile, **changes)
 
+    def recheck(self, recorded: Profile) -> Profile:
+        """The profile a session made earlier with ``recorded`` gets now, when it starts again
+        (resume, rewind, fork, take-over): the operator's current profile of that name with the
+        tenant's own choices (what differs from the profile's defaults) checked again against
+        today's ceilings, runtimes and network grant. A session's snapshot must not carry it past
+        settings the operator has since narrowed. Raises as :meth:`for_tenant` (the profile may
+        be gone: UnknownProfileError)."""
+        current = self.profile(recorded.name)
+        chosen, defaults = recorded.to_dict(), current.to_dict()
+        request: dict[str, Any] = {
+            key: chosen[key] for key in TENANT_SETTINGS - {"network"} if chosen[key] != defaults[key]
+        }
+        if recorded.network != current.network:
+            if recorded.network is None:
+                request["network"] = "none"
+            else:
+                narrowed = recorded.network.to_config()
+                request["network"] = {key: narrowed[key] for key in ("allow", "ports", "rate_per_minute")}
+        return self.for_tenant(recorded.name, request)
+
     def _network_for(self, profile: Profile, request: Any) -> EgressPolicy | None:
         """A tenant's network: "none", or a narrowing of what the profile (or else the operator's
         ``--egress-policy``) grants. The tenant can never widen it."""

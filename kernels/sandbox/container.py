@@ -47,6 +47,7 @@ from sandkernel.kernels.sandbox.exec_stream import Deadline, ExecStreamError, ru
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.sandbox.seccomp import seccomp_security_opt
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, state_dir
+from sandkernel.kernels.sandbox.thaw import InitWatch
 from sandkernel.kernels.sandbox.uids import SANDBOX_UID_RANGE, UID_LABEL
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ LAUNCHER = "/opt/sandkernel/launch-kernel"
 # tenant writes /workspace, and a name looked up through PATH could resolve to a planted file.
 SANDBOX_PYTHON = "/opt/kernel/bin/python"
 CONTROL_TIMEOUT = 10.0  # seconds for a signal, the restart's kill or the kernel log (then it is killed)
+# Past a helper's deadline, how long its caller still waits for the worker thread to return.
+HELPER_ANSWER_SLACK = 2.0
 HELPERS_PER_LANE = 2  # helpers one sandbox runs at once in each lane (see SandboxContainer.run_helper)
 HELPERS_WAITING = 8  # more may wait in each lane; beyond that a call is refused at once (429)
 KILL = "/bin/kill"
@@ -229,6 +232,7 @@ class SandboxContainer:
         # the engine's worker threads at most, each until its deadline. Control (signals, the
         # restart's kill) has a lane of its own, so a stuck file helper never delays a restart.
         self._lanes = {lane: HelperSlots(HELPERS_PER_LANE, HELPERS_WAITING) for lane in HelperLane}
+        self.init_watch = InitWatch(self.id)  # while helpers run: execs the sandbox stopped are killed
 
     @classmethod
     async def start(cls, engine: DockerEngine, spec: ContainerSpec) -> SandboxContainer:
@@ -332,20 +336,27 @@ class SandboxContainer:
         caller ends it at its next read."""
         deadline = Deadline(timeout)
         api = self.engine.client.api
-        async with self._lanes[lane].held(what):
+        async with self._lanes[lane].held(what), self.init_watch.during():
+            work = self.engine.run(
+                run_helper,
+                api,
+                self.id,
+                self.user,
+                argv,
+                deadline,
+                what,
+                stdin=stdin,
+                workdir=workdir,
+                max_output=max_output,
+            )
             try:
-                return await self.engine.run(
-                    run_helper,
-                    api,
-                    self.id,
-                    self.user,
-                    argv,
-                    deadline,
-                    what,
-                    stdin=stdin,
-                    workdir=workdir,
-                    max_output=max_output,
-                )
+                # The thread reads with the deadline; a Docker call that does not answer (dockerd
+                # waiting on the container) is not waited for past it: its thread ends when dockerd
+                # answers or the client's timeout passes.
+                return await asyncio.wait_for(work, timeout + HELPER_ANSWER_SLACK)
+            except asyncio.TimeoutError:
+                deadline.stop.set()
+                raise ExecStreamError(f"{what} did not finish within its {timeout:g} s limit") from None
             except asyncio.CancelledError:
                 deadline.stop.set()
                 raise
@@ -442,9 +453,11 @@ class SandboxContainer:
             log.debug("kill container: %s", err)
 
     async def remove(self) -> None:
-        """Force-remove the container; safe to call twice."""
+        """Force-remove the container; safe to call twice. (An exec the sandbox stopped would
+        hold the removal in dockerd: the init watch ends it.)"""
         try:
-            await self.engine.run(self.engine.client.api.remove_container, self.id, force=True)
+            async with self.init_watch.during():
+                await self.engine.run(self.engine.client.api.remove_container, self.id, force=True)
         except docker.errors.NotFound:
             pass
         except docker.errors.APIError as err:

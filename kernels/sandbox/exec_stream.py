@@ -35,6 +35,10 @@ EXIT_GRACE = 10.0  # seconds Docker may take to record an exec's exit after its 
 FILE_HELPER_TIMEOUT = 60.0
 
 
+# The exit code of a process (an exec, a container's init) ended by SIGKILL, as the OOM killer does.
+SIGKILL_EXIT = 128 + 9
+
+
 class ExecStreamError(SandkernelError):
     """An exec's stream broke, stalled or passed its deadline (the message says which)."""
 

@@ -25,9 +25,9 @@ import json
 
 import docker.errors
 
-from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
+from sandkernel.errors import ConfigError, HelperKilledError, KernelNotFoundError, SandkernelError
 from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON, WORKSPACE, HelperLane, SandboxContainer
-from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT
+from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT, SIGKILL_EXIT
 
 MAX_FILE_BYTES = 32 * 1024 * 1024
 MAX_LISTING = 10000
@@ -147,6 +147,11 @@ class WorkspaceFiles:
         if code == 2:
             problem = json.loads(stdout)
             raise WorkspaceFileError(problem["error"], problem["message"])
+        if code == SIGKILL_EXIT:
+            raise HelperKilledError(
+                f"the workspace {op} helper was killed in the sandbox before it answered: the session's code stops or "
+                "kills new processes (the gateway kills a helper stopped before it runs), or its memory is full"
+            )
         if code != 0:
             raise SandkernelError(f"workspace {op} failed in the sandbox: {stderr.decode(errors='replace')[-300:]}")
         return stdout

@@ -51,6 +51,7 @@ from sandkernel.kernels.sandbox.exec_stream import (
     send_all,
     start_exec,
 )
+from sandkernel.kernels.snapshots.quota import Allowance
 
 log = logging.getLogger(__name__)
 
@@ -186,13 +187,20 @@ async def files_fingerprint(container: SandboxContainer, timeout: float = 120.0)
 
 
 async def capture_files(
-    container: SandboxContainer, dest: Path, max_bytes: int, *, timeout: float | None = DEFAULT_TIMEOUT
+    container: SandboxContainer,
+    dest: Path,
+    max_bytes: int,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    allowance: Allowance | None = None,
 ) -> ArchivePart:
     """Pack the sandbox's /workspace and /tmp into ``dest`` (a new host file, 0600).
 
     Called by the snapshot code (pause, fork, cell checkpoints) with a path of its own choosing.
     Returns the archive's size and SHA-256, computed while writing. Raises
-    :class:`SnapshotQuotaError` past ``max_bytes``, :class:`SnapshotError` when tar fails (its
+    :class:`SnapshotQuotaError` past ``max_bytes`` or when ``allowance`` (the tenant's quota,
+    shared with its other captures under way) has no room for the next piece,
+    :class:`SnapshotError` when tar fails (its
     stderr in the message), the container is gone, ``dest`` exists, or ``timeout`` seconds pass.
     On any failure ``dest`` is removed: no partial archive is left."""
     deadline = Deadline(timeout)
@@ -214,6 +222,12 @@ async def capture_files(
                                 raise SnapshotQuotaError(
                                     f"the session's files (/workspace and /tmp, packed) passed {size} bytes, over "
                                     f"the snapshot size limit of {max_bytes} bytes: remove files or raise the limit"
+                                )
+                            if allowance is not None and not allowance.take(len(data)):
+                                raise SnapshotQuotaError(
+                                    f"the token's snapshots reached its quota of {allowance.quota} bytes while this "
+                                    f"one was written ({size} bytes so far; snapshots being written count too): "
+                                    "delete paused sessions it no longer needs, or remove files"
                                 )
                             digest.update(data)
                             out.write(data)
@@ -366,7 +380,8 @@ async def _in_thread(container: SandboxContainer, work: Any, stop: threading.Eve
     """Run ``work`` in a worker thread (Docker connection errors translated by the engine); a
     cancelled caller stops the transfer at its next chunk rather than leaving it running."""
     try:
-        return await container.engine.run(work)
+        async with container.init_watch.during():  # a tar the sandbox stopped before it ran is killed
+            return await container.engine.run(work)
     except asyncio.CancelledError:
         stop.set()
         raise

@@ -6,13 +6,14 @@ at once from one session all answered 201, and the tenant held 14 sessions again
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, listed_containers, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
-from ..conftest import RUNTIME_PARAMS, require_runtime
+from ..conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
 from ..gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway
 
 pytestmark = [pytest.mark.security, pytest.mark.docker]
@@ -88,3 +89,73 @@ async def test_concurrent_resumes_cannot_pass_the_gateways_total_together(tmp_pa
         assert shown == ["1\n", "2\n"], shown  # each resumed with its own state
     finally:
         await stop_gateway(gw)
+
+
+@pytest.mark.parametrize("runtime", [RUNTIME_PARAMS[0]])
+async def test_a_fork_inherits_its_parents_lifetime(tmp_path, runtime):
+    """Issue 30, item 9: a fork got a fresh creation time, so forking renewed --max-lifetime for
+    ever. The fork counts from its parent's start, in the registry and in its catalog record (a
+    later gateway that adopts it counts the same). The parent's age is set behind the API and
+    the culler is run once by hand: no waiting on the clock."""
+    require_runtime(runtime)
+    lifetime = 3600.0
+    gw = await start_gateway(tmp_path, default_runtime=runtime, max_lifetime=lifetime)
+    try:
+        _, parent = await gw.request("POST", "/api/sessions", {})
+        await execute(gw, parent["id"], "x = 1")
+        registry = gw.server.registry
+        managed = registry.get("alice", parent["id"])
+        managed.created_mono -= lifetime - 60  # it has a minute left
+        status, body = await gw.request("POST", f"/api/sessions/{parent['id']}/fork", {"count": 1})
+        assert status == 201, body
+        fork_id = body["forks"][0]["session"]["id"]
+        fork = registry.get("alice", fork_id)
+        assert fork.created_mono == managed.created_mono
+        assert fork.gateway_record()["lifetime_from"] == managed.created
+        registry.settings = registry.settings.replace(max_lifetime=lifetime - 120)  # both are past it now
+        culled = await registry.cull()
+        assert sorted(culled) == sorted([parent["id"], fork_id])
+        for sid in (parent["id"], fork_id):
+            status, _ = await gw.request("GET", f"/api/sessions/{sid}")
+            assert status in (404, 410), sid
+    finally:
+        await stop_gateway(gw)
+
+
+@pytest.mark.parametrize("runtime", [RUNTIME_PARAMS[0]])
+async def test_a_resume_under_narrower_settings_is_refused_and_the_session_stays_paused(tmp_path, runtime):
+    """Issue 30, item 9: a resume started the sandbox from the profile its snapshot recorded, so
+    a session paused before the operator lowered a ceiling came back above it. It is checked
+    against the operator's current settings; one that no longer fits is a 409 that says why,
+    starts nothing, and stays paused with its snapshot (deleting it still works)."""
+    require_runtime(runtime)
+    state_dir = tmp_path / "state"
+    gw = await start_gateway(tmp_path, default_runtime=runtime, on_exit="keep", state_dir=state_dir)
+    running = True
+    try:
+        _, session = await gw.request("POST", "/api/sessions", {"limits": {"memory_mb": 2048}})
+        sid = session["id"]
+        await execute(gw, sid, "x = 41")
+        status, paused = await gw.request("POST", f"/api/sessions/{sid}/pause")
+        assert status == 200, paused
+        await stop_gateway(gw)  # on_exit keep: the paused session stays in the catalog
+        running = False
+        profiles = tmp_path / "profiles.json"
+        profiles.write_text(json.dumps({"default": {"ceilings": {"memory_mb": 1024}}}))
+        gw = await start_gateway(
+            tmp_path, default_runtime=runtime, on_exit="delete", state_dir=state_dir, profiles_file=profiles
+        )
+        running = True
+        for call in (("POST", f"/api/sessions/{sid}/resume", None), ("POST", f"/api/sessions/{sid}/execute", {"code": "x"})):
+            status, refused = await gw.request(*call)
+            assert status == 409, (call, refused)
+            assert "no longer fits this gateway's settings" in refused["message"], refused
+            assert "memory_mb=2048 is over profile 'default''s ceiling" in refused["message"], refused
+        assert await asyncio.to_thread(container_ids_of, sid) == []  # nothing was started
+        status, model = await gw.request("GET", f"/api/sessions/{sid}")
+        assert status == 200 and model["state"] == "paused" and model["snapshot"]["bytes"] > 0, model
+        status, _ = await gw.request("DELETE", f"/api/sessions/{sid}")
+        assert status == 204
+    finally:
+        if running:
+            await stop_gateway(gw)
