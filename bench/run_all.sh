@@ -88,13 +88,21 @@ snapshots() {
     say "snapshots (${runtimes[*]}): pause, resume, fork vs cold start + re-running the cells"
     python snapshots.py --repeats "$(n 3 1)" --sizes "$(n 50,200 5)" --forks "$(n 3 2)" "${runtimes[@]/#/--runtime=}"
 }
+noisy_neighbour() {
+    for runtime in "${runtimes[@]}"; do
+        say "noisy neighbour ($runtime): another tenant's 1+1 p50/p99 alone vs while one tenant freezes its helpers and floods file calls, forks at its limit, pauses large workspaces"
+        python noisy_neighbour.py --runtime "$runtime" --n "$(n 200 5)" --conditions "$(n freeze,fork,pause,all all)" \
+            --cycles "$(n 2 1)" --flood "$(n 20 10)" --helper-timeout "$(n 5 2)" --large-sessions "$(n 2 1)" \
+            --workspace-mb "$(n 64 4)" --forks "$(n 3 1)"
+    done
+}
 agent_roundtrips() {
     say "stateful session vs a fresh process per call (agent, CSV scenario)"
     python agent_roundtrips.py --runs "$(n 5 1)"
 }
 
 steps=(cold_start execute_roundtrip session_acquire time_to_interactive throughput_density density door_roundtrip
-       recording_overhead accounting_overhead controls_overhead cluster snapshots agent_roundtrips)
+       recording_overhead accounting_overhead controls_overhead cluster snapshots agent_roundtrips noisy_neighbour)
 if [ "$only" = "--list" ]; then
     printf '%s\n' "${steps[@]}"
     exit 0

@@ -11,6 +11,8 @@ unmounted first, so the bench's temp dir can go and the machine keeps nothing.
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -51,16 +53,28 @@ def unmount_all(points: list[str]) -> None:
 
 
 @contextlib.asynccontextmanager
-async def served_gateway(flags: list[str], request_timeout: float = 300) -> AsyncIterator[AsyncSandkernel]:
+async def served_gateway(
+    flags: list[str], request_timeout: float = 300, tokens: dict[str, str] | None = None
+) -> AsyncIterator[AsyncSandkernel]:
     """A gateway process started with ``flags`` (after the bench's common ones) and a client for
-    it. On exit: SIGTERM, then a check that it left no mount in its state dir."""
-    port, token = free_port(), new_token()
+    it. On exit: SIGTERM, then a check that it left no mount in its state dir.
+
+    ``tokens`` ({"tenant": "token"}): several tenants, from a --tokens-file (mode 0600) instead of
+    one --token; the client holds the first tenant's token, the others' clients are
+    ``AsyncSandkernel(client.url, token)``."""
+    port = free_port()
+    token = next(iter(tokens.values())) if tokens else new_token()
     with tempfile.TemporaryDirectory(prefix="sandkernel-bench-") as state:
         log = Path(state).with_suffix(".log")
-        command = [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), f"--token={token}"]
+        tokens_file = Path(state).with_suffix(".tokens.json")
+        command = [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port)]
+        command += ["--tokens-file", str(tokens_file)] if tokens else [f"--token={token}"]
         command += ["--state-dir", state, "--notebook-dir", f"{state}/notebooks", "--pool-size", "0"]
         command += ["--on-exit", "delete", *flags]
         try:
+            if tokens:
+                with os.fdopen(os.open(tokens_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                    json.dump(tokens, f)
             with log.open("wb") as out:
                 proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
             try:
@@ -80,3 +94,4 @@ async def served_gateway(flags: list[str], request_timeout: float = 300) -> Asyn
                 raise RuntimeError(f"the gateway exited with {left} still mounted; its log ends:\n{log_tail(log)}")
         finally:
             log.unlink(missing_ok=True)
+            tokens_file.unlink(missing_ok=True)

@@ -11,7 +11,9 @@ adopted), so no door can run code around them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,11 +23,13 @@ from sandkernel.gateway.audit.observer import AuditObserver
 from sandkernel.gateway.breakers import SessionBreaker, StartBreaker
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.kernels.execution.events import ExecutionGate
 from sandkernel.kernels.policy import ExecPolicy, PolicyGate, load_policy
 from sandkernel.kernels.sandbox.state_dir import state_dir
 
 if TYPE_CHECKING:
     from sandkernel.gateway.registry import ManagedSession
+    from sandkernel.kernels.execution.session import KernelSession
 
 AUDIT_SUBDIR = "audit"
 MiB = 2**20
@@ -75,7 +79,31 @@ class SessionControls:
         session.add_observer(breaker)
         managed.audit = self.audit
         if self.audit is not None:
-            session.add_observer(AuditObserver(managed, self.audit))
+            session.add_observer(AuditObserver(managed.tenant, managed.id, self.audit))
+
+    @contextlib.contextmanager
+    def on_replay(self, session: KernelSession, tenant: str) -> Iterator[None]:
+        """The gates and audit new code passes, on the cells a sandbox replays before the
+        registry takes it on (resume, rewind, fork): the operator's policy as it is now (it may
+        have been tightened since the cells first ran), the audit gate, and an audit record per
+        replayed cell (``door`` replay). Taken off at the end; :meth:`attach` puts on its own."""
+        gates: list[ExecutionGate] = []
+        if self.audit is not None:
+            gates.append(AuditGate(self.audit, tenant))
+        if self.policy is not None:
+            gates.append(PolicyGate(self.policy))
+        observer = AuditObserver(tenant, session.id, self.audit) if self.audit is not None else None
+        for gate in gates:
+            session.add_gate(gate)
+        if observer is not None:
+            session.add_observer(observer)
+        try:
+            yield
+        finally:
+            for gate in gates:
+                session.remove_gate(gate)
+            if observer is not None:
+                session.remove_observer(observer)
 
     async def close(self) -> None:
         """Flush the audit stream (the gateway stops)."""

@@ -22,6 +22,7 @@ before it, and the calls that resume by themselves (:meth:`SessionRegistry.live`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -45,6 +46,7 @@ from sandkernel.gateway.registry import ManagedSession, PausedSession, SessionRe
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.adoption import profile_from_record, profile_record
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.profiles import Profile
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.snapshots.archive import capture_files
@@ -124,7 +126,6 @@ class SnapshotManager:
 
     async def _retire(self, live: ManagedSession, manifest: SnapshotManifest) -> PausedSession:
         session = live.session
-        self.registry.take_live(live.id)
         summary = _summary(manifest)
         kernel = {"paused": summary, "profile": manifest.profile, "previous": session.durable_state()}
         record = SandboxRecord(
@@ -135,12 +136,15 @@ class SnapshotManager:
             tenant=live.tenant,
             gateway=live.gateway_record(paused_at=_now()),
         )
+        # Live to paused with no await between: in between, the session counted for neither, and
+        # a concurrent create or fork of its tenant could pass the limit (a benchmark saw it).
+        paused = PausedSession(record)
+        self.registry.take_live(live.id)
+        self.registry.add_paused(paused)
         await self._put(record)
         await session.shutdown()
         kernel.pop("previous")  # the container is gone: nothing left to clean up at the next start
         await self._update(live.id, kernel=kernel)
-        paused = PausedSession(record)
-        self.registry.add_paused(paused)
         log.info("session paused", extra={"session": live.id, "tenant": live.tenant, "bytes": summary["bytes"]})
         return paused
 
@@ -257,7 +261,8 @@ class SnapshotManager:
         profile = self._profile_now(profile_from_record(manifest.profile), paused.id, "stays paused")
         session = await self.registry.cold_start(profile, paused.id)
         try:
-            restored = await rebuild(session, notebook, cells=cells, files=files, files_from=files_from)
+            with self._gated(session, paused.tenant):
+                restored = await rebuild(session, notebook, cells=cells, files=files, files_from=files_from)
         except BaseException as err:
             await self.registry.finish(session.shutdown())
             if isinstance(err, SnapshotError):
@@ -293,6 +298,11 @@ class SnapshotManager:
         )
         log.info("session resumed", extra={"session": managed.id, "tenant": managed.tenant})
         return managed, restored
+
+    def _gated(self, session: KernelSession, tenant: str) -> contextlib.AbstractContextManager[None]:
+        """Replayed cells pass the operator's gates and are audited, as new code is."""
+        controls = self.registry.controls
+        return controls.on_replay(session, tenant) if controls is not None else contextlib.nullcontext()
 
     def _profile_now(self, recorded: Profile, session_id: str, outcome: str) -> Profile:
         """The profile a session starts again with: the operator's current settings, its
@@ -464,7 +474,8 @@ class SnapshotManager:
         session_id = uuid.uuid4().hex
         session = await self.registry.cold_start(profile, session_id)
         try:
-            restored = await rebuild(session, notebook, cells=cells, files=files[0], files_from=files[1])
+            with self._gated(session, parent.tenant):
+                restored = await rebuild(session, notebook, cells=cells, files=files[0], files_from=files[1])
             metadata = {**parent.metadata, "forked_from": parent.id}
             recorder = TranscriptRecorder(
                 notebook_path_for(session_id, self.settings.notebook_dir),

@@ -470,7 +470,7 @@ def managed() -> SimpleNamespace:
 
 async def test_the_observer_records_an_execution_with_its_accounting_policy_and_refusal(tmp_path):
     audit = AuditLog.open(tmp_path)
-    observer = AuditObserver(managed(), audit)
+    observer = AuditObserver("alice", "sess-1", audit)
     request = ExecutionRequest(code="!rm -rf /", source="shell", msg_id="m1", timeout=30.0, shell="rm -rf /")
     accounting = {"cpu_seconds": 0.5, "files": {"created": [{"path": "out.csv", "size": 3, "sha256": "a" * 64}]}}
     ran = ExecutionResult(

@@ -115,6 +115,17 @@ def check_agent_roundtrips(folder: Path, summary: str) -> None:
     assert results(folder, "agent_roundtrips.json")
 
 
+def check_noisy_neighbour(folder: Path, summary: str) -> None:
+    noisy = results(folder, "noisy_neighbour.json")["runc"]
+    rows = noisy["conditions"]
+    assert list(rows) == ["alone", "does all of these at once", "alone, after the noise"], list(rows)
+    assert all(row["n"] >= 5 and row["failed"] == 0 for row in rows.values()), rows  # the canary never failed
+    noise = rows["does all of these at once"]["noise"]
+    assert {kind: row["cycles"] >= 1 for kind, row in noise.items()} == {"freeze": True, "fork": True, "pause": True}
+    assert isinstance(noisy["within_target"], bool), noisy
+    assert "another tenant's 1+1 p50 / p99 while one tenant does all of these at once, n=" in summary
+
+
 # What each step of bench/run_all.sh is checked for, in its order (the guard below keeps the two lists one).
 CHECKS: dict[str, Callable[[Path, str], None]] = {
     "cold_start": check_cold_start,
@@ -130,6 +141,7 @@ CHECKS: dict[str, Callable[[Path, str], None]] = {
     "cluster": check_cluster,
     "snapshots": check_snapshots,
     "agent_roundtrips": check_agent_roundtrips,
+    "noisy_neighbour": check_noisy_neighbour,
 }
 
 

@@ -238,6 +238,9 @@ class AuditLog:
         if not self._append(utc_now(), event, fields):
             raise ConfigError(f"cannot write the audit log in {self.directory}: {self._failure}")
         self._sync()
+        # Before the first request, not at the worker's first batch: a budget already full of
+        # young history refuses its heaviest holders from the start.
+        self.retention.update_full(self._size)
         log.info("audit log %s at seq %d, head %s", self.directory / CURRENT_NAME, self._head.seq, self._head.hash)
 
     def _create_current(self) -> int:

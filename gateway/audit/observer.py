@@ -12,16 +12,13 @@ log's worker thread.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sandkernel.gateway.audit.fields import DigestOnly
 from sandkernel.gateway.audit.gate import BY
 from sandkernel.gateway.audit.log import AuditLog
 from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionResult
-
-if TYPE_CHECKING:
-    from sandkernel.gateway.registry import ManagedSession
 
 
 def execution_fields(request: ExecutionRequest, result: ExecutionResult) -> dict[str, Any]:
@@ -61,12 +58,13 @@ def execution_fields(request: ExecutionRequest, result: ExecutionResult) -> dict
 class AuditObserver(SessionObserver):
     """Writes a session's executions, restarts and notes to the audit stream."""
 
-    def __init__(self, managed: ManagedSession, audit: AuditLog) -> None:
-        self.managed = managed
+    def __init__(self, tenant: str, session_id: str, audit: AuditLog) -> None:
+        self.tenant = tenant
+        self.session_id = session_id
         self.audit = audit
 
     def _record(self, event: str, **fields: Any) -> None:
-        self.audit.record(event, tenant=self.managed.tenant, session=self.managed.id, **fields)
+        self.audit.record(event, tenant=self.tenant, session=self.session_id, **fields)
 
     async def execution_finished(self, request: ExecutionRequest, result: ExecutionResult) -> None:
         self._record("execution", **execution_fields(request, result))

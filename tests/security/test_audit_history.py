@@ -20,7 +20,6 @@ import os
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
@@ -46,9 +45,8 @@ class Tenant:
     """One tenant's session as the gateway equips it: the audit gate before, the observer after."""
 
     def __init__(self, audit: AuditLog, name: str) -> None:
-        managed = SimpleNamespace(tenant=name, id=f"{name}-session")
         self.gate = AuditGate(audit, name)
-        self.observer = AuditObserver(managed, audit)  # type: ignore[arg-type]
+        self.observer = AuditObserver(name, f"{name}-session", audit)
         self.ran = 0
         self.refusals: list[dict] = []
 

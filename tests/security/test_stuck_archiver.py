@@ -9,16 +9,20 @@ audit says why); a stopping gateway cancels them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
 
 from sandkernel.gateway.audit import chain
+from sandkernel.gateway.stop_watch import STOP_MARGIN_SECONDS
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from ..conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
 from ..gateway_fixtures import BOB, start_gateway, stop_gateway
 from ..test_audit import records
+from ..test_durable_sessions import Serve
+from .test_frozen_helpers import FREEZE_EVERY_NEW_PROCESS
 
 pytestmark = [pytest.mark.security, pytest.mark.docker]
 
@@ -118,26 +122,40 @@ async def test_a_stuck_idle_pause_holds_up_no_other_pause_and_ends_at_its_deadli
 
 
 @pytest.mark.parametrize("runtime", [RUNTIME_PARAMS[0]])
-async def test_a_stopping_gateway_does_not_wait_for_a_stuck_pause(tmp_path, runtime):
-    """A pause stuck on a stopped tar (--pause-timeout 600 s, the default) while the gateway is
-    asked to stop: it stops within its shutdown grace (plus the time to close what it holds)."""
+async def test_sigterm_stops_the_gateway_whatever_its_tenants_processes_do(tmp_path, runtime):
+    """``sandkernel serve`` on SIGTERM, while one tenant's pause waits on its stopped tar (it
+    would wait 600 s), another session stops every new process in its sandbox (helpers, the
+    removal's kill) and a third runs a loop that never ends: it stops cleanly (exit 0) within its
+    shutdown grace and the time to remove what it holds, and leaves no container."""
     require_runtime(runtime)
-    gw = await start_gateway(tmp_path, default_runtime=runtime, shutdown_grace=2)
-    stopped = False
+    serve = Serve(tmp_path, runtime)
+    await serve.start("--shutdown-grace", "2", "--on-exit", "delete")
+    sessions = []
     try:
-        _, stuck = await gw.request("POST", "/api/sessions", {})
-        await execute(gw, stuck["id"], STOP_MY_TAR)
-        container = gw.server.registry.get("alice", stuck["id"]).session.container.id
-        pause = asyncio.create_task(gw.request("POST", f"/api/sessions/{stuck['id']}/pause"))
-        await a_stopped_tar_in(container)  # the pause would wait for it 600 s
-        assert not pause.done()
+        for code in (STOP_MY_TAR, FREEZE_EVERY_NEW_PROCESS, None):
+            status, session = await serve.call("POST", "/api/sessions", {})
+            assert status == 201, session
+            sessions.append(session["id"])
+            if code is not None:
+                status, reply = await serve.call("POST", f"/api/sessions/{session['id']}/execute", {"code": code})
+                assert status == 200 and reply["status"] == "ok", reply
+        stuck, _, busy = sessions
+        pause = asyncio.create_task(serve.call("POST", f"/api/sessions/{stuck}/pause"))
+        loop = asyncio.create_task(
+            serve.call("POST", f"/api/sessions/{busy}/execute", {"code": "while True: pass", "timeout": 600})
+        )
+        container = (await asyncio.to_thread(container_ids_of, stuck))[0]
+        await a_stopped_tar_in(container)
+        assert not pause.done() and not loop.done()
         started = time.monotonic()
-        await stop_gateway(gw)
-        stopped = True
+        assert await serve.term(timeout=STOP_MARGIN_SECONDS + 60) == 0, serve.output[-3000:]
         took = time.monotonic() - started
-        assert took < 60, f"stopping took {took:.1f} s"
-        status, _ = await pause
-        assert status != 200
+        assert took < STOP_MARGIN_SECONDS, f"stopping took {took:.1f} s:\n{serve.output[-3000:]}"
+        for call in (pause, loop):
+            with contextlib.suppress(Exception):
+                await call  # answered or cut: either way it ended with the gateway
     finally:
-        if not stopped:
-            await stop_gateway(gw)
+        if serve.proc is not None and serve.proc.poll() is None:
+            serve.kill9()
+    for sid in sessions:
+        assert await asyncio.to_thread(container_ids_of, sid) == [], sid

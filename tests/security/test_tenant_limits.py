@@ -15,6 +15,7 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from ..conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
 from ..gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway
+from ..test_audit import records as audit_records
 
 pytestmark = [pytest.mark.security, pytest.mark.docker]
 
@@ -159,3 +160,49 @@ async def test_a_resume_under_narrower_settings_is_refused_and_the_session_stays
     finally:
         if running:
             await stop_gateway(gw)
+
+
+@pytest.mark.parametrize("runtime", [RUNTIME_PARAMS[0]])
+async def test_replayed_cells_pass_the_operators_current_policy_and_are_audited(tmp_path, runtime):
+    """Issue 30, item 9: a resume replayed the session's cells before the policy and the audit
+    were attached, so code the operator has since forbidden ran again, unrecorded. Replayed cells
+    pass the gates new code passes (the policy as it is now) and each has its audit record."""
+    require_runtime(runtime)
+    state_dir, audit_dir = tmp_path / "state", tmp_path / "audit"
+    gw = await start_gateway(tmp_path, default_runtime=runtime, on_exit="keep", state_dir=state_dir, audit_dir=audit_dir)
+    running = True
+    try:
+        _, session = await gw.request("POST", "/api/sessions", {})
+        sid = session["id"]
+        await execute(gw, sid, "import subprocess\nran = subprocess.run(['true']).returncode")
+        await execute(gw, sid, "y = 2")
+        status, paused = await gw.request("POST", f"/api/sessions/{sid}/pause")
+        assert status == 200, paused
+        await stop_gateway(gw)
+        running = False
+        policy = tmp_path / "exec-policy.toml"
+        policy.write_text('default = "allow"\nentry_points = false\n[rules]\nsubprocess = "deny"\n')
+        gw = await start_gateway(
+            tmp_path,
+            default_runtime=runtime,
+            on_exit="delete",
+            state_dir=state_dir,
+            audit_dir=audit_dir,
+            exec_policy_file=policy,
+        )
+        running = True
+        status, resumed = await gw.request("POST", f"/api/sessions/{sid}/resume")
+        assert status == 200, resumed
+        verdicts = [cell["verdict"] for cell in resumed["cells"]]
+        assert verdicts[1] == "same" and verdicts[0] != "same", resumed["cells"]  # the forbidden one did not run
+        status, reply = await gw.request("POST", f"/api/sessions/{sid}/execute", {"code": "print('ran' in dir(), y)"})
+        assert status == 200 and reply["outputs"][0]["text"] == "False 2\n", reply
+    finally:
+        if running:
+            await stop_gateway(gw)
+    replayed = [
+        r
+        for r in audit_records(audit_dir)
+        if r["event"] == "execution" and r.get("session") == sid and r.get("door") == "replay"
+    ]
+    assert [r["status"] for r in replayed] == ["refused", "ok"], replayed
