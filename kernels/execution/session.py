@@ -645,17 +645,23 @@ class KernelSession:
         the memory limit (tmpfs pages are never reclaimed) leaves no room for a new kernel,
         which is then killed before it answers. Without the last rung the session would be
         left with no kernel at all."""
+        await self._restart_or_replace(
+            self._deaths.sentence(status, between_executes),
+            self._deaths.sentence(status, between_executes, ended="and its restart did not come up")
+            + ", so the container was replaced",
+        )
+
+    async def _restart_or_replace(self, restarted: str, replaced: str) -> TimeoutStep:
+        """Restart the kernel (``restarted`` is what the caller is told); if it does not come
+        up in time, replace the container (told ``replaced``): the last two rungs of the ladder."""
         try:
-            await asyncio.wait_for(
-                self._restart_kernel(self._deaths.sentence(status, between_executes)),
-                timeout=self.profile.start_timeout + self.profile.interrupt_grace,
+            return await asyncio.wait_for(
+                self._restart_kernel(restarted), timeout=self.profile.start_timeout + self.profile.interrupt_grace
             )
         except (asyncio.TimeoutError, SandkernelError, RuntimeError) as err:
-            log.warning("restart after a death failed, replacing the container: %s", err, extra={"session": self.id})
-            await self._replace_kernel(
-                self._deaths.sentence(status, between_executes, ended="and its restart did not come up")
-                + ", so the container was replaced"
-            )
+            log.warning("restart failed, replacing the container: %s", err, extra={"session": self.id})
+            await self._replace_kernel(replaced)
+            return TimeoutStep.KILL
 
     async def _stop_runaway(self, watch: ExecutionWatch, timeout: float) -> TimeoutStep:
         """The ladder: interrupt, wait the grace period, restart the kernel, replace the container."""
@@ -668,15 +674,9 @@ class KernelSession:
                 await watch.reply_status()
                 log.info("timeout ended by interrupt", extra={"session": self.id})
                 return TimeoutStep.INTERRUPT
-        try:
-            step = await asyncio.wait_for(
-                self._restart_kernel(f"the kernel was restarted because the {reason}"),
-                timeout=self.profile.start_timeout + grace,
-            )
-        except (asyncio.TimeoutError, SandkernelError, RuntimeError) as err:
-            log.warning("restart failed, replacing the container: %s", err, extra={"session": self.id})
-            await self._replace_kernel(f"the container was replaced because the {reason}")
-            step = TimeoutStep.KILL
+        step = await self._restart_or_replace(
+            f"the kernel was restarted because the {reason}", f"the container was replaced because the {reason}"
+        )
         log.info("timeout ended by %s", step.value, extra={"session": self.id})
         return step
 
