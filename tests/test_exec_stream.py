@@ -13,7 +13,7 @@ import pytest
 
 from sandkernel.errors import HelpersBusyError
 from sandkernel.kernels.sandbox.container import HelperSlots
-from sandkernel.kernels.sandbox.exec_stream import Deadline, ExecStreamError, frames
+from sandkernel.kernels.sandbox.exec_stream import Deadline, ExecStreamError, HeldOutput, frames
 
 
 def frame(stream: int, data: bytes) -> bytes:
@@ -70,3 +70,81 @@ async def test_helpers_beyond_a_lanes_queue_are_refused_at_once():
     assert admitted == [0, 1, 2]
     await helper(4)  # room again once they finished
     assert admitted[-1] == 4
+
+
+TOKEN = "0123456789abcdef0123456789abcdef"
+TRAILER = f"{TOKEN}:000".encode()
+
+
+def held_output(theirs: socket.socket, *chunks: bytes, wait_for_release: bool = False) -> threading.Thread:
+    """The sandbox's side: send ``chunks``; then, held, wait for the host's half-close (as the
+    shell's ``read`` does) before ending the stream; else end it at once."""
+    released = threading.Event()
+
+    def sandbox() -> None:
+        for chunk in chunks:
+            theirs.sendall(chunk)
+        if wait_for_release:
+            theirs.settimeout(5)
+            if theirs.recv(1) == b"":
+                released.set()
+        theirs.shutdown(socket.SHUT_WR)
+
+    thread = threading.Thread(target=sandbox, daemon=True)
+    thread.released = released  # type: ignore[attr-defined]
+    thread.start()
+    return thread
+
+
+def test_a_held_helpers_trailer_is_taken_off_and_releases_it():
+    """The trailer, split across frames as dockerd may split it, is not part of the output; once
+    read, the host closes its end for writing (the shell's stdin), which is what lets it exit."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        chunks = (frame(1, b"data" + TRAILER[:10]), frame(2, b"warn"), frame(1, TRAILER[10:]))
+        sandbox = held_output(theirs, *chunks, wait_for_release=True)
+        output = HeldOutput(ours, Deadline(5), "a file read", TOKEN)
+        received = list(output)
+        sandbox.join(5)
+    assert sandbox.released.is_set()  # the host's half-close reached the sandbox's side
+    assert b"".join(data for stream, data in received if stream == 1) == b"data"
+    assert (2, b"warn") in received
+    assert output.complete
+    output.check(0)
+
+
+def test_a_held_helper_cut_before_its_trailer_is_an_error_not_short_output():
+    """dockerd closed the stream before the end (a reader more than 2 s behind): without the
+    trailer, a clean exit code is not believed."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        held_output(theirs, frame(1, b"half of the file"), frame(1, TRAILER[:20]))
+        output = HeldOutput(ours, Deadline(5), "a file read", TOKEN)
+        assert b"".join(data for _, data in output) == b"half of the file" + TRAILER[:20]
+    assert not output.complete
+    with pytest.raises(ExecStreamError, match="a file read: the sandbox's output was cut short before its end"):
+        output.check(0)
+    with pytest.raises(ExecStreamError, match="cut short"):
+        output.check(2)  # the shell exits with the program's status after writing the trailer
+
+
+def test_a_killed_held_helper_keeps_its_output_and_its_code():
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        held_output(theirs, frame(1, b"as far as it got"))
+        output = HeldOutput(ours, Deadline(5), "a file read", TOKEN)
+        assert list(output) == [(1, b"as far as it got")]
+    output.check(137)  # the shell was killed: the code says so, no stream error on top
+
+
+def test_a_trailer_not_at_the_end_is_not_the_end():
+    """Output the sandbox wrote after a trailer (a background process, or a forged trailer) means
+    the trailer was not the last word: the output is kept whole and not believed complete."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        held_output(theirs, frame(1, b"a" + TRAILER), frame(1, b"late"))
+        output = HeldOutput(ours, Deadline(5), "a file read", TOKEN)
+        assert b"".join(data for _, data in output) == b"a" + TRAILER + b"late"
+    assert not output.complete
+    with pytest.raises(ExecStreamError, match="cut short"):
+        output.check(0)

@@ -9,10 +9,12 @@ does (it only streams and hashes bytes).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import json
 import re
+import socket
 import tarfile
 import time
 from pathlib import Path
@@ -23,6 +25,7 @@ from sandkernel.errors import SnapshotError, SnapshotQuotaError, SnapshotRejecte
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON
+from sandkernel.kernels.sandbox.exec_stream import Deadline, exit_code, frames, start_held
 from sandkernel.kernels.snapshots.archive import (
     KERNEL_TMP_FILES,
     ArchivePart,
@@ -414,3 +417,37 @@ async def test_the_fingerprint_sees_any_change_to_the_files_but_the_kernels(pair
         changed = await files_fingerprint(target.container)
         assert changed not in (None, first), change
         first = changed
+
+
+async def test_a_helpers_process_waits_until_the_host_has_read_its_output(pair):
+    """dockerd gives an exec's output 2 s after its process exits, then closes the stream: a
+    loaded gateway read captures cut short. A held helper's shell exits only once the host read
+    its trailer and closed the exec's stdin, so the output is whole whatever the host's lag;
+    and its exit code is still the program's."""
+    source, _ = pair
+    api = source.container.engine.client.api
+    argv = ["/bin/sh", "-c", "head -c 300000 /dev/zero; exit 3"]
+
+    def held_then_released() -> tuple[int, bool, bool, int]:
+        exec_id, sock, output = start_held(
+            api, source.container.id, source.container.user, argv, Deadline(60), "x", "/"
+        )
+        try:
+            size = 0
+            raw_output = frames(output.raw, output.deadline, "x")  # read without releasing it
+            for stream, data in raw_output:
+                size += len(data) if stream == 1 else 0
+                if data.endswith(output.token + b":003"):
+                    break
+            time.sleep(3)  # past dockerd's 2 s: an unheld exec would have exited and its stream closed
+            running = api.exec_inspect(exec_id)["Running"]
+            output.raw.shutdown(socket.SHUT_WR)
+            ended = next(raw_output, None) is None
+            return size, running, ended, exit_code(api, exec_id, Deadline(30), "x")
+        finally:
+            sock.close()
+
+    size, running, ended, code = await asyncio.to_thread(held_then_released)
+    assert size == 300000 + 32 + len(":003")  # the program's bytes, then the trailer (token and status)
+    assert running  # held: its process waited for the host
+    assert ended and code == 3

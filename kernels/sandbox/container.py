@@ -43,7 +43,7 @@ from sandkernel.kernels.lifecycle.reaper import (
 )
 from sandkernel.kernels.sandbox.cgroup import container_oom_kills
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, translate_api_error
-from sandkernel.kernels.sandbox.exec_stream import Deadline, ExecStreamError, run_helper
+from sandkernel.kernels.sandbox.exec_stream import SANDBOX_SHELL, Deadline, ExecStreamError, run_helper
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.sandbox.seccomp import seccomp_security_opt
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, state_dir
@@ -313,10 +313,13 @@ class SandboxContainer:
         code = state.get("ExitCode")
         return -1 if code is None else int(code)
 
-    async def run_as_sandbox(self, argv: list[str], timeout: float = CONTROL_TIMEOUT) -> tuple[int, str]:
+    async def run_as_sandbox(
+        self, argv: list[str], timeout: float = CONTROL_TIMEOUT, *, hold: bool = True
+    ) -> tuple[int, str]:
         """Run a short command inside the sandbox as the sandbox user (never as root): its exit
-        code and its stdout and stderr. ExecStreamError past ``timeout`` (it is killed)."""
-        code, stdout, stderr = await self.run_helper(argv, timeout, what=f"the sandbox helper {argv[0]}")
+        code and its stdout and stderr. ExecStreamError past ``timeout`` (it is killed). ``hold``:
+        see :func:`exec_stream.run_helper`."""
+        code, stdout, stderr = await self.run_helper(argv, timeout, what=f"the sandbox helper {argv[0]}", hold=hold)
         return code, (stdout + stderr).decode(errors="replace")
 
     async def run_helper(
@@ -329,6 +332,7 @@ class SandboxContainer:
         stdin: bytes | None = None,
         workdir: str | None = None,
         max_output: int = 64 * 1024 * 1024,
+        hold: bool = True,
     ) -> tuple[int, bytes, bytes]:
         """Run ``argv`` as the sandbox user within ``timeout`` seconds, in ``lane`` (at most
         HELPERS_PER_LANE at once): (exit code, stdout, stderr). ExecStreamError (504) when it
@@ -348,6 +352,7 @@ class SandboxContainer:
                 stdin=stdin,
                 workdir=workdir,
                 max_output=max_output,
+                hold=hold,
             )
             try:
                 # The thread reads with the deadline; a Docker call that does not answer (dockerd
@@ -366,14 +371,14 @@ class SandboxContainer:
 
         A pid file that is not a single pid above 1 is refused (logged, nothing signalled): the
         restart ladder, not a guess, deals with a kernel whose pid file was tampered with."""
-        code, _ = await self.run_as_sandbox(["/bin/sh", "-c", SIGNAL_KERNEL_SCRIPT, "sh", f"-{int(signum)}"])
+        code, _ = await self.run_as_sandbox([SANDBOX_SHELL, "-c", SIGNAL_KERNEL_SCRIPT, "sh", f"-{int(signum)}"])
         if code == 3:
             log.warning("kernel pid file is not a pid; signal %d not sent", signum, extra={"container": self.id[:12]})
 
     async def kill_sandbox_processes(self) -> bool:
         """SIGKILL every process of the sandbox user but PID 1. False if that could not run."""
         try:
-            code, _ = await self.run_as_sandbox([KILL, "-KILL", "-1"])
+            code, _ = await self.run_as_sandbox([KILL, "-KILL", "-1"], hold=False)  # it would kill its holder
         except (docker.errors.APIError, ExecStreamError) as err:
             log.warning("kill -1 in sandbox failed: %s", err, extra={"container": self.id[:12]})
             return False
@@ -385,7 +390,7 @@ class SandboxContainer:
         try:
             # timeout: the sandbox could have made the log a FIFO that never ends.
             _, text = await self.run_as_sandbox(
-                ["/bin/sh", "-c", "exec /usr/bin/timeout 5 /usr/bin/tail -c 4000 /tmp/kernel.log 2>/dev/null"]
+                [SANDBOX_SHELL, "-c", "exec /usr/bin/timeout 5 /usr/bin/tail -c 4000 /tmp/kernel.log 2>/dev/null"]
             )
         except (docker.errors.APIError, ExecStreamError):
             return ""

@@ -12,7 +12,9 @@ be shown to be this container's (:func:`kill_exec`).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
 import socket
 import struct
@@ -35,8 +37,20 @@ EXIT_GRACE = 10.0  # seconds Docker may take to record an exec's exit after its 
 FILE_HELPER_TIMEOUT = 60.0
 
 
+SANDBOX_SHELL = "/bin/sh"  # the image's POSIX shell, for helpers written as scripts
+
 # The exit code of a process (an exec, a container's init) ended by SIGKILL, as the OOM killer does.
 SIGKILL_EXIT = 128 + 9
+
+# dockerd gives an exec's output at most 2 s after its process exits to reach the client, then
+# closes the stream (moby's daemon/monitor.go, EventExit): a reader further behind, as a loaded
+# host makes the gateway, loses the end of the output, cut at any byte (a rehearsal's captures
+# ended in the middle of a frame; cut at a frame's end, a file read or an archive would have been
+# short and nobody told). So a helper whose output matters is held: a shell runs it with stdin
+# closed, writes a trailer (a token of the host's and the exit status) after its output, and
+# exits only when the host, having read the trailer, closes the exec's stdin. Its process ends
+# after its output was read, whatever the host's load.
+HOLD_SCRIPT = '"$@" </dev/null; s=$?; printf "%s:%03d" "$0" "$s"; read -r line; exit "$s"'
 
 
 class ExecStreamError(SandkernelError):
@@ -169,6 +183,69 @@ def exit_code(api: Any, exec_id: str, deadline: Deadline, what: str) -> int:
         time.sleep(0.02)
 
 
+def held_argv(argv: list[str], token: str) -> list[str]:
+    """``argv`` run by the holding shell (see :data:`HOLD_SCRIPT`), with the host's token."""
+    return [SANDBOX_SHELL, "-c", HOLD_SCRIPT, token, *argv]
+
+
+class HeldOutput:
+    """A held exec's frames, the trailer taken off its stdout; the exec's stdin is closed (which
+    lets its shell exit) once the trailer has been read.
+
+    The sandbox can read the token (the shell's argv is its own) and write a trailer of its own
+    making: that only releases its own helper early, whose output the final check then finds cut
+    or not; the host's reading never depends on it."""
+
+    def __init__(self, raw: socket.socket, deadline: Deadline, what: str, token: str) -> None:
+        self.raw, self.deadline, self.what = raw, deadline, what
+        self.token = token.encode()
+        self.trailer_bytes = len(self.token) + 4  # token, ":", three digits
+        self.complete = False
+        self._released = False
+
+    def _is_trailer(self, tail: bytes) -> bool:
+        return (
+            len(tail) == self.trailer_bytes and tail[: len(self.token) + 1] == self.token + b":" and tail[-3:].isdigit()
+        )
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        tail = b""
+        for stream, data in frames(self.raw, self.deadline, self.what):
+            if stream != 1:
+                yield stream, data
+                continue
+            tail += data
+            if not self._released and self._is_trailer(tail[-self.trailer_bytes :]):
+                self._released = True  # before the caller's work on the output: the shell may go
+                with contextlib.suppress(OSError):  # the stream is gone: frames() says so at its next read
+                    self.raw.shutdown(socket.SHUT_WR)
+            if len(tail) > self.trailer_bytes:
+                yield 1, tail[: -self.trailer_bytes]
+                tail = tail[-self.trailer_bytes :]
+        self.complete = self._is_trailer(tail)
+        if not self.complete and tail:
+            yield 1, tail  # a process ended before its trailer: its output as it was
+
+    def check(self, code: int) -> None:
+        """ExecStreamError when the output ended without its trailer although the holding shell
+        was not killed (a code below 128: the shell wrote its trailer, so the stream was cut; a
+        killed shell's code says it was killed, and its output is as far as it got)."""
+        if code < 128 and not self.complete:
+            raise ExecStreamError(f"{self.what}: the sandbox's output was cut short before its end")
+
+
+def start_held(
+    api: Any, container_id: str, user: str, argv: list[str], deadline: Deadline, what: str, workdir: str | None
+) -> tuple[str, Any, HeldOutput]:
+    """Create and start ``argv`` held (see :data:`HOLD_SCRIPT`): (exec id, the SDK's socket,
+    its output). The caller closes the socket, checks the exit code with ``output.check`` and
+    kills the exec (:func:`kill_exec`) if it gives up."""
+    token = secrets.token_hex(16)
+    exec_id = api.exec_create(container_id, held_argv(argv, token), user=user, workdir=workdir, stdin=True)["Id"]
+    sock = start_exec(api, container_id, exec_id, deadline, what)
+    return exec_id, sock, HeldOutput(raw_socket(sock), deadline, what, token)
+
+
 def kill_exec(api: Any, container_id: str, exec_id: str) -> bool:
     """SIGKILL an exec given up on, if it still runs. Docker has no call for it; its host pid
     is killed only when /proc shows that pid in this container's cgroup (a gateway in another
@@ -187,10 +264,33 @@ def kill_exec(api: Any, container_id: str, exec_id: str) -> bool:
     pid = state.get("Pid")
     if not state.get("Running") or not isinstance(pid, int) or pid <= 1:
         return False
+    if not _in_cgroup(pid, container_id):
+        return False
+    # A held helper's program is the exec's child (its shell is the exec): both go.
+    for child in _children(pid):
+        if _in_cgroup(child, container_id):
+            _kill(child)
+    return _kill(pid)
+
+
+def _in_cgroup(pid: int, container_id: str) -> bool:
     try:
         with open(f"/proc/{pid}/cgroup", encoding="ascii", errors="replace") as cgroup:
-            if container_id not in cgroup.read():
-                return False
+            return container_id in cgroup.read()
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as children:
+            return [int(word) for word in children.read().split() if word.isdigit()]
+    except OSError:
+        return []
+
+
+def _kill(pid: int) -> bool:
+    try:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         return False
@@ -208,14 +308,23 @@ def run_helper(
     stdin: bytes | None = None,
     workdir: str | None = None,
     max_output: int = 64 * 1024 * 1024,
+    hold: bool = True,
 ) -> tuple[int, bytes, bytes]:
     """Run ``argv`` in the container as ``user`` (blocking: call it in a worker thread) and
     return (exit code, stdout, stderr). ``stdin`` is sent first, then closed. ExecStreamError
     when the deadline passes, the output passes ``max_output`` bytes or the stream breaks; the
-    helper is then killed where it can be (:func:`kill_exec`)."""
-    exec_id = api.exec_create(container_id, argv, user=user, workdir=workdir, stdin=stdin is not None)["Id"]
+    helper is then killed where it can be (:func:`kill_exec`).
+
+    Held (see :data:`HOLD_SCRIPT`) unless ``stdin`` is given (a helper fed stdin answers in a
+    few bytes) or ``hold`` is False: a helper that kills the sandbox user's processes would kill
+    its own holding shell."""
     # Not started in time: start_exec killed it (an inspect of it would wait on dockerd).
-    sock = start_exec(api, container_id, exec_id, deadline, what)
+    held: HeldOutput | None = None
+    if hold and stdin is None:
+        exec_id, sock, held = start_held(api, container_id, user, argv, deadline, what, workdir)
+    else:
+        exec_id = api.exec_create(container_id, argv, user=user, workdir=workdir, stdin=stdin is not None)["Id"]
+        sock = start_exec(api, container_id, exec_id, deadline, what)
     finished = False
     try:
         raw = raw_socket(sock)
@@ -223,12 +332,14 @@ def run_helper(
             send_all(raw, stdin, deadline, what)
             raw.shutdown(socket.SHUT_WR)
         output: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
-        for stream, data in frames(raw, deadline, what):
+        for stream, data in held if held is not None else frames(raw, deadline, what):
             kept = output.setdefault(stream, bytearray())
             if len(kept) + len(data) > max_output:
                 raise ExecStreamError(f"{what}: the sandbox's output passed {max_output} bytes")
             kept += data
         code = exit_code(api, exec_id, deadline, what)
+        if held is not None:
+            held.check(code)
         finished = True
     finally:
         sock.close()

@@ -43,20 +43,22 @@ from sandkernel.errors import SnapshotError, SnapshotQuotaError, SnapshotRejecte
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.exec_stream import (
     CHUNK,
+    SANDBOX_SHELL,
     Deadline,
     ExecStreamError,
     exit_code,
     frames,
+    kill_exec,
     raw_socket,
     send_all,
     start_exec,
+    start_held,
 )
 from sandkernel.kernels.snapshots.quota import Allowance
 
 log = logging.getLogger(__name__)
 
 TAR = "/usr/bin/tar"
-SH = "/bin/sh"
 FIND = "/usr/bin/find"
 RM = "/bin/rm"
 CHMOD = "/bin/chmod"
@@ -167,7 +169,7 @@ def restore_argv() -> list[str]:
         f"{FIND} /tmp -mindepth 1 -maxdepth 1 {spared} -exec {RM} -rf -- {{}} + || exit {CLEANUP_FAILED}; "
         f"exec {shlex.join(unpack)}"
     )
-    return [SH, "-c", script]
+    return [SANDBOX_SHELL, "-c", script]
 
 
 def fingerprint_argv() -> list[str]:
@@ -176,7 +178,7 @@ def fingerprint_argv() -> list[str]:
     file. A ``find`` that fails makes a fingerprint that matches nothing."""
     spared = " ".join(f"-path {shlex.quote(p)} -prune -o" for p in KERNEL_TMP_FILES)
     listing = f"{FIND} /workspace /tmp -mindepth 1 {spared} -printf '%y %m %s %T@ %p\\0'"
-    return [SH, "-c", f"{{ {listing} 2>/dev/null || echo find-failed-$$; }} | {SORT} -z | {SHA256SUM}"]
+    return [SANDBOX_SHELL, "-c", f"{{ {listing} 2>/dev/null || echo find-failed-$$; }} | {SORT} -z | {SHA256SUM}"]
 
 
 async def files_fingerprint(container: SandboxContainer, timeout: float = 120.0) -> str | None:
@@ -212,10 +214,12 @@ async def capture_files(
             with os.fdopen(fd, "wb") as out:
                 digest, size, stderr = hashlib.sha256(), 0, bytearray()
                 api = container.engine.client.api
-                exec_id = api.exec_create(container.id, capture_argv(), user=container.user, workdir="/")["Id"]
-                sock = start_exec(api, container.id, exec_id, deadline, PACKING)
+                exec_id, sock, output = start_held(
+                    api, container.id, container.user, capture_argv(), deadline, PACKING, workdir="/"
+                )
+                finished = False
                 try:
-                    for stream, data in frames(raw_socket(sock), deadline, PACKING):
+                    for stream, data in output:
                         if stream == 1:
                             size += len(data)
                             if size > max_bytes:
@@ -233,9 +237,13 @@ async def capture_files(
                             out.write(data)
                         else:
                             stderr = _keep_tail(stderr, data)
+                    code = exit_code(api, exec_id, deadline, PACKING)
+                    output.check(code)
+                    finished = True
                 finally:
                     sock.close()
-                code = exit_code(api, exec_id, deadline, PACKING)
+                    if not finished:
+                        kill_exec(api, container.id, exec_id)
                 if code not in (0, TAR_CHANGED):
                     raise SnapshotError(
                         f"packing the session's files failed in the sandbox (tar exit {code}): {_text(stderr)}"
