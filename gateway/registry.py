@@ -42,6 +42,7 @@ from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.profiles import Profile
+from sandkernel.kernels.sandbox.cpu_groups import group_for
 from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
@@ -345,6 +346,7 @@ class SessionRegistry:
         self._no_requests.set()
         self.websockets: set[Any] = set()  # open kernel websockets (closed 1012 on a restart)
         self._start_slots = asyncio.Semaphore(settings.cold_start_concurrency)
+        self.cpu_groups: set[str] = set()  # the tenants' CPU groups used: removed when empty at the stop
         self.cluster: ClusterLink | None = None  # the other hosts and the shared catalog, when one of several
         if pool is not None:  # the pool grows beyond its floor only into room the sessions leave
             pool.room = self._pool_room
@@ -475,7 +477,7 @@ class SessionRegistry:
                 {"tenant": tenant, "client_metadata": metadata, "warm_pool": pooled},
             )
             if session is None:
-                session = await self.cold_start(chosen, session_id)
+                session = await self.cold_start(chosen, session_id, tenant)
             await attach_transcript(session, recorder)
             kernel_name = kernel_name_for(session.profile.runtime)
             managed = ManagedSession(session, tenant, _now(), metadata, kernel_name, origin=origin, recorder=recorder)
@@ -501,8 +503,10 @@ class SessionRegistry:
         except Exception as err:
             log.warning("could not release a session reservation (it expires by itself): %s", err)
 
-    async def cold_start(self, profile: Profile, session_id: str) -> KernelSession:
-        """Start a sandbox (none was waiting in the pool), through the start breaker if any.
+    async def cold_start(self, profile: Profile, session_id: str, tenant: str) -> KernelSession:
+        """Start a sandbox for ``tenant`` (none was waiting in the pool), through the start
+        breaker if any, in the tenant's CPU group (kernels/sandbox/cpu_groups.py: tenants share a
+        busy host's CPU by tenant, whatever the number of sandboxes each holds).
 
         At most ``cold_start_concurrency`` run at once, the rest queued first come first served:
         on a host whose cores a burst saturates, starts sharing the cores all end together, at
@@ -512,11 +516,13 @@ class SessionRegistry:
         resume, fork), so the gateway never holds more containers than ``max_sessions_total``."""
         if self.pool is not None:
             await self.pool.removals_done()
+        cpu_group = await asyncio.to_thread(group_for, tenant)  # it checks the state dir on disk
+        self.cpu_groups.add(cpu_group)
         async with self._start_slots:
             if self.controls is None:
-                return await KernelSession.start(profile=profile, session_id=session_id)
+                return await KernelSession.start(profile=profile, session_id=session_id, cpu_group=cpu_group)
             return await self.controls.start_breaker.guard(
-                lambda: KernelSession.start(profile=profile, session_id=session_id)
+                lambda: KernelSession.start(profile=profile, session_id=session_id, cpu_group=cpu_group)
             )
 
     def attach_observers(self, managed: ManagedSession) -> None:

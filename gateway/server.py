@@ -72,6 +72,7 @@ from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.profiles import Runtime
 from sandkernel.kernels.lifecycle.reaper import reap
+from sandkernel.kernels.sandbox.cpu_groups import remove_empty_groups
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
 from sandkernel.notebooks.recorder import default_notebook_dir
@@ -395,6 +396,7 @@ class Gateway:
             if self.registry.controls is not None:
                 await self.registry.controls.close()
             await self.store.close()
+            await asyncio.to_thread(remove_empty_groups, self.registry.cpu_groups)
             use_state_dir(self._previous_state_dir)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.close_all_connections(), ANSWER_SECONDS)

@@ -259,7 +259,7 @@ class SnapshotManager:
         else:
             cells, files, files_from = await self._state_after(paused.id, paused.tenant, notebook, rewind_to)
         profile = self._profile_now(profile_from_record(manifest.profile), paused.id, "stays paused")
-        session = await self.registry.cold_start(profile, paused.id)
+        session = await self.registry.cold_start(profile, paused.id, paused.tenant)
         try:
             with self._gated(session, paused.tenant):
                 restored = await rebuild(session, notebook, cells=cells, files=files, files_from=files_from)
@@ -472,7 +472,7 @@ class SnapshotManager:
         upto: int,
     ) -> tuple[ManagedSession, Restored]:
         session_id = uuid.uuid4().hex
-        session = await self.registry.cold_start(profile, session_id)
+        session = await self.registry.cold_start(profile, session_id, parent.tenant)
         try:
             with self._gated(session, parent.tenant):
                 restored = await rebuild(session, notebook, cells=cells, files=files[0], files_from=files[1])

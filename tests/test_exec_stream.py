@@ -8,12 +8,13 @@ import asyncio
 import socket
 import struct
 import threading
+import time
 
 import pytest
 
 from sandkernel.errors import HelpersBusyError
 from sandkernel.kernels.sandbox.container import HelperSlots
-from sandkernel.kernels.sandbox.exec_stream import Deadline, ExecStreamError, HeldOutput, frames
+from sandkernel.kernels.sandbox.exec_stream import RELEASE_GRACE, Deadline, ExecStreamError, HeldOutput, frames
 
 
 def frame(stream: int, data: bytes) -> bytes:
@@ -76,9 +77,11 @@ TOKEN = "0123456789abcdef0123456789abcdef"
 TRAILER = f"{TOKEN}:000".encode()
 
 
-def held_output(theirs: socket.socket, *chunks: bytes, wait_for_release: bool = False) -> threading.Thread:
+def held_output(
+    theirs: socket.socket, *chunks: bytes, wait_for_release: bool = False, after_release: bytes = b""
+) -> threading.Thread:
     """The sandbox's side: send ``chunks``; then, held, wait for the host's half-close (as the
-    shell's ``read`` does) before ending the stream; else end it at once."""
+    shell's ``read`` does), send ``after_release`` and end the stream; else end it at once."""
     released = threading.Event()
 
     def sandbox() -> None:
@@ -88,6 +91,7 @@ def held_output(theirs: socket.socket, *chunks: bytes, wait_for_release: bool = 
             theirs.settimeout(5)
             if theirs.recv(1) == b"":
                 released.set()
+            theirs.sendall(after_release)
         theirs.shutdown(socket.SHUT_WR)
 
     thread = threading.Thread(target=sandbox, daemon=True)
@@ -97,35 +101,49 @@ def held_output(theirs: socket.socket, *chunks: bytes, wait_for_release: bool = 
 
 
 def test_a_held_helpers_trailer_is_taken_off_and_releases_it():
-    """The trailer, split across frames as dockerd may split it, is not part of the output; once
-    read, the host closes its end for writing (the shell's stdin), which is what lets it exit."""
+    """The trailer, split across frames as dockerd may split it, is not part of the output and
+    gives the program's status; once read, the host closes its end for writing (the shell's
+    stdin), which is what lets it exit; stderr still on its way after the trailer is kept."""
     ours, theirs = socket.socketpair()
+    trailer = f"{TOKEN}:003".encode()
     with ours, theirs:
-        chunks = (frame(1, b"data" + TRAILER[:10]), frame(2, b"warn"), frame(1, TRAILER[10:]))
-        sandbox = held_output(theirs, *chunks, wait_for_release=True)
+        chunks = (frame(1, b"data" + trailer[:10]), frame(2, b"warn"), frame(1, trailer[10:]))
+        sandbox = held_output(theirs, *chunks, wait_for_release=True, after_release=frame(2, b"late stderr"))
         output = HeldOutput(ours, Deadline(5), "a file read", TOKEN)
         received = list(output)
         sandbox.join(5)
     assert sandbox.released.is_set()  # the host's half-close reached the sandbox's side
     assert b"".join(data for stream, data in received if stream == 1) == b"data"
-    assert (2, b"warn") in received
-    assert output.complete
-    output.check(0)
+    assert b"".join(data for stream, data in received if stream == 2) == b"warnlate stderr"
+    assert output.complete and output.status == 3 and not output.lingering
+
+
+def test_a_held_helper_that_does_not_go_once_released_is_given_up_with_its_output_whole():
+    """A holder whose stream does not end after its release (its stdin's end never reached it):
+    the output and status are already whole, so the read ends after the grace, not the deadline."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        theirs.sendall(frame(1, b"all of it" + TRAILER))  # and never ends the stream
+        output = HeldOutput(ours, Deadline(60), "a file read", TOKEN)
+        started = time.monotonic()
+        assert list(output) == [(1, b"all of it")]
+        assert time.monotonic() - started < RELEASE_GRACE + 5  # not the 60 s deadline
+    assert output.complete and output.lingering and output.status == 0
 
 
 def test_a_held_helper_cut_before_its_trailer_is_an_error_not_short_output():
     """dockerd closed the stream before the end (a reader more than 2 s behind): without the
-    trailer, a clean exit code is not believed."""
+    trailer, an exit code below 128 (the holder was not killed) is not believed."""
     ours, theirs = socket.socketpair()
     with ours, theirs:
         held_output(theirs, frame(1, b"half of the file"), frame(1, TRAILER[:20]))
         output = HeldOutput(ours, Deadline(5), "a file read", TOKEN)
         assert b"".join(data for _, data in output) == b"half of the file" + TRAILER[:20]
-    assert not output.complete
+    assert not output.complete and output.status is None
     with pytest.raises(ExecStreamError, match="a file read: the sandbox's output was cut short before its end"):
-        output.check(0)
+        output.judged(0)
     with pytest.raises(ExecStreamError, match="cut short"):
-        output.check(2)  # the shell exits with the program's status after writing the trailer
+        output.judged(2)  # the shell exits with the program's status after writing the trailer
 
 
 def test_a_killed_held_helper_keeps_its_output_and_its_code():
@@ -134,7 +152,7 @@ def test_a_killed_held_helper_keeps_its_output_and_its_code():
         held_output(theirs, frame(1, b"as far as it got"))
         output = HeldOutput(ours, Deadline(5), "a file read", TOKEN)
         assert list(output) == [(1, b"as far as it got")]
-    output.check(137)  # the shell was killed: the code says so, no stream error on top
+    assert output.judged(137) == 137  # the holder was killed: the code says so, no stream error on top
 
 
 def test_a_trailer_not_at_the_end_is_not_the_end():
@@ -145,6 +163,6 @@ def test_a_trailer_not_at_the_end_is_not_the_end():
         held_output(theirs, frame(1, b"a" + TRAILER), frame(1, b"late"))
         output = HeldOutput(ours, Deadline(5), "a file read", TOKEN)
         assert b"".join(data for _, data in output) == b"a" + TRAILER + b"late"
-    assert not output.complete
+    assert not output.complete and output.status is None
     with pytest.raises(ExecStreamError, match="cut short"):
-        output.check(0)
+        output.judged(0)

@@ -434,7 +434,7 @@ async def test_a_helpers_process_waits_until_the_host_has_read_its_output(pair):
         )
         try:
             size = 0
-            raw_output = frames(output.raw, output.deadline, "x")  # read without releasing it
+            raw_output = frames(output.raw, Deadline(60), "x")  # read without releasing it
             for stream, data in raw_output:
                 size += len(data) if stream == 1 else 0
                 if data.endswith(output.token + b":003"):

@@ -39,6 +39,7 @@ from sandkernel.kernels.lifecycle.reaper import (
     owner_label,
 )
 from sandkernel.kernels.sandbox.container import ContainerSpec, SandboxContainer
+from sandkernel.kernels.sandbox.cpu_groups import group_of
 from sandkernel.kernels.sandbox.docker_engine import default_engine, translate_api_error
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir, default_base_dir, remove_runtime_dir
@@ -209,6 +210,8 @@ async def reattach(session_id: str, state: dict[str, Any]) -> AsyncKernelManager
     provisioner.image_id = state["image_id"]
     provisioner.runtime_dir = runtime_dir
     provisioner.uid = state["uid"]
+    # Where Docker put it (not the sandbox's to change): a replacement container joins it.
+    provisioner.cpu_group = group_of((attrs.get("HostConfig") or {}).get("CgroupParent"))
     provisioner.container = container
     provisioner.connection_info = km.get_connection_info()
     if workspace is not None:
@@ -219,7 +222,11 @@ async def reattach(session_id: str, state: dict[str, Any]) -> AsyncKernelManager
         await provisioner.egress.start()
     km.provisioner = provisioner
     # What KernelManager.start_kernel would have kept: a restart relaunches with these.
-    km._launch_args = {"sandkernel_profile": profile, "sandkernel_session_id": session_id}
+    km._launch_args = {
+        "sandkernel_profile": profile,
+        "sandkernel_session_id": session_id,
+        "sandkernel_cpu_group": provisioner.cpu_group,
+    }
     km._attempted_start = True
     km._connect_control_socket()
     return km

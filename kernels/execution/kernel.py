@@ -47,14 +47,17 @@ class SandboxedKernel:
         profile_name: object,
         overrides: Mapping[str, Any],
         km: AsyncKernelManager | None = None,
+        cpu_group: str | None = None,
     ) -> None:
-        """``km``: a kernel manager already connected to a running sandbox (re-adoption)."""
+        """``km``: a kernel manager already connected to a running sandbox (re-adoption);
+        ``cpu_group``: the tenant's CPU group, kept by every container of the session."""
         self.session_id = session_id
         self.profile = profile
         self._launch = {
             "sandkernel_profile": profile_name,
             "sandkernel_overrides": dict(overrides),
             "sandkernel_session_id": session_id,
+            "sandkernel_cpu_group": cpu_group,
         }
         self.km: AsyncKernelManager = km or new_kernel_manager(kernel_name_for(profile.runtime))
         self.client: AsyncKernelClient | None = None
@@ -102,7 +105,7 @@ class SandboxedKernel:
         km = await reattach(session_id, state)
         provisioner = km.provisioner
         assert isinstance(provisioner, DockerProvisioner) and provisioner.profile is not None
-        kernel = cls(session_id, provisioner.profile, provisioner.profile, {}, km=km)
+        kernel = cls(session_id, provisioner.profile, provisioner.profile, {}, km=km, cpu_group=provisioner.cpu_group)
         try:
             kernel.client = new_client(km)
             with kernel.drain.reading():

@@ -90,12 +90,14 @@ class KernelSession:
         overrides: Mapping[str, Any] | None = None,
         session_id: str | None = None,
         kernel: SandboxedKernel | None = None,
+        cpu_group: str | None = None,
     ) -> None:
-        """``kernel``: an adopted kernel (see :meth:`adopt`); otherwise one is started by :meth:`start`."""
+        """``kernel``: an adopted kernel (see :meth:`adopt`); otherwise one is started by
+        :meth:`start`, its sandbox in ``cpu_group`` (the tenant's, kernels/sandbox/cpu_groups.py)."""
         # Validate everything that can be validated before a container exists.
         self.profile: Profile = kernel.profile if kernel else resolve_profile(profile, overrides)
         self.id = kernel.session_id if kernel else session_id or uuid.uuid4().hex
-        self._kernel = kernel or SandboxedKernel(self.id, self.profile, profile, overrides or {})
+        self._kernel = kernel or SandboxedKernel(self.id, self.profile, profile, overrides or {}, cpu_group=cpu_group)
         self._lock = asyncio.Lock()
         self._pending_state_lost: str | None = None
         self._interrupt_requested = False
@@ -118,8 +120,9 @@ class KernelSession:
         overrides: Mapping[str, Any] | None = None,
         session_id: str | None = None,
         observers: tuple[SessionObserver, ...] = (),
+        cpu_group: str | None = None,
     ) -> KernelSession:
-        session = cls(profile, overrides, session_id)
+        session = cls(profile, overrides, session_id, cpu_group=cpu_group)
         for observer in observers:
             session.add_observer(observer)
         await session._kernel.start()

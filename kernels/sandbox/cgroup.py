@@ -32,6 +32,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+TENANT_GROUPS = "sandkernel-tenant-*"  # tenants' CPU groups (cpu_groups.py), parents of their sandboxes
 _CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
 _MAX_READ = 4096  # every file read here is a few lines; a longer one is not what we expect
 APPROXIMATE_PEAK = (
@@ -279,18 +280,22 @@ Cgroup = CgroupV1 | CgroupV2
 
 
 def locate(container_id: str, root: Path = CGROUP_ROOT) -> Cgroup | None:
-    """The cgroup Docker made for ``container_id`` (its full id), or None when there is none at
-    the places Docker's cgroupfs and systemd drivers use (a custom ``--cgroup-parent``, or a
-    container that is gone). v2 when ``root/cgroup.controllers`` exists (a hybrid host's
-    ``unified`` mount holds no cpu or memory controller, so v1 is read there)."""
+    """The cgroup Docker made for ``container_id`` (its full id): at the places Docker's
+    cgroupfs and systemd drivers use, or in a tenant's CPU group (cpu_groups.py); None for
+    another custom ``--cgroup-parent`` or a container that is gone. v2 when
+    ``root/cgroup.controllers`` exists (a hybrid host's ``unified`` mount holds no cpu or
+    memory controller, so v1 is read there)."""
     if not _CONTAINER_ID.fullmatch(container_id):
         return None
-    tails = (Path("docker") / container_id, Path("system.slice") / f"docker-{container_id}.scope")
+    tails = [Path("docker") / container_id, Path("system.slice") / f"docker-{container_id}.scope"]
     if (root / "cgroup.controllers").exists():
+        tails += [path.relative_to(root) for path in root.glob(f"docker/{TENANT_GROUPS}/{container_id}")]
         for tail in tails:
             if (root / tail / "cpu.stat").exists():
                 return CgroupV2(root / tail)
         return None
+    grouped = root.glob(f"cpuacct/docker/{TENANT_GROUPS}/{container_id}")
+    tails += [path.relative_to(root / "cpuacct") for path in grouped]
     for tail in tails:
         cpuacct, memory = root / "cpuacct" / tail, root / "memory" / tail
         if (cpuacct / "cpuacct.usage").exists() and (memory / "memory.max_usage_in_bytes").exists():

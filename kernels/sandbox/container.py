@@ -118,6 +118,8 @@ class ContainerSpec:
     # The host mount point of the session's workspace disk (workspace_storage "disk"), bound at
     # /workspace; None for a tmpfs workspace.
     workspace_mount: Path | None = None
+    # The tenant's CPU group (cpu_groups.cgroup_parent); None: Docker's default place.
+    cgroup_parent: str | None = None
 
     @property
     def user(self) -> str:
@@ -147,7 +149,9 @@ class ContainerSpec:
             environment.update(egress_environment(p.network))
             if p.network.ca_bundle:
                 volumes[p.network.ca_bundle] = {"bind": CA_BUNDLE, "mode": "ro"}
+        placement = {"cgroup_parent": self.cgroup_parent} if self.cgroup_parent else {}
         return {
+            **placement,
             "image": p.image,
             "name": f"sandkernel-{self.session_id[:12]}-{secrets.token_hex(3)}",
             "hostname": "sandbox",

@@ -65,6 +65,7 @@ IDEMPOTENT_READS = frozenset(
         "images",
         "runtimes_sync",
         "image_id_sync",
+        "cgroup_driver_sync",
     }
 )
 
@@ -80,6 +81,7 @@ class DockerEngine:
     def __init__(self, client: docker.DockerClient | None = None) -> None:
         self._client = client
         self._lock = threading.Lock()
+        self._cgroup_driver: str | None = None
         self._executor = ThreadPoolExecutor(DOCKER_WORKER_THREADS, thread_name_prefix="sandkernel-docker")
 
     @property
@@ -126,6 +128,13 @@ class DockerEngine:
         raise AssertionError("unreachable")
 
     # -- checks made before anything is created, so bad input leaves nothing behind ---------
+
+    def cgroup_driver_sync(self) -> str:
+        """The engine's cgroup driver (``cgroupfs`` or ``systemd``); read once: it changes only
+        with a restart of dockerd, which keeps its configuration."""
+        if self._cgroup_driver is None:
+            self._cgroup_driver = str(self.client.info().get("CgroupDriver") or "")
+        return self._cgroup_driver
 
     def runtimes_sync(self) -> set[str]:
         """Names of the OCI runtimes registered with the engine."""

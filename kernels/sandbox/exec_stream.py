@@ -13,6 +13,7 @@ be shown to be this container's (:func:`kill_exec`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -29,7 +30,10 @@ from sandkernel.errors import SandkernelError
 from sandkernel.kernels.sandbox.cgroup import kill_stopped_runc_inits
 
 CHUNK = 1024 * 1024  # bytes read from the socket at most per call
+log = logging.getLogger(__name__)
+
 IDLE_TIMEOUT = 60.0  # seconds without a byte moving before a stream is given up
+
 EXIT_GRACE = 10.0  # seconds Docker may take to record an exec's exit after its stream ended
 # Seconds one file operation (list, download, upload) may take inside the sandbox by default (the
 # largest upload, 32 MiB, takes well under one; the gateway's --helper-timeout): a helper the
@@ -51,6 +55,9 @@ SIGKILL_EXIT = 128 + 9
 # exits only when the host, having read the trailer, closes the exec's stdin. Its process ends
 # after its output was read, whatever the host's load.
 HOLD_SCRIPT = '"$@" </dev/null; s=$?; printf "%s:%03d" "$0" "$s"; read -r line; exit "$s"'
+# After the trailer, the seconds the rest of a held helper's stream may take to end (stderr on
+# its way, the holder's exit) before the holder is killed: its status is already known.
+RELEASE_GRACE = 5.0
 
 
 class ExecStreamError(SandkernelError):
@@ -190,17 +197,24 @@ def held_argv(argv: list[str], token: str) -> list[str]:
 
 class HeldOutput:
     """A held exec's frames, the trailer taken off its stdout; the exec's stdin is closed (which
-    lets its shell exit) once the trailer has been read.
+    lets its shell exit) once the trailer has been read, and the rest of the stream (stderr
+    still on its way, then EOF) is read for at most :data:`RELEASE_GRACE` seconds more: a holder
+    that does not go by then is killed (:meth:`finish`), its status already known from the trailer.
 
     The sandbox can read the token (the shell's argv is its own) and write a trailer of its own
-    making: that only releases its own helper early, whose output the final check then finds cut
-    or not; the host's reading never depends on it."""
+    making: that only releases its own helper early; output after a trailer means it was not
+    the end, and the output is then not believed complete."""
 
     def __init__(self, raw: socket.socket, deadline: Deadline, what: str, token: str) -> None:
-        self.raw, self.deadline, self.what = raw, deadline, what
+        self.raw, self.what = raw, what
         self.token = token.encode()
         self.trailer_bytes = len(self.token) + 4  # token, ":", three digits
-        self.complete = False
+        self.complete = False  # the stream's last stdout bytes were a trailer
+        self.lingering = False  # released, but the stream had not ended within RELEASE_GRACE
+        self.status: int | None = None  # the program's exit status, from the trailer
+        # The caller's deadline, shortened to the grace once released (the caller's own is kept).
+        self._reading = Deadline(deadline.seconds, deadline.stop)
+        self._reading.at = deadline.at
         self._released = False
 
     def _is_trailer(self, tail: bytes) -> bool:
@@ -208,30 +222,56 @@ class HeldOutput:
             len(tail) == self.trailer_bytes and tail[: len(self.token) + 1] == self.token + b":" and tail[-3:].isdigit()
         )
 
+    def _release(self) -> None:
+        self._released = True
+        with contextlib.suppress(OSError):  # the stream is gone: frames() says so at its next read
+            self.raw.shutdown(socket.SHUT_WR)
+        grace_ends = time.monotonic() + RELEASE_GRACE
+        if self._reading.at is None or grace_ends < self._reading.at:
+            self._reading.seconds, self._reading.at = RELEASE_GRACE, grace_ends
+
     def __iter__(self) -> Iterator[tuple[int, bytes]]:
         tail = b""
-        for stream, data in frames(self.raw, self.deadline, self.what):
-            if stream != 1:
-                yield stream, data
-                continue
-            tail += data
-            if not self._released and self._is_trailer(tail[-self.trailer_bytes :]):
-                self._released = True  # before the caller's work on the output: the shell may go
-                with contextlib.suppress(OSError):  # the stream is gone: frames() says so at its next read
-                    self.raw.shutdown(socket.SHUT_WR)
-            if len(tail) > self.trailer_bytes:
-                yield 1, tail[: -self.trailer_bytes]
-                tail = tail[-self.trailer_bytes :]
+        try:
+            for stream, data in frames(self.raw, self._reading, self.what):
+                if stream != 1:
+                    yield stream, data
+                    continue
+                tail += data
+                if not self._released and self._is_trailer(tail[-self.trailer_bytes :]):
+                    self._release()  # before the caller's work on the output: the shell may go
+                if len(tail) > self.trailer_bytes:
+                    yield 1, tail[: -self.trailer_bytes]
+                    tail = tail[-self.trailer_bytes :]
+        except ExecStreamError:
+            if not (self._released and self._is_trailer(tail)) or self._reading.stop.is_set():
+                raise
+            self.lingering = True  # the output is whole; the holder did not go: finish() kills it
         self.complete = self._is_trailer(tail)
-        if not self.complete and tail:
+        if self.complete:
+            self.status = int(tail[-3:])
+        elif tail:
             yield 1, tail  # a process ended before its trailer: its output as it was
 
-    def check(self, code: int) -> None:
-        """ExecStreamError when the output ended without its trailer although the holding shell
-        was not killed (a code below 128: the shell wrote its trailer, so the stream was cut; a
-        killed shell's code says it was killed, and its output is as far as it got)."""
-        if code < 128 and not self.complete:
+    def finish(self, api: Any, container_id: str, exec_id: str, deadline: Deadline) -> int:
+        """The program's exit status, once its output was read: the trailer's (a holder that
+        lingered is killed), else Docker's exit code of the holder. ExecStreamError when the
+        output ended without its trailer although the holder was not killed (a code below 128:
+        the shell writes its trailer before it exits, so the stream was cut; a killed holder's
+        code says it was killed, and its output is as far as it got)."""
+        if self.status is not None:
+            if self.lingering:
+                log.warning("%s: its holder did not exit once released; killed", self.what)
+                kill_exec(api, container_id, exec_id)
+            return self.status
+        return self.judged(exit_code(api, exec_id, deadline, self.what))
+
+    def judged(self, code: int) -> int:
+        """``code``, the holder's exit code, for output that ended without its trailer: an
+        ExecStreamError unless the holder was killed (see :meth:`finish`)."""
+        if code < 128:
             raise ExecStreamError(f"{self.what}: the sandbox's output was cut short before its end")
+        return code
 
 
 def start_held(
@@ -337,9 +377,10 @@ def run_helper(
             if len(kept) + len(data) > max_output:
                 raise ExecStreamError(f"{what}: the sandbox's output passed {max_output} bytes")
             kept += data
-        code = exit_code(api, exec_id, deadline, what)
         if held is not None:
-            held.check(code)
+            code = held.finish(api, container_id, exec_id, deadline)
+        else:
+            code = exit_code(api, exec_id, deadline, what)
         finished = True
     finally:
         sock.close()

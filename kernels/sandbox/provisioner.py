@@ -8,9 +8,10 @@ dir (see runtime_dir.py), so no port is ever published and the container has no 
 
 Extra keyword arguments a caller may pass to ``KernelManager.start_kernel``:
 ``sandkernel_profile`` (profile name), ``sandkernel_overrides`` (mapping of profile settings),
-``sandkernel_session_id`` (label value; defaults to the kernel id) and ``sandkernel_workspace``
+``sandkernel_session_id`` (label value; defaults to the kernel id), ``sandkernel_workspace``
 (what :meth:`DockerProvisioner.hand_over_workspace` returned: the session's disk and uid, kept
-when the whole kernel manager is replaced).
+when the whole kernel manager is replaced) and ``sandkernel_cpu_group`` (the tenant's CPU group,
+from cpu_groups.group_for).
 The host environment is never forwarded into the container: only ``Profile.env`` is.
 """
 
@@ -33,6 +34,7 @@ from sandkernel.kernels.egress.proxy import EgressProxy
 from sandkernel.kernels.lifecycle.profiles import Profile, WorkspaceStorage, resolve_profile
 from sandkernel.kernels.lifecycle.reaper import owner_label
 from sandkernel.kernels.sandbox.container import LAUNCHER, SANDBOX_GID, ContainerSpec, SandboxContainer
+from sandkernel.kernels.sandbox.cpu_groups import GROUP_NAME, cgroup_parent
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
 from sandkernel.kernels.sandbox.uids import UidAllocator
@@ -58,6 +60,8 @@ class DockerProvisioner(KernelProvisionerBase):
     # The session's /workspace disk (workspace_storage "disk"), made before the first container
     # and kept until _release: a replaced container gets the same one.
     workspace_disk: WorkspaceDisk | None = None
+    # The tenant's CPU group (cpu_groups.py), given at the first launch and kept for replacements.
+    cpu_group: str | None = None
     # Set when the last (re)launch had to replace the whole container.
     container_replaced: bool = False
     # Set when /workspace went with the replaced container (a tmpfs workspace); a disk workspace
@@ -77,6 +81,7 @@ class DockerProvisioner(KernelProvisionerBase):
         overrides = dict(kwargs.pop("sandkernel_overrides", None) or {})
         session_id = kwargs.pop("sandkernel_session_id", None)
         handed_over = kwargs.pop("sandkernel_workspace", None)
+        cpu_group = kwargs.pop("sandkernel_cpu_group", None)
         if self.profile is None:
             if self.runtime:
                 overrides.setdefault("runtime", self.runtime)
@@ -90,6 +95,9 @@ class DockerProvisioner(KernelProvisionerBase):
             self.image_id = await engine.image_id(profile.image)
             self.profile = profile
             self.session_id = str(session_id or self.kernel_id)
+            if cpu_group is not None and not GROUP_NAME.fullmatch(str(cpu_group)):
+                raise ConfigError(f"sandkernel_cpu_group must be a name cpu_groups.group_for made, not {cpu_group!r}")
+            self.cpu_group = cpu_group
             if handed_over is not None:
                 await self._take_over_workspace(handed_over)
             self.runtime_dir = await asyncio.to_thread(RuntimeDir.create)
@@ -170,10 +178,19 @@ class DockerProvisioner(KernelProvisionerBase):
             else:
                 await asyncio.to_thread(self.workspace_disk.ensure_mounted)
             mount = self.workspace_disk.mount_point
+        engine = default_engine()
+        driver = await engine.run(engine.cgroup_driver_sync) if self.cpu_group else ""
         spec = ContainerSpec(
-            self.profile, self.session_id, str(self.kernel_id), self.runtime_dir, self.uid, egress_dir, mount
+            self.profile,
+            self.session_id,
+            str(self.kernel_id),
+            self.runtime_dir,
+            self.uid,
+            egress_dir,
+            mount,
+            cgroup_parent(self.cpu_group, driver),
         )
-        self.container = await SandboxContainer.start(default_engine(), spec)
+        self.container = await SandboxContainer.start(engine, spec)
 
     async def _take_over_workspace(self, handed_over: Any) -> None:
         """Adopt the disk and uid a previous provisioner of this session handed over (see

@@ -237,8 +237,7 @@ async def capture_files(
                             out.write(data)
                         else:
                             stderr = _keep_tail(stderr, data)
-                    code = exit_code(api, exec_id, deadline, PACKING)
-                    output.check(code)
+                    code = output.finish(api, container.id, exec_id, deadline)
                     finished = True
                 finally:
                     sock.close()
