@@ -143,6 +143,8 @@ async def gateway_runs(runtime: str, contender: str, n: int, modes: list[str], i
         "max_sessions": n + 5,
         "max_sessions_total": 3 * n + 10,  # the pool is reserved within it; a refill may run meanwhile
     }
+    if "tenant_start_concurrency" in SETTINGS_FIELDS:  # one tenant's burst: the start path, not the fair share
+        options["tenant_start_concurrency"] = 1024
     if pool and "pool_max" in SETTINGS_FIELDS:
         options["pool_max"] = pool  # demand-following pool (issue 17): its ceiling is the run's size
     if contender == POOL_BARE:

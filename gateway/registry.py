@@ -346,6 +346,7 @@ class SessionRegistry:
         self._no_requests.set()
         self.websockets: set[Any] = set()  # open kernel websockets (closed 1012 on a restart)
         self._start_slots = asyncio.Semaphore(settings.cold_start_concurrency)
+        self._tenant_starts: dict[str, asyncio.Semaphore] = {}  # each token's lane of cold starts
         self.cpu_groups: set[str] = set()  # the tenants' CPU groups used: removed when empty at the stop
         self.cluster: ClusterLink | None = None  # the other hosts and the shared catalog, when one of several
         if pool is not None:  # the pool grows beyond its floor only into room the sessions leave
@@ -508,7 +509,8 @@ class SessionRegistry:
         breaker if any, in the tenant's CPU group (kernels/sandbox/cpu_groups.py: tenants share a
         busy host's CPU by tenant, whatever the number of sandboxes each holds).
 
-        At most ``cold_start_concurrency`` run at once, the rest queued first come first served:
+        At most ``tenant_cold_start_concurrency`` of one tenant's run at once, and at most
+        ``cold_start_concurrency`` in all, the rest queued first come first served:
         on a host whose cores a burst saturates, starts sharing the cores all end together, at
         the end of the burst; taken in turn, the first ones end early and the last no later.
         The time queued here is not a start's (the breaker times the start only). Surplus pooled
@@ -518,7 +520,8 @@ class SessionRegistry:
             await self.pool.removals_done()
         cpu_group = await asyncio.to_thread(group_for, tenant)  # it checks the state dir on disk
         self.cpu_groups.add(cpu_group)
-        async with self._start_slots:
+        lane = self._tenant_starts.setdefault(tenant, asyncio.Semaphore(self.settings.tenant_cold_start_concurrency))
+        async with lane, self._start_slots:  # its own lane first: a tenant's queue holds no global slot
             if self.controls is None:
                 return await KernelSession.start(profile=profile, session_id=session_id, cpu_group=cpu_group)
             return await self.controls.start_breaker.guard(

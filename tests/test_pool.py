@@ -19,7 +19,7 @@ from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from .conftest import RUNTIME_PARAMS, require_runtime
-from .gateway_fixtures import start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway
 
 pytestmark = pytest.mark.docker
 
@@ -213,6 +213,13 @@ def engine_time(stamp: str) -> datetime.datetime:
     return datetime.datetime.fromisoformat(f"{whole}.{(fraction or '0')[:6].ljust(6, '0')}")
 
 
+async def container_times(session_id: str) -> tuple[datetime.datetime, datetime.datetime]:
+    """(created, started) of a session's one container, by the engine's clock."""
+    (container,) = docker_containers(session_id)
+    attrs = (await asyncio.to_thread(default_engine().client.containers.get, container.id)).attrs
+    return engine_time(attrs["Created"]), engine_time(attrs["State"]["StartedAt"])
+
+
 async def test_cold_starts_beyond_start_concurrency_wait_their_turn(tmp_path):
     """With start_concurrency 1 a burst's cold starts run one after another, first come first
     served: each sandbox's container is created only once the one before it has started (the
@@ -221,15 +228,34 @@ async def test_cold_starts_beyond_start_concurrency_wait_their_turn(tmp_path):
     try:
         assert gateway.server.registry.settings.cold_start_concurrency == 1
         sessions = await create_all(gateway, 3)
-        client = default_engine().client
-        states = []
-        for session in sessions:
-            (container,) = docker_containers(session["id"])
-            attrs = (await asyncio.to_thread(client.containers.get, container.id)).attrs
-            states.append((engine_time(attrs["Created"]), engine_time(attrs["State"]["StartedAt"])))
-        states.sort()
+        states = sorted([await container_times(session["id"]) for session in sessions])
         for (_, started), (created_next, _) in itertools.pairwise(states):
             assert created_next > started, f"two cold starts overlapped: {states}"
+    finally:
+        await stop_gateway(gateway)
+    assert not docker_containers()
+
+
+async def test_one_tenants_cold_starts_take_turns_and_another_tenants_do_not_wait_for_them(tmp_path):
+    """Issue 30: a start is CPU work outside the tenant's sandboxes (dockerd, runc), so one
+    tenant's burst took the host from everyone. With tenant_start_concurrency 1, alice's three
+    creates at once start one after another (the engine's own timestamps), while bob's, sent
+    with them, starts beside hers: his lane is his own, and the gateway's has room."""
+    gateway = await start_gateway(tmp_path, start_concurrency=8, tenant_start_concurrency=1, max_sessions=4)
+    try:
+        assert gateway.server.registry.settings.tenant_cold_start_concurrency == 1
+
+        async def create(token: str) -> dict:
+            code, created = await gateway.request("POST", "/api/sessions", {}, token=token)
+            assert code == 201, created
+            return created
+
+        *alices, bobs = await asyncio.gather(*(create(token) for token in (ALICE, ALICE, ALICE, BOB)))
+        times = sorted([await container_times(s["id"]) for s in alices])
+        for (_, started), (created_next, _) in itertools.pairwise(times):
+            assert created_next > started, f"two of alice's cold starts overlapped: {times}"
+        bob_created, _ = await container_times(bobs["id"])
+        assert bob_created < times[-1][0], f"bob's start waited for alice's burst: {bob_created} vs {times}"
     finally:
         await stop_gateway(gateway)
     assert not docker_containers()
