@@ -156,6 +156,12 @@ async def test_a_tmpfs_workspace_that_leaves_no_room_for_a_kernel_gets_a_new_con
             container.exec_run, ["sh", "-c", "head -c 240M /dev/zero > /workspace/fill"], user=str(provisioner.uid)
         )
         assert filled.exit_code in (0, SIGKILL_EXIT), filled.output
+        # Topped up until the limit stops the writer: when the OOM killer took the writer too, the
+        # first fill ended early, and a restarted kernel could fit in the room it left (seen).
+        topped = await asyncio.to_thread(
+            container.exec_run, ["sh", "-c", "head -c 64M /dev/zero >> /workspace/fill"], user=str(provisioner.uid)
+        )
+        assert topped.exit_code == SIGKILL_EXIT, (topped.exit_code, topped.output)
         old = provisioner.container.id
         result = await session.execute("import os; print(sorted(os.listdir('/workspace')))", timeout=120)
         assert result.status is ExecutionStatus.OK, result

@@ -313,7 +313,10 @@ class SandboxContainer:
         except docker.errors.APIError:
             return -1
         if state.get("Running"):
-            return None
+            # dockerd, behind on a loaded host, still says it runs: a recorded host process that
+            # is gone or a zombie says otherwise (its code is not known yet). Believing dockerd,
+            # a cell was sent to a kernel the OOM killer had already ended, and was lost with it.
+            return -1 if self._host_process else None
         code = state.get("ExitCode")
         return -1 if code is None else int(code)
 
