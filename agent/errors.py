@@ -118,6 +118,16 @@ class OutOfMemoryError(KernelDiedError, MemoryError):
     """The kernel was killed for using more memory than its profile allows."""
 
 
+class KernelRestartedError(ExecutionFailed):
+    """A restart that a client asked for (``execution.state_lost`` says through which door) ended
+    the execution: nobody's code failed; its variables are gone, /workspace is kept."""
+
+
+class SessionDeletedError(ExecutionFailed):
+    """The session was deleted (by a client, its lifetime, the gateway's stop) while the code ran:
+    ``execution`` holds the outputs so far; start a new session."""
+
+
 class ExecutionRefusedError(ExecutionFailed):
     """Nothing ran: the operator's execution policy or the session's circuit breaker refused the
     code (``execution.refusal`` says who, which rule and what to change)."""
@@ -181,6 +191,8 @@ EXECUTION_ERRORS: dict[str, type[ExecutionFailed]] = {
     "kernel_died": KernelDiedError,
     "oom": OutOfMemoryError,
     "refused": ExecutionRefusedError,
+    "restarted": KernelRestartedError,
+    "deleted": SessionDeletedError,
 }
 
 

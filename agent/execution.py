@@ -36,7 +36,8 @@ class Image:
 
 @dataclasses.dataclass(frozen=True)
 class Execution:
-    # ok | error | timeout | interrupted | kernel_died | oom | detached (see GatewayRestarted) |
+    # ok | error | timeout | interrupted | kernel_died | oom | restarted (a client's restart) |
+    # deleted (the session, while it ran) | detached (see GatewayRestarted) |
     # refused (the gateway's execution policy or a quarantined session refused it: nothing ran)
     status: str
     outputs: list[dict[str, Any]]

@@ -72,7 +72,7 @@ def _aborts_queue(result: ExecutionResult, content: dict[str, Any]) -> bool:
     """Whether the execute requests queued behind this one are answered ``aborted``: the kernel
     aborts its queue after a failed non-silent execute with ``stop_on_error`` (the default), and
     a restart loses it whatever the request said."""
-    if result.status in (ExecutionStatus.KERNEL_DIED, ExecutionStatus.OOM):
+    if result.status in (ExecutionStatus.KERNEL_DIED, ExecutionStatus.OOM, ExecutionStatus.RESTARTED):
         return True
     if result.ended_by in (TimeoutStep.RESTART, TimeoutStep.KILL):
         return True

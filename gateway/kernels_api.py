@@ -150,8 +150,8 @@ class KernelActionHandler(KernelScoped):
     """POST interrupt or restart (the same implementation as the session API's: ManagedSession's)."""
 
     async def post(self, kernel_id: str, action: str) -> None:
-        managed = self._managed(kernel_id)
-        if action == "interrupt":
+        managed = await self.registry.for_kernel_call(self.tenant, self._managed(kernel_id).id)
+        if action == "interrupt":  # 204 also when a restart under way made it a no-op (Jupyter's API)
             await managed.interrupt(KERNEL_API)
             self.set_status(204)
             self.finish()

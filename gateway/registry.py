@@ -69,6 +69,13 @@ class TooManySessionsError(ConfigError):
     status = 429
 
 
+# What an interrupt answers while a restart is under way (it sends nothing).
+RESTART_UNDER_WAY = (
+    "a restart of the kernel is under way, so nothing was interrupted: the restart ends the running "
+    "cell (status restarted)"
+)
+
+
 def _now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -131,18 +138,20 @@ class ManagedSession:
         if state:
             self.execution_state = state
 
-    async def interrupt(self, door: str) -> None:
+    async def interrupt(self, door: str) -> bool:
         """Interrupt the running execution: what the kernel API's and the session API's
-        ``/interrupt`` and MCP's ``interrupt`` do (``door`` says which, for the audit)."""
-        await self.session.interrupt()
-        self.audit_record("session_interrupted", door=door)
+        ``/interrupt`` and MCP's ``interrupt`` do (``door`` says which, for the audit). False:
+        nothing was sent, a restart is under way (it ends the running cell)."""
+        sent = await self.session.interrupt()
+        self.audit_record("session_interrupted", door=door, sent=sent)
+        return sent
 
     async def restart(self, door: str) -> None:
         """Restart the kernel (memory state dropped, /workspace kept); the fresh kernel is idle
         whatever was running before: what both the kernel and the session API's ``/restart`` do.
         A restart asked for is also how a caller takes a quarantined session back (its breaker
         is cleared)."""
-        await self.session.restart()
+        await self.session.restart(f"the kernel was restarted at a request through the {door} door")
         self.touch("idle")
         if self.breaker is not None:
             self.breaker.clear()
@@ -599,6 +608,13 @@ class SessionRegistry:
 
     def paused_sessions(self) -> list[PausedSession]:
         return list(self._paused.values())
+
+    async def for_kernel_call(self, tenant: str, session_id: str) -> ManagedSession:
+        """The tenant's live session once no pause, resume, fork or rewind of it is under way:
+        what an interrupt or a restart takes, so it never lands in the middle of a snapshot (after
+        a rewind it reaches the new kernel; a session that was paused answers 409)."""
+        await self.settled(session_id, tenant)
+        return self.get(tenant, session_id)
 
     async def live(self, tenant: str, session_id: str, door: str) -> ManagedSession:
         """The tenant's live session, resumed first if it is paused: what every call that runs

@@ -28,7 +28,7 @@ from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import ApiError, BaseHandler, error_reply
 from sandkernel.gateway.budget import OutputBudget, apply_budget
 from sandkernel.gateway.cluster.forward import record_model
-from sandkernel.gateway.registry import LostSession, ManagedSession, PausedSession
+from sandkernel.gateway.registry import RESTART_UNDER_WAY, LostSession, ManagedSession, PausedSession
 from sandkernel.gateway.replies import client_door, execution_reply, run_shell
 from sandkernel.gateway.session_metadata import checked_metadata
 from sandkernel.kernels.execution.outputs import ExecutionResult
@@ -112,11 +112,13 @@ class SessionActionHandler(SessionScoped):
     """POST interrupt or restart (the same implementation as the kernel API's: ManagedSession's)."""
 
     async def post(self, session_id: str, action: str) -> None:
-        managed = self.managed(session_id)
+        managed = await self.registry.for_kernel_call(self.tenant, session_id)
         if action == "interrupt":
-            await managed.interrupt(doors.SESSION_API)
-            self.set_status(204)
-            self.finish()
+            if await managed.interrupt(doors.SESSION_API):
+                self.set_status(204)
+                self.finish()
+            else:
+                self.write_json({"interrupted": False, "reason": RESTART_UNDER_WAY})
         else:
             await managed.restart(doors.SESSION_API)
             self.write_json(managed.session_model())

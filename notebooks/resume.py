@@ -39,8 +39,9 @@ from sandkernel.notebooks.replay import DEFAULT_CELL_TIMEOUT, _recorded, _run_ce
 log = logging.getLogger(__name__)
 
 REPLAY = "replay"
-# What a cell's recorded status or rung means for the memory: the cell itself ended the kernel.
-DIED = frozenset({ExecutionStatus.KERNEL_DIED.value, ExecutionStatus.OOM.value})
+# What a cell's recorded status or rung means for the memory: the cell's kernel ended under it
+# (it died, or a restart a client asked for ended it).
+DIED = frozenset({ExecutionStatus.KERNEL_DIED.value, ExecutionStatus.OOM.value, ExecutionStatus.RESTARTED.value})
 REPLACED = frozenset({TimeoutStep.RESTART.value, TimeoutStep.KILL.value})
 
 

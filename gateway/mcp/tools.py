@@ -47,7 +47,7 @@ from sandkernel.doors import MCP
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
 from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.mcp.resolver import ResolverFor, SessionResolver
-from sandkernel.gateway.registry import ManagedSession, PausedSession, SessionRegistry
+from sandkernel.gateway.registry import RESTART_UNDER_WAY, ManagedSession, PausedSession, SessionRegistry
 from sandkernel.gateway.replies import execution_reply, run_shell
 from sandkernel.gateway.sessions_api import MAX_CODE_BYTES
 from sandkernel.gateway.snapshots import MAX_FORKS, SnapshotManager
@@ -451,10 +451,10 @@ class McpTools:
         """Interrupt the code running in the session (KeyboardInterrupt); variables are kept."""
         managed = await self.managed(ctx, session_id)
         try:
-            await managed.interrupt(SOURCE)
+            sent = await managed.interrupt(SOURCE)
         except SandkernelError as err:
             raise _tool_error(err) from err
-        return _result("interrupted", {"session_id": managed.id})
+        return _result("interrupted" if sent else RESTART_UNDER_WAY, {"session_id": managed.id, "interrupted": sent})
 
     async def restart(self, ctx: Context, session_id: SessionId = None) -> CallToolResult:
         """Restart the session's kernel: all variables and imports are lost, files in /workspace

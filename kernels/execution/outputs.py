@@ -38,6 +38,12 @@ class ExecutionStatus(str, enum.Enum):
     # A gate (the operator's execution policy, a session's circuit breaker) refused the code
     # before it reached the kernel: nothing ran. ``refusal`` says who, which rule and why.
     REFUSED = "refused"
+    # A restart a client asked for (any door: the session API, the kernel API, MCP) ended the
+    # code: nobody's code failed. ``state_lost`` says who asked; variables and imports are gone.
+    RESTARTED = "restarted"
+    # The session was deleted (by its tenant, its lifetime, the gateway's stop) while the code
+    # ran: the caller gets the outputs so far, and the sandbox is gone.
+    DELETED = "deleted"
 
 
 class TimeoutStep(str, enum.Enum):

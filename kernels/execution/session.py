@@ -19,7 +19,7 @@ import datetime as dt
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from jupyter_client import AsyncKernelManager
@@ -63,10 +63,29 @@ log = logging.getLogger(__name__)
 
 # The longest timeout an execution may ask for (seconds): the profile setting's own ceiling.
 MAX_EXECUTE_TIMEOUT = NUMERIC_RANGES["execute_timeout"][1]
+# How long a shutdown waits for the running execution to return its outputs so far (status
+# ``deleted``) before it closes the kernel under it (seconds): the watch notices within its
+# watchdog interval, unless the execution is in its own restart.
+SHUTDOWN_GRACE = 5.0
 
 
 def _utcnow() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _cancelling() -> bool:
+    """Whether the current task is being cancelled (not merely woken by a CancelledError that a
+    closed socket's pending read raised)."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)  # Python 3.11+; before it, taken as not
+    return cancelling is not None and cancelling() > 0
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """A restart's outcome is its callers'; a task whose callers all went away is logged here,
+    never as an unretrieved exception."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("a restart nobody waited for failed: %s", task.exception())
 
 
 def check_timeout(timeout: object) -> float:
@@ -106,6 +125,10 @@ class KernelSession:
         self._closed = False
         self._detaching = False  # the gateway is letting go: the running execution returns now
         self._running: ExecutionRequest | None = None
+        self._execution_ended: asyncio.Event | None = None  # set when the execution holding the lock returns
+        # The restart under way (asked for, the timeout ladder's, after a death): one at a time,
+        # and a call while one is under way joins it (see _restart_or_replace).
+        self._restarting: asyncio.Task[TimeoutStep] | None = None
         self._orphan_task: asyncio.Task | None = None  # an execution a previous process left running
         self.observers = Observers(self.id)
         self._gates: list[ExecutionGate] = []
@@ -316,10 +339,20 @@ class KernelSession:
         """Whether an execution is running or queued."""
         return self._lock.locked()
 
-    def exclusive(self) -> asyncio.Lock:
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
         """Hold while nothing may execute (``async with session.exclusive():``): executes by any
-        door queue until it is released. A snapshot holds it while it archives the files."""
-        return self._lock
+        door queue until it is released, and a restart under way has ended first. A snapshot
+        holds it while it archives the files (a restart during the capture waits for the
+        snapshot in the gateway: gateway/registry.py ``for_kernel_call``)."""
+        async with self._lock:
+            await self._restart_settled()
+            yield
+
+    @property
+    def restarting(self) -> bool:
+        """Whether a restart (or the container's replacement) is under way."""
+        return self._restarting is not None and not self._restarting.done()
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -343,11 +376,21 @@ class KernelSession:
         await self.observers.emit("session_closed")
         log.info("session detached", extra={"session": self.id})
 
-    async def shutdown(self) -> None:
-        """Stop the kernel and remove its container and runtime dir. Safe to call twice."""
+    async def shutdown(self, grace: float = SHUTDOWN_GRACE) -> None:
+        """Stop the kernel and remove its container and runtime dir. Safe to call twice.
+
+        A running execution returns first, within ``grace`` seconds, with its outputs so far and
+        status ``deleted`` (recorded as such); executes queued behind it are refused
+        (SessionClosedError). A restart under way ends first: its kernel is never closed
+        half-started."""
         if self._closed:
             return
         self._closed = True
+        ended = self._execution_ended
+        if ended is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(ended.wait(), grace)
+        await self._restart_settled()
         await self._kernel.close()
         await self._note_discarded()
         await self.observers.emit("session_closed")
@@ -361,7 +404,8 @@ class KernelSession:
         executions like any request.
         """
         self._check_open()
-        async with self._lock:
+        async with self.exclusive():
+            self._check_open()
             assert self._kernel.client is not None
             await self._note_discarded()
             await self.note("the session's variables were listed (a silent `user_expressions` request)")
@@ -378,20 +422,31 @@ class KernelSession:
         on control): the running execution's KeyboardInterrupt ends it as ``interrupted``."""
         self._interrupt_requested = True
 
-    async def interrupt(self) -> None:
-        """Interrupt the running execution (it ends with status ``interrupted``)."""
+    async def interrupt(self) -> bool:
+        """Interrupt the running execution (it ends with status ``interrupted``). Returns False,
+        having sent nothing, while a restart is under way: the restart ends the running cell."""
         self._check_open()
+        if self.restarting:
+            return False
         self._interrupt_requested = True
         await self._kernel.interrupt()
+        return True
 
     async def restart(self, reason: str = "the kernel was restarted on request") -> None:
         """Restart the kernel: memory state is dropped, /workspace files are kept. ``reason``
-        is what the transcript and observers are told."""
+        is what the transcript and observers are told (who asked). A restart asked for while
+        one is under way joins it: both callers get the outcome of the one restart. When the
+        kernel does not come back the container is replaced (the ladder's last rung).
+
+        Not behind the execute lock: restart is how a caller rescues a stuck execution (the
+        running execute sees the epoch change and returns ``restarted``). Raises
+        SessionClosedError when the session was shut down before or during it."""
         self._check_open()
-        # Not behind the execute lock: restart is how a caller rescues a stuck execution (the
-        # running execute sees the epoch change and returns kernel_died).
         await self._note_discarded()
-        await self._restart_kernel(reason)
+        await self._restart_or_replace(
+            reason, f"{reason}, and the kernel did not come back, so the container was replaced"
+        )
+        self._check_open()
         await self._flush_notes()
 
     async def _note_discarded(self) -> None:
@@ -527,23 +582,29 @@ class KernelSession:
             if holding is not None:
                 holding.set()
             self._check_open()
-            await self._note_discarded()
+            ended = self._execution_ended = asyncio.Event()
             try:
-                with self._kernel.drain.reading():
-                    request, result = await self._execute_locked(
-                        code, timeout, send, replies, on_output, tag, source, silent, shell
-                    )
-            except Exception as err:
-                if self._closed:  # shut down under the execution: its sockets closed, say so plainly
-                    raise SessionClosedError(f"session {self.id} was shut down during the execution") from err
-                raise
+                await self._note_discarded()
+                try:
+                    with self._kernel.drain.reading():
+                        request, result = await self._execute_locked(
+                            code, timeout, send, replies, on_output, tag, source, silent, shell
+                        )
+                except (Exception, asyncio.CancelledError) as err:
+                    # Shut down under the execution past its grace: its sockets closed (a read
+                    # cancelled by its socket's close is not this task being cancelled): say so.
+                    if self._closed and not _cancelling():
+                        raise SessionClosedError(f"session {self.id} was shut down during the execution") from err
+                    raise
+                finally:
+                    self._running = None
+                if verdict.findings:
+                    result = dataclasses.replace(result, policy=verdict.findings)
+                if settle is not None:
+                    result = settle(result)
+                return await self._finish(request, result, on_result, notes=True)
             finally:
-                self._running = None
-            if verdict.findings:
-                result = dataclasses.replace(result, policy=verdict.findings)
-            if settle is not None:
-                result = settle(result)
-            return await self._finish(request, result, on_result, notes=True)
+                ended.set()
 
     async def _finish(
         self,
@@ -579,6 +640,7 @@ class KernelSession:
         silent: bool,
         shell: str | None,
     ) -> tuple[ExecutionRequest, ExecutionResult]:
+        await self._restart_settled()
         if not await self._kernel.is_alive():
             status = await self._deaths.classify(self.container, None)
             await self._restart_after_death(status, between_executes=True)
@@ -596,17 +658,29 @@ class KernelSession:
         await self.observers.emit("execution_started", request)
         collector = OutputCollector(self._output_callback(request, on_output))
         watch = ExecutionWatch(
-            self._kernel, msg_id, collector, replies, lambda: self._interrupt_requested, lambda: self._detaching
+            self._kernel,
+            msg_id,
+            collector,
+            replies,
+            lambda: self._interrupt_requested,
+            lambda: self._detaching or self._closed,
         )
         status = await watch.until_idle(t0 + timeout, epoch)
         ended_by: TimeoutStep | None = None
-        if status is ExecutionStatus.DETACHED:
+        if status is ExecutionStatus.DETACHED and not self._detaching:
+            status = ExecutionStatus.DELETED  # shut down under it (see shutdown)
+        elif status is ExecutionStatus.DETACHED:
             ended_by = TimeoutStep.GATEWAY_RESTART
         elif status is ExecutionStatus.TIMEOUT:
             ended_by = await self._stop_runaway(watch, timeout)
         elif status is ExecutionStatus.KERNEL_DIED and epoch == self._kernel.epoch:
             status = await self._deaths.classify(self.container, oom_before)
             await self._restart_after_death(status, between_executes=False)
+        elif status is ExecutionStatus.KERNEL_DIED:
+            # Restarted under it by a caller (only a restart asked for runs beside an execution):
+            # once the restart is over, its reason (who asked) is this execution's state_lost.
+            await self._restart_settled()
+            status = ExecutionStatus.RESTARTED
         elif status is ExecutionStatus.OK:
             status = await watch.reply_status()
         # A restart during this execution is reported now and again by the next one.
@@ -656,7 +730,20 @@ class KernelSession:
 
     async def _restart_or_replace(self, restarted: str, replaced: str) -> TimeoutStep:
         """Restart the kernel (``restarted`` is what the caller is told); if it does not come
-        up in time, replace the container (told ``replaced``): the last two rungs of the ladder."""
+        up in time, replace the container (told ``replaced``): the last two rungs of the ladder.
+
+        One restart at a time, whoever asks (a client, the timeout ladder, a death): a call while
+        one is under way joins it and gets its outcome, so two restarts never drive the kernel
+        manager at once. The restart is a task of its own, shielded from its callers: a caller
+        that goes away (a client gone, a request's timeout) never leaves a kernel half-started."""
+        task = self._restarting
+        if task is None or task.done():
+            task = self._restarting = asyncio.create_task(self._restart_ladder(restarted, replaced))
+            task.add_done_callback(_retrieve)
+        return await asyncio.shield(task)
+
+    async def _restart_ladder(self, restarted: str, replaced: str) -> TimeoutStep:
+        """See :meth:`_restart_or_replace`: the task every caller of one restart waits on."""
         try:
             return await asyncio.wait_for(
                 self._restart_kernel(restarted), timeout=self.profile.start_timeout + self.profile.interrupt_grace
@@ -665,6 +752,13 @@ class KernelSession:
             log.warning("restart failed, replacing the container: %s", err, extra={"session": self.id})
             await self._replace_kernel(replaced)
             return TimeoutStep.KILL
+
+    async def _restart_settled(self) -> None:
+        """Return once no restart is under way (its failure is its callers' to report)."""
+        task = self._restarting
+        if task is not None and not task.done():
+            with contextlib.suppress(Exception):
+                await asyncio.shield(task)
 
     async def _stop_runaway(self, watch: ExecutionWatch, timeout: float) -> TimeoutStep:
         """The ladder: interrupt, wait the grace period, restart the kernel, replace the container."""

@@ -104,6 +104,9 @@ class ExecutionWatch:
         failed = (reply or {}).get("status") == "error" or collector.error is not None
         if not failed:
             return ExecutionStatus.OK
-        if self._interrupt_requested() and collector.error and collector.error.name == "KeyboardInterrupt":
+        # A second SIGINT landing in IPython's handling of the first leaves no error output (IPython
+        # prints a bare "KeyboardInterrupt" to stderr): the reply still names the exception.
+        name = collector.error.name if collector.error is not None else (reply or {}).get("ename")
+        if self._interrupt_requested() and name == "KeyboardInterrupt":
             return ExecutionStatus.INTERRUPTED
         return ExecutionStatus.ERROR
