@@ -151,7 +151,7 @@ class ManagedSession:
         whatever was running before: what both the kernel and the session API's ``/restart`` do.
         A restart asked for is also how a caller takes a quarantined session back (its breaker
         is cleared)."""
-        await self.session.restart(f"the kernel was restarted at a request through the {door} door")
+        await self.session.restart(f"the kernel was restarted on request through the {door} door")
         self.touch("idle")
         if self.breaker is not None:
             self.breaker.clear()

@@ -129,6 +129,7 @@ class KernelSession:
         # The restart under way (asked for, the timeout ladder's, after a death): one at a time,
         # and a call while one is under way joins it (see _restart_or_replace).
         self._restarting: asyncio.Task[TimeoutStep] | None = None
+        self._restart_replaces = False  # whether that restart replaces the container if it must
         self._orphan_task: asyncio.Task | None = None  # an execution a previous process left running
         self.observers = Observers(self.id)
         self._gates: list[ExecutionGate] = []
@@ -435,17 +436,16 @@ class KernelSession:
     async def restart(self, reason: str = "the kernel was restarted on request") -> None:
         """Restart the kernel: memory state is dropped, /workspace files are kept. ``reason``
         is what the transcript and observers are told (who asked). A restart asked for while
-        one is under way joins it: both callers get the outcome of the one restart. When the
-        kernel does not come back the container is replaced (the ladder's last rung).
+        one is under way joins it: both callers get the outcome of the one restart. A kernel
+        that does not come back (refused at its start, say) is an error for the callers; the next
+        execute then restarts or replaces it, as after any death.
 
         Not behind the execute lock: restart is how a caller rescues a stuck execution (the
         running execute sees the epoch change and returns ``restarted``). Raises
         SessionClosedError when the session was shut down before or during it."""
         self._check_open()
         await self._note_discarded()
-        await self._restart_or_replace(
-            reason, f"{reason}, and the kernel did not come back, so the container was replaced"
-        )
+        await self._restart_or_replace(reason, None)
         self._check_open()
         await self._flush_notes()
 
@@ -728,22 +728,33 @@ class KernelSession:
             + ", so the container was replaced",
         )
 
-    async def _restart_or_replace(self, restarted: str, replaced: str) -> TimeoutStep:
+    async def _restart_or_replace(self, restarted: str, replaced: str | None) -> TimeoutStep:
         """Restart the kernel (``restarted`` is what the caller is told); if it does not come
-        up in time, replace the container (told ``replaced``): the last two rungs of the ladder.
+        up in time, replace the container (told ``replaced``; None: raise instead): the last
+        two rungs of the ladder.
 
         One restart at a time, whoever asks (a client, the timeout ladder, a death): a call while
         one is under way joins it and gets its outcome, so two restarts never drive the kernel
-        manager at once. The restart is a task of its own, shielded from its callers: a caller
-        that goes away (a client gone, a request's timeout) never leaves a kernel half-started."""
-        task = self._restarting
-        if task is None or task.done():
-            task = self._restarting = asyncio.create_task(self._restart_ladder(restarted, replaced))
-            task.add_done_callback(_retrieve)
+        manager at once; a caller that would replace the container goes on to do so when the
+        restart it joined could not. The restart is a task of its own, shielded from its
+        callers: a caller that goes away (a client gone, a request's timeout) never leaves a
+        kernel half-started."""
+        while (task := self._restarting) is not None and not task.done():
+            replaces = self._restart_replaces
+            try:
+                return await asyncio.shield(task)
+            except (asyncio.TimeoutError, SandkernelError, RuntimeError):
+                if replaced is None or replaces:
+                    raise
+        task = self._restarting = asyncio.create_task(self._restart_ladder(restarted, replaced))
+        self._restart_replaces = replaced is not None
+        task.add_done_callback(_retrieve)
         return await asyncio.shield(task)
 
-    async def _restart_ladder(self, restarted: str, replaced: str) -> TimeoutStep:
+    async def _restart_ladder(self, restarted: str, replaced: str | None) -> TimeoutStep:
         """See :meth:`_restart_or_replace`: the task every caller of one restart waits on."""
+        if replaced is None:
+            return await self._restart_kernel(restarted)
         try:
             return await asyncio.wait_for(
                 self._restart_kernel(restarted), timeout=self.profile.start_timeout + self.profile.interrupt_grace
