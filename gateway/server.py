@@ -72,6 +72,7 @@ from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.profiles import Runtime
 from sandkernel.kernels.lifecycle.reaper import reap
+from sandkernel.kernels.sandbox.cgroup import DEFAULT_ENGINE_PARENT, use_engine_parent
 from sandkernel.kernels.sandbox.cpu_groups import remove_empty_groups
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
@@ -240,6 +241,7 @@ class Gateway:
     ) -> None:
         self.settings = settings
         self._previous_state_dir: Path | None = None
+        self._previous_engine_parent = DEFAULT_ENGINE_PARENT
         self.default_runtime = default_runtime  # what "auto" (or the operator) chose
         self.registry = registry
         self.shown_token = shown_token  # the single token to print (None with a tokens file)
@@ -263,14 +265,18 @@ class Gateway:
         reaped or deleted then), adopt the sandboxes it records, reap the containers it does not,
         start the warm pool and only then listen on ``settings.ip:port``."""
         previous_state_dir = use_state_dir(settings.state_dir)  # before anything touches the state dir
+        previous_engine_parent = use_engine_parent(settings.docker_cgroup_parent)  # before a sandbox starts
         try:
-            return await cls._start(settings, previous_state_dir)
+            return await cls._start(settings, previous_state_dir, previous_engine_parent)
         except BaseException:
             use_state_dir(previous_state_dir)
+            use_engine_parent(previous_engine_parent)
             raise
 
     @classmethod
-    async def _start(cls, settings: GatewaySettings, previous_state_dir: Path | None) -> Gateway:
+    async def _start(
+        cls, settings: GatewaySettings, previous_state_dir: Path | None, previous_engine_parent: str
+    ) -> Gateway:
         auth, shown_token = TokenAuth.from_sources(settings.token, settings.tokens_file)
         auth.allow_query_token = settings.allow_token_in_url
         auth.set_metrics_token(settings.metrics_token)
@@ -360,6 +366,7 @@ class Gateway:
             pool.start()
         gateway = cls(settings, registry, server, shown_token, runtime.value, store, report)
         gateway._previous_state_dir = previous_state_dir  # put back on stop (in-process gateways)
+        gateway._previous_engine_parent = previous_engine_parent
         gateway.mcp = mcp
         gateway.membership = membership
         gateway.fast_lane = fast_lane
@@ -398,6 +405,7 @@ class Gateway:
             await self.store.close()
             await asyncio.to_thread(remove_empty_groups, self.registry.cpu_groups)
             use_state_dir(self._previous_state_dir)
+            use_engine_parent(self._previous_engine_parent)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._server.close_all_connections(), ANSWER_SECONDS)
 

@@ -44,6 +44,7 @@ from typing import Any
 
 from sandkernel.errors import ConfigError
 from sandkernel.gateway.budget import OutputBudget
+from sandkernel.kernels.sandbox.cgroup import DEFAULT_ENGINE_PARENT, check_engine_parent
 from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT
 
 ENV_PREFIX = "SANDKERNEL_"
@@ -151,6 +152,12 @@ class GatewaySettings:
         "runtime of profiles that name none (auto: gVisor where runsc is registered, else runc)",
         env="SANDKERNEL_RUNTIME",
         choices=RUNTIME_CHOICES,
+    )
+    docker_cgroup_parent: str = _setting(
+        DEFAULT_ENGINE_PARENT,
+        "the Docker engine's cgroup parent (dockerd's own --cgroup-parent, cgroupfs driver): tenants' CPU groups "
+        "are made under it, so sandboxes stay inside what the operator gave the engine",
+        metavar="CGROUP",
     )
     egress_policy_file: Path | None = _setting(  # noqa: RUF009 (a dataclasses.field)
         None,
@@ -569,6 +576,11 @@ def _check(name: str, value: Any) -> None:
     choices = _field(name).metadata.get("choices")
     if choices and value not in choices:
         raise ConfigError(f"setting {name} must be one of {', '.join(choices)}, not {value!r}")
+    if name == "docker_cgroup_parent":
+        try:
+            check_engine_parent(value)
+        except ValueError as err:
+            raise ConfigError(f"setting {name}: {err}") from None
 
 
 HOST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")

@@ -490,6 +490,38 @@ async def test_a_silent_host_is_marked_down_and_its_running_sessions_lost(fresh_
         await close_all(stores)
 
 
+async def test_a_host_frozen_inside_a_catalog_transaction_is_still_marked_down(fresh_postgres_url):
+    """A gateway stopped in the middle of its heartbeat's transaction (SIGSTOP, a hung VM) holds
+    its host's row lock; the server ends that idle transaction, so the others still mark the host
+    down. Before, every other gateway's look for quiet hosts waited on the lock until its
+    statement timed out, at every beat, and the frozen host was never marked down."""
+    stores, (me, frozen) = await open_hosts(fresh_postgres_url, "me", "frozen")
+    stuck = asyncio.Event()
+
+    async def freeze_holding_the_row(conn) -> None:
+        await conn.execute("SELECT status FROM hosts WHERE host_id = 'frozen' FOR UPDATE")
+        stuck.set()
+        await asyncio.Event().wait()  # the gateway never runs again inside this transaction
+
+    try:
+        for catalog in (me, frozen):
+            await catalog.register(f"http://{catalog.host_id}", ["runc"], 10)
+        admin(
+            fresh_postgres_url, "UPDATE hosts SET heartbeat_at = now() - interval '1 minute' WHERE host_id = 'frozen'"
+        )
+        holder = asyncio.create_task(frozen.store.run(freeze_holding_the_row))
+        await stuck.wait()
+        assert await me.mark_down_stale(20) == ["frozen"]
+        assert admin(fresh_postgres_url, "SELECT status FROM hosts WHERE host_id = 'frozen'") == [("down",)]
+        holder.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await holder
+        await frozen.heartbeat(sessions=0, free=10)  # thawed: its next beat gets through on a fresh connection
+        assert admin(fresh_postgres_url, "SELECT status FROM hosts WHERE host_id = 'frozen'") == [("up",)]
+    finally:
+        await close_all(stores)
+
+
 async def test_a_tenants_sessions_are_listed_from_every_host(fresh_postgres_url):
     stores, (h1, _h2) = await open_hosts(fresh_postgres_url, "h1", "h2")
     try:

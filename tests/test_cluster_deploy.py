@@ -38,6 +38,7 @@ from sandkernel.gateway.cluster.launcher import (
     REQUIRED_SECRETS,
     SECRET_SETTINGS,
     LaunchError,
+    engine_cgroup_parent,
     own_container_id,
     read_secrets,
 )
@@ -96,6 +97,17 @@ def test_the_launcher_finds_its_container_from_the_files_docker_mounts_into_it()
     assert own_container_id(mountinfo) == CONTAINER_ID
     assert own_container_id("1 0 0:1 / / rw - overlay overlay rw\n") is None  # not in a container
     assert own_container_id(f"2 1 8:1 /containers/{CONTAINER_ID[:12]}/hostname /etc/hostname rw\n") is None
+
+
+def test_the_launcher_reads_the_engines_cgroup_parent_from_its_own_cgroup():
+    v1 = f"12:pids:/sklab-h2/{CONTAINER_ID}\n4:cpu,cpuacct:/sklab-h2/{CONTAINER_ID}\n1:name=systemd:/\n"
+    assert engine_cgroup_parent(v1, CONTAINER_ID) == "/sklab-h2"
+    assert engine_cgroup_parent(f"4:cpu,cpuacct:/docker/{CONTAINER_ID}\n", CONTAINER_ID) == "/docker"
+    assert engine_cgroup_parent("0::/\n", CONTAINER_ID) is None  # v2: a cgroup namespace of its own
+    systemd = f"4:cpu,cpuacct:/system.slice/docker-{CONTAINER_ID}.scope\n"
+    assert engine_cgroup_parent(systemd, CONTAINER_ID) is None
+    assert engine_cgroup_parent(f"4:cpu:/a/../b/{CONTAINER_ID}\n", CONTAINER_ID) is None
+    assert engine_cgroup_parent(v1, None) is None
 
 
 @pytest.mark.docker

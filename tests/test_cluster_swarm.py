@@ -45,7 +45,7 @@ from sandkernel.gateway.cluster.gateway_image import GATEWAY_IMAGE, build_gatewa
 
 from .certificates import make_certificates
 from .cluster.commands import wait_for
-from .cluster.lab import KERNEL_IMAGE, Lab, main_runtimes, running_lab
+from .cluster.lab import KERNEL_IMAGE, Lab, LabHost, main_runtimes, running_lab
 from .cluster.sandkernel_stack import (
     CATALOG,
     CATALOG_HOST,
@@ -167,6 +167,16 @@ async def execute(endpoint: Endpoint, sid: str, code: str, token: str = ALICE) -
     return "".join(o.get("text", "") for o in result["outputs"] if o.get("output_type") == "stream")
 
 
+def sandbox_cgroup(lab: Lab, host: LabHost, session_id: str) -> str:
+    """The cgroup (cpu hierarchy) of the session's sandbox on ``host``'s engine: the lab's
+    engines run with ``--cgroup-parent /<host>``, and a sandbox outside it outlives the lab's
+    teardown, which ends every process in the host's cgroups."""
+    container = lab.docker(host, "ps", "-q", "--no-trunc", "--filter", f"label=sandkernel.session={session_id}")
+    pid = lab.docker(host, "inspect", "-f", "{{.State.Pid}}", container.stdout.split()[0]).stdout.strip()
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    return next(line.split(":", 2)[2] for line in lines if "cpuacct" in line.split(":")[1].split(","))
+
+
 async def test_sixty_sessions_spread_over_the_hosts_and_each_works_through_every_gateway(cluster: Cluster):
     started = time.monotonic()
     limit = asyncio.Semaphore(6)
@@ -187,6 +197,9 @@ async def test_sixty_sessions_spread_over_the_hosts_and_each_works_through_every
     assert max(per_host.values()) - min(per_host.values()) <= 6, f"placement by free room should even them: {per_host}"
     for i, model in enumerate(models):
         cluster.sessions[model["id"]] = {"host": owners[model["id"]], "value": i}
+    for host in cluster.lab.hosts:  # the tenant's CPU group is under the engine's own cgroup parent
+        sid = next(sid for sid, info in cluster.sessions.items() if info["host"] == host.name)
+        assert sandbox_cgroup(cluster.lab, host, sid).startswith(f"/{host.name}/sandkernel-tenant-"), sid
 
     # Each session, through a gateway that does not hold it: set a value, read it back through the third.
     async def use(sid: str, info: dict[str, Any]) -> None:
@@ -215,7 +228,9 @@ async def test_streams_websockets_and_files_work_through_a_gateway_that_does_not
     for host_name, sid in one_per_host.items():
         via = cluster.endpoint_not_holding(host_name)
         chunks: list[bytes] = []
-        code = "import sys, time\nfor i in range(3):\n    sys.stdout.write(f'{i}\\n'); sys.stdout.flush(); time.sleep(0.3)"
+        code = (
+            "import sys, time\nfor i in range(3):\n    sys.stdout.write(f'{i}\\n'); sys.stdout.flush(); time.sleep(0.3)"
+        )
         status, _ = await via.call("POST", f"/api/sessions/{sid}/execute?stream=1", {"code": code}, token=ALICE,
                                    streaming_callback=chunks.append)  # fmt: skip
         events = [json.loads(line) for chunk in chunks for line in chunk.splitlines() if line.strip()]
@@ -317,7 +332,9 @@ async def test_while_the_catalog_restarts_creates_fail_fast_and_every_session_ke
     outage = time.monotonic() - started
     # Usually within --host-down-after; on a loaded machine it can take longer, which is the last
     # test's case (a long outage) with the same outcome to assert: it is not a failure here.
-    print(f"[swarm] catalog stopped and back, creates working again after {outage:.1f} s (host-down-after {DOWN_AFTER} s)")
+    print(
+        f"[swarm] catalog stopped and back, creates working again after {outage:.1f} s (host-down-after {DOWN_AFTER} s)"
+    )
     status, _ = await cluster.endpoints[0].call("DELETE", f"/api/sessions/{made}", token=BOB)
     assert status == 204
     await check_every_session(cluster)

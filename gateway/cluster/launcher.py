@@ -47,6 +47,7 @@ from typing import Any
 import docker
 import docker.errors
 
+from sandkernel.kernels.sandbox.cgroup import check_engine_parent
 from sandkernel.kernels.sandbox.docker_engine import CONNECTION_ERRORS
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,26 @@ def own_container_id(mountinfo: str) -> str | None:
     the host network it is the node's."""
     found = _CONTAINER_FILE.search(mountinfo)
     return found.group(1) if found else None
+
+
+def engine_cgroup_parent(proc_cgroup: str, container_id: str | None) -> str | None:
+    """The engine's cgroup parent (dockerd's ``--cgroup-parent``, ``/docker`` by default) as seen
+    from ``/proc/self/cgroup`` of this launcher, which the engine started in its default place:
+    ``/sklab-h1`` from ``4:cpu,cpuacct:/sklab-h1/<own id>``. None where that cannot be seen: cgroup
+    v2 (Docker gives each container a cgroup namespace of its own, so the path reads ``/``), the
+    systemd driver (``docker-<id>.scope``), or no container id. The gateway is told it, so the
+    tenants' CPU groups go where the operator put the engine's containers, not beside them."""
+    if container_id is None:
+        return None
+    for line in proc_cgroup.splitlines():
+        path = line.split(":", 2)[-1]
+        if path.endswith(f"/{container_id}"):
+            parent = path[: -len(container_id) - 1]
+            try:
+                return check_engine_parent(parent)
+            except ValueError:
+                return None
+    return None
 
 
 def own_image(client: docker.DockerClient) -> str:
@@ -181,6 +202,10 @@ def make_plan(
     if CLUSTER_CA_SECRET in secrets:  # the trust store the gateway checks its peers' certificates with
         files[CLUSTER_CA_SECRET] = secrets[CLUSTER_CA_SECRET]
         environment["SSL_CERT_FILE"] = f"{CONFIG_DIR}/{CLUSTER_CA_SECRET}"
+    own_id = own_container_id(Path("/proc/self/mountinfo").read_text())
+    engine_parent = engine_cgroup_parent(Path("/proc/self/cgroup").read_text(), own_id)
+    if engine_parent is not None:
+        config["docker_cgroup_parent"] = engine_parent
     files["gateway.json"] = json.dumps(config, indent=2).encode()
     return LaunchPlan(image or own_image(client), host_id, advertise_url, port, config, files, serve_args, environment)
 

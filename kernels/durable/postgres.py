@@ -96,6 +96,11 @@ CONNECT_TIMEOUT = 5.0  # seconds: a login, or a wait for a pooled connection
 # the pooled connection was broken): while PostgreSQL is away each call fails this fast.
 UNREACHABLE_WAIT = 1.0
 STATEMENT_TIMEOUT_MS = 15_000  # no statement (an advisory lock wait included) holds a caller longer
+# A transaction of ours runs its statements back to back (no other I/O in between), so one that
+# sits idle this long belongs to a gateway that froze (SIGSTOP, a hung VM, a cut network): the
+# server ends it, and the row locks it held (a heartbeat locks its host's row) do not stop every
+# other gateway from marking that host down.
+IDLE_IN_TRANSACTION_TIMEOUT_MS = 5_000
 POOL_MAX = 8  # connections per gateway: its writes, the heartbeat, the catalog's look-ups
 # The server drops a vanished lock holder's session (and so its lock) within about
 # idle + interval * count seconds: a gateway cut off for good frees its host id in ~11 s.
@@ -390,7 +395,10 @@ def _connection_kwargs(host_id: str) -> dict[str, Any]:
         "keepalives_count": 3,
         "tcp_user_timeout": int(CONNECT_TIMEOUT * 2000),
         "application_name": application_name(host_id),
-        "options": f"-c statement_timeout={STATEMENT_TIMEOUT_MS} {_SERVER_KEEPALIVES}",
+        "options": (
+            f"-c statement_timeout={STATEMENT_TIMEOUT_MS} "
+            f"-c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_MS} {_SERVER_KEEPALIVES}"
+        ),
     }
 
 

@@ -1,12 +1,14 @@
 """A sandbox's cgroup, read from the host: CPU time and peak memory over one cell.
 
 Docker puts each container in a cgroup named after its full id: ``<controller>/docker/<id>``
-(driver cgroupfs) or ``.../system.slice/docker-<id>.scope`` (driver systemd), under cgroup v1
-(one hierarchy per controller: ``cpuacct``, ``memory``) or v2 (one unified directory). Under
-gVisor the same cgroup holds the sandbox's host side (the Sentry, the gofer, the ptrace stubs),
-so it counts everything the sandbox costs the host, guest work and gVisor's own overhead alike
-(checked on this project's host: a 1.5 s busy loop plus a 300 MB allocation moved runsc's
-``cpuacct.usage`` by 1.8 s and ``memory.max_usage_in_bytes`` to 378 MB).
+(driver cgroupfs; ``/docker`` is the engine's default parent, another when dockerd was started
+with ``--cgroup-parent``: :func:`use_engine_parent`) or ``.../system.slice/docker-<id>.scope``
+(driver systemd), under cgroup v1 (one hierarchy per controller: ``cpuacct``, ``memory``) or v2
+(one unified directory). Under gVisor the same cgroup holds the sandbox's host side (the Sentry,
+the gofer, the ptrace stubs), so it counts everything the sandbox costs the host, guest work and
+gVisor's own overhead alike (checked on this project's host: a 1.5 s busy loop plus a 300 MB
+allocation moved runsc's ``cpuacct.usage`` by 1.8 s and ``memory.max_usage_in_bytes`` to 378
+MB).
 
 Peak memory over a cell, not over the container's life:
 - v1: ``memory.max_usage_in_bytes`` is reset (write ``0``) when the cell starts and read at its end.
@@ -33,8 +35,39 @@ log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 TENANT_GROUPS = "sandkernel-tenant-*"  # tenants' CPU groups (cpu_groups.py), parents of their sandboxes
+DEFAULT_ENGINE_PARENT = "/docker"  # where Docker's cgroupfs driver puts containers unless told otherwise
+_ENGINE_PARENT = re.compile(r"(/[A-Za-z0-9_.:@-]+)+")
+_engine_parent = DEFAULT_ENGINE_PARENT
 _CONTAINER_ID = re.compile(r"[0-9a-f]{64}")
 _MAX_READ = 4096  # every file read here is a few lines; a longer one is not what we expect
+
+
+def check_engine_parent(parent: str) -> str:
+    """``parent`` if it can be the Docker engine's cgroup parent (an absolute cgroup path of plain
+    names, no ``.`` or ``..`` step: it becomes part of paths under /sys/fs/cgroup), else ValueError."""
+    steps = parent.split("/")[1:] if isinstance(parent, str) else []
+    if not isinstance(parent, str) or not _ENGINE_PARENT.fullmatch(parent) or {".", ".."} & set(steps):
+        raise ValueError(
+            f"the engine's cgroup parent is an absolute cgroup path such as {DEFAULT_ENGINE_PARENT}, not {parent!r}"
+        )
+    return parent
+
+
+def use_engine_parent(parent: str) -> str:
+    """Tell this process where the Docker engine puts its containers' cgroups (dockerd's
+    ``--cgroup-parent``; :data:`DEFAULT_ENGINE_PARENT` when it has none): the tenants' CPU groups
+    are made there, and sandboxes' cgroups are looked for there. Returns the choice it replaces,
+    for an in-process gateway that stops to put back."""
+    global _engine_parent
+    previous, _engine_parent = _engine_parent, check_engine_parent(parent)
+    return previous
+
+
+def engine_parent() -> str:
+    """The Docker engine's cgroup parent (see :func:`use_engine_parent`), e.g. ``/docker``."""
+    return _engine_parent
+
+
 APPROXIMATE_PEAK = (
     "peak memory is approximate (memory in use at the cell's start and end): this kernel cannot reset memory.peak"
 )
@@ -281,20 +314,21 @@ Cgroup = CgroupV1 | CgroupV2
 
 def locate(container_id: str, root: Path = CGROUP_ROOT) -> Cgroup | None:
     """The cgroup Docker made for ``container_id`` (its full id): at the places Docker's
-    cgroupfs and systemd drivers use, or in a tenant's CPU group (cpu_groups.py); None for
-    another custom ``--cgroup-parent`` or a container that is gone. v2 when
+    cgroupfs (under :func:`engine_parent`) and systemd drivers use, or in a tenant's CPU group
+    (cpu_groups.py); None for a container given a parent of its own, or one that is gone. v2 when
     ``root/cgroup.controllers`` exists (a hybrid host's ``unified`` mount holds no cpu or
     memory controller, so v1 is read there)."""
     if not _CONTAINER_ID.fullmatch(container_id):
         return None
-    tails = [Path("docker") / container_id, Path("system.slice") / f"docker-{container_id}.scope"]
+    parent = engine_parent().lstrip("/")
+    tails = [Path(parent) / container_id, Path("system.slice") / f"docker-{container_id}.scope"]
     if (root / "cgroup.controllers").exists():
-        tails += [path.relative_to(root) for path in root.glob(f"docker/{TENANT_GROUPS}/{container_id}")]
+        tails += [path.relative_to(root) for path in root.glob(f"{parent}/{TENANT_GROUPS}/{container_id}")]
         for tail in tails:
             if (root / tail / "cpu.stat").exists():
                 return CgroupV2(root / tail)
         return None
-    grouped = root.glob(f"cpuacct/docker/{TENANT_GROUPS}/{container_id}")
+    grouped = root.glob(f"cpuacct/{parent}/{TENANT_GROUPS}/{container_id}")
     tails += [path.relative_to(root / "cpuacct") for path in grouped]
     for tail in tails:
         cpuacct, memory = root / "cpuacct" / tail, root / "memory" / tail

@@ -5,8 +5,9 @@ Why: Docker gives every container the same ``cpu.shares`` side by side under ``/
 tenant with seven sandboxes starting, packing and unpacking held seven shares of a saturated host
 and another tenant's one kernel held one: issue 30's noisy-neighbour bench measured that other
 tenant's trivial execute at 2.5x its p50 and 15x its p99. With a group per tenant (the cgroup
-parent ``/docker/sandkernel-tenant-<digest>``) each tenant is one entity of equal weight under
-``/docker`` whatever its number of sandboxes, and a kernel that wakes in a group that used little
+parent ``/docker/sandkernel-tenant-<digest>``, under the engine's own cgroup parent:
+cgroup.engine_parent) each tenant is one entity of equal weight under ``/docker`` whatever its
+number of sandboxes, and a kernel that wakes in a group that used little
 CPU runs first; each sandbox's own limits (``cpus``, memory, pids) still apply inside its group.
 
 A group is named after a digest of the gateway's state directory and the tenant's name (never
@@ -31,14 +32,13 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from sandkernel.kernels.sandbox.cgroup import CGROUP_ROOT, TENANT_GROUPS
+from sandkernel.kernels.sandbox.cgroup import CGROUP_ROOT, TENANT_GROUPS, engine_parent
 from sandkernel.kernels.sandbox.state_dir import state_dir
 
 log = logging.getLogger(__name__)
 
 GROUP_PREFIX = TENANT_GROUPS.rstrip("*")
 GROUP_NAME = re.compile(GROUP_PREFIX + r"[0-9a-f]{16}")
-DOCKER_PARENT = "docker"  # where Docker's cgroupfs driver puts containers by default
 CGROUPFS_DRIVER = "cgroupfs"
 _warned_drivers: set[str] = set()
 
@@ -61,7 +61,7 @@ def cgroup_parent(group: str | None, driver: str) -> str | None:
             _warned_drivers.add(driver)
             log.warning("Docker's cgroup driver is %r: sandboxes are not grouped by tenant for CPU", driver)
         return None
-    return f"/{DOCKER_PARENT}/{group}"
+    return f"{engine_parent()}/{group}"
 
 
 def group_of(parent: object) -> str | None:
@@ -69,7 +69,7 @@ def group_of(parent: object) -> str | None:
     if not isinstance(parent, str):
         return None
     name = parent.rstrip("/").rpartition("/")[2]
-    return name if parent == f"/{DOCKER_PARENT}/{name}" and GROUP_NAME.fullmatch(name) else None
+    return name if parent == f"{engine_parent()}/{name}" and GROUP_NAME.fullmatch(name) else None
 
 
 def remove_empty_groups(groups: Iterable[str], root: Path = CGROUP_ROOT) -> int:
@@ -77,8 +77,9 @@ def remove_empty_groups(groups: Iterable[str], root: Path = CGROUP_ROOT) -> int:
     so a group in use is never touched), in every hierarchy (v1) or the unified one (v2).
     Blocking sysfs work: call it in a thread. Returns how many directories went."""
     removed = 0
+    parent = engine_parent().lstrip("/")
     for group in sorted(g for g in groups if GROUP_NAME.fullmatch(g)):
-        for path in (root / DOCKER_PARENT / group, *root.glob(f"*/{DOCKER_PARENT}/{group}")):
+        for path in (root / parent / group, *root.glob(f"*/{parent}/{group}")):
             try:
                 os.rmdir(path)
             except OSError:
