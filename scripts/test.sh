@@ -34,6 +34,8 @@ if [ "$quick" = 1 ]; then
 fi
 status=0
 python -m pytest "${args[@]}" "$@" || status=$?
+# Sandboxes whose processes outlived what Docker knows of them (tests/leftovers.py) fail the run too.
+python -m tests.leftovers || status=1
 tested=$((SECONDS - started - set_up))
 expected="under 35 min on 2 cores with 4 workers (tests/README.md)"
 [ "$quick" = 1 ] && expected="under 5 min"
