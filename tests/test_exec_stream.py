@@ -10,11 +10,19 @@ import struct
 import threading
 import time
 
+import docker
 import pytest
 
 from sandkernel.errors import HelpersBusyError
 from sandkernel.kernels.sandbox.container import HelperSlots
-from sandkernel.kernels.sandbox.exec_stream import RELEASE_GRACE, Deadline, ExecStreamError, HeldOutput, frames
+from sandkernel.kernels.sandbox.exec_stream import (
+    RELEASE_GRACE,
+    Deadline,
+    ExecStreamError,
+    HeldOutput,
+    frames,
+    start_exec,
+)
 
 
 def frame(stream: int, data: bytes) -> bytes:
@@ -166,3 +174,50 @@ def test_a_trailer_not_at_the_end_is_not_the_end():
     assert not output.complete and output.status is None
     with pytest.raises(ExecStreamError, match="cut short"):
         output.judged(0)
+
+
+def test_output_that_came_with_the_start_answer_is_not_lost(tmp_path):
+    """dockerd writes the exec start's upgrade headers, then the process's output on the same
+    connection; a gateway thread that reads the headers late (a loaded host) gets both in one
+    read, which http.client's buffered reader keeps. Those bytes are read first, not lost (they
+    were: a held helper then waited its whole 60 s deadline). A stand-in engine on a unix
+    socket answers the start exactly so, as a busy dockerd's answer arrives; the request goes
+    through docker-py's own client."""
+    path = str(tmp_path / "docker.sock")
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(path)
+    listener.listen(1)
+    answer = (
+        b"HTTP/1.1 101 UPGRADED\r\nContent-Type: application/vnd.docker.raw-stream\r\n"
+        b"Connection: Upgrade\r\nUpgrade: tcp\r\n\r\n" + frame(1, b"first") + frame(2, b"warn") + frame(1, b"x" * 3000)
+    )
+
+    def engine() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            request = b""
+            while b"\r\n\r\n" not in request:
+                request += conn.recv(4096)
+            head, _, body = request.partition(b"\r\n\r\n")
+            length = int(
+                next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+            )
+            while len(body) < length:
+                body += conn.recv(4096)
+            conn.sendall(answer)  # headers and output in one write: as a late reader finds them
+            conn.shutdown(socket.SHUT_WR)
+            conn.recv(1)
+
+    server = threading.Thread(target=engine, daemon=True)
+    server.start()
+    api = docker.APIClient(base_url=f"unix://{path}", version="1.41")
+    try:
+        stream = start_exec(api, "c" * 64, "e" * 64, Deadline(5), "a file read")
+        try:
+            assert list(frames(stream, Deadline(5), "a file read")) == [(1, b"first"), (2, b"warn"), (1, b"x" * 3000)]
+        finally:
+            stream.close()
+    finally:
+        api.close()
+        listener.close()
+        server.join(5)

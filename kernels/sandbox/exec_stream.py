@@ -88,7 +88,7 @@ class Deadline:
         return max(0.05, min(IDLE_TIMEOUT, self.at - time.monotonic()))
 
 
-def start_exec(api: Any, container_id: str, exec_id: str, deadline: Deadline, what: str) -> Any:
+def start_exec(api: Any, container_id: str, exec_id: str, deadline: Deadline, what: str) -> ExecSocket:
     """docker-py's ``exec_start(exec_id, socket=True)``, with its wait bounded by the deadline.
 
     dockerd answers the start only once the new process runs, and a sandbox can stop that
@@ -110,15 +110,65 @@ def start_exec(api: Any, container_id: str, exec_id: str, deadline: Deadline, wh
         kill_stopped_runc_inits(container_id)
         deadline.check(what)
         raise ExecStreamError(f"{what}: the sandbox did not start it within {IDLE_TIMEOUT:g} s") from err
-    return api._get_raw_response_socket(response)
+    sdk_socket = api._get_raw_response_socket(response)
+    raw = getattr(sdk_socket, "_sock", sdk_socket)
+    return ExecSocket(sdk_socket, raw, read_with_the_headers(response, raw))
 
 
-def raw_socket(sock: Any) -> socket.socket:
-    """The exec's attach socket itself (the SDK hands a SocketIO over it)."""
-    return getattr(sock, "_sock", sock)
+def read_with_the_headers(response: Any, raw: socket.socket) -> bytes:
+    """The stream's bytes that http.client's buffered reader took along with the upgrade's
+    headers (see :class:`ExecSocket`): what its buffer holds, read without waiting."""
+    buffered = getattr(getattr(getattr(response, "raw", None), "_fp", None), "fp", None)
+    if buffered is None or not hasattr(buffered, "read1"):
+        return b""
+    previous = raw.gettimeout()
+    raw.settimeout(0)  # an empty buffer reads the socket once: it must not wait
+    try:
+        return buffered.read1(CHUNK) or b""
+    except OSError:  # nothing more now (EAGAIN), or the stream broke: the next recv says which
+        return b""
+    finally:
+        raw.settimeout(previous)
 
 
-def frames(raw: socket.socket, deadline: Deadline, what: str) -> Iterator[tuple[int, bytes]]:
+class ExecSocket:
+    """An exec's attach stream: its socket, and the first bytes of the stream that arrived with
+    dockerd's answer to the start.
+
+    dockerd writes the upgrade's headers, then starts the process, whose output follows on the
+    same connection. http.client reads the headers through a buffered reader, which takes
+    whatever the socket holds at that moment; docker-py then hands over the socket under it, and
+    what that buffer held was lost. On a loaded host the helper's first frames are often there
+    by the time the gateway's thread reads the headers: a lost frame header made the reader take
+    bytes of the output for a header and wait for a length that never came (a held helper then
+    gave nothing until its 60 s deadline: a rehearsal's download, a pause's tar; a helper not
+    held ended "in the middle of a frame"). Reads serve those bytes first."""
+
+    def __init__(self, sdk_socket: Any, raw: socket.socket, early: bytes) -> None:
+        self._sdk_socket = sdk_socket  # closed with the stream (it holds docker-py's response)
+        self.raw = raw
+        self._early = early
+
+    def recv(self, n: int) -> bytes:
+        if self._early:
+            taken, self._early = self._early[:n], self._early[n:]
+            return taken
+        return self.raw.recv(n)
+
+    def send(self, data: bytes | memoryview) -> int:
+        return self.raw.send(data)
+
+    def settimeout(self, seconds: float | None) -> None:
+        self.raw.settimeout(seconds)
+
+    def shutdown(self, how: int) -> None:
+        self.raw.shutdown(how)
+
+    def close(self) -> None:
+        self._sdk_socket.close()
+
+
+def frames(raw: ExecSocket, deadline: Deadline, what: str) -> Iterator[tuple[int, bytes]]:
     """Docker's multiplexed stream (8-byte header: stream number, length) as (stream, bytes), up
     to 1 MiB a piece; ends at EOF. ExecStreamError when the deadline passes, the socket stays
     silent for the idle timeout, or the caller stopped waiting."""
@@ -135,7 +185,7 @@ def frames(raw: socket.socket, deadline: Deadline, what: str) -> Iterator[tuple[
             yield stream, data
 
 
-def _recv_exactly(raw: socket.socket, n: int, deadline: Deadline, what: str) -> bytes | None:
+def _recv_exactly(raw: ExecSocket, n: int, deadline: Deadline, what: str) -> bytes | None:
     """``n`` bytes, or None at a clean EOF before the first one."""
     buf = b""
     while len(buf) < n:
@@ -148,7 +198,7 @@ def _recv_exactly(raw: socket.socket, n: int, deadline: Deadline, what: str) -> 
     return buf
 
 
-def recv(raw: socket.socket, n: int, deadline: Deadline, what: str) -> bytes:
+def recv(raw: ExecSocket, n: int, deadline: Deadline, what: str) -> bytes:
     """One read of at most ``n`` bytes, within the deadline (the timeout is set per read)."""
     deadline.check(what)
     raw.settimeout(deadline.socket_timeout())
@@ -161,7 +211,7 @@ def recv(raw: socket.socket, n: int, deadline: Deadline, what: str) -> bytes:
         raise ExecStreamError(f"{what}: the connection to the sandbox broke ({err})") from err
 
 
-def send_all(raw: socket.socket, data: bytes, deadline: Deadline, what: str) -> None:
+def send_all(raw: ExecSocket, data: bytes, deadline: Deadline, what: str) -> None:
     """Write ``data`` to the exec's stdin within the deadline (a sandbox that stops reading
     stalls the write: each chunk's wait is bounded like a read's)."""
     view = memoryview(data)
@@ -205,7 +255,7 @@ class HeldOutput:
     making: that only releases its own helper early; output after a trailer means it was not
     the end, and the output is then not believed complete."""
 
-    def __init__(self, raw: socket.socket, deadline: Deadline, what: str, token: str) -> None:
+    def __init__(self, raw: ExecSocket, deadline: Deadline, what: str, token: str) -> None:
         self.raw, self.what = raw, what
         self.token = token.encode()
         self.trailer_bytes = len(self.token) + 4  # token, ":", three digits
@@ -276,14 +326,14 @@ class HeldOutput:
 
 def start_held(
     api: Any, container_id: str, user: str, argv: list[str], deadline: Deadline, what: str, workdir: str | None
-) -> tuple[str, Any, HeldOutput]:
+) -> tuple[str, ExecSocket, HeldOutput]:
     """Create and start ``argv`` held (see :data:`HOLD_SCRIPT`): (exec id, the SDK's socket,
     its output). The caller closes the socket, checks the exit code with ``output.check`` and
     kills the exec (:func:`kill_exec`) if it gives up."""
     token = secrets.token_hex(16)
     exec_id = api.exec_create(container_id, held_argv(argv, token), user=user, workdir=workdir, stdin=True)["Id"]
     sock = start_exec(api, container_id, exec_id, deadline, what)
-    return exec_id, sock, HeldOutput(raw_socket(sock), deadline, what, token)
+    return exec_id, sock, HeldOutput(sock, deadline, what, token)
 
 
 def kill_exec(api: Any, container_id: str, exec_id: str) -> bool:
@@ -367,12 +417,11 @@ def run_helper(
         sock = start_exec(api, container_id, exec_id, deadline, what)
     finished = False
     try:
-        raw = raw_socket(sock)
         if stdin is not None:
-            send_all(raw, stdin, deadline, what)
-            raw.shutdown(socket.SHUT_WR)
+            send_all(sock, stdin, deadline, what)
+            sock.shutdown(socket.SHUT_WR)
         output: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
-        for stream, data in held if held is not None else frames(raw, deadline, what):
+        for stream, data in held if held is not None else frames(sock, deadline, what):
             kept = output.setdefault(stream, bytearray())
             if len(kept) + len(data) > max_output:
                 raise ExecStreamError(f"{what}: the sandbox's output passed {max_output} bytes")

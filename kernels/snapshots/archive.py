@@ -45,11 +45,11 @@ from sandkernel.kernels.sandbox.exec_stream import (
     CHUNK,
     SANDBOX_SHELL,
     Deadline,
+    ExecSocket,
     ExecStreamError,
     exit_code,
     frames,
     kill_exec,
-    raw_socket,
     send_all,
     start_exec,
     start_held,
@@ -286,12 +286,11 @@ async def restore_files(
             exec_id = api.exec_create(container.id, restore_argv(), user=container.user, workdir="/", stdin=True)["Id"]
             sock = start_exec(api, container.id, exec_id, deadline, UNPACKING)
             try:
-                raw = raw_socket(sock)
-                output = _Drain(raw, deadline)
+                output = _Drain(sock, deadline)
                 try:
-                    _send(raw, archive, deadline)
+                    _send(sock, archive, deadline)
                 except BaseException:
-                    raw.shutdown(socket.SHUT_RDWR)  # ends the drain's read at once
+                    sock.shutdown(socket.SHUT_RDWR)  # ends the drain's read at once
                     output.join()
                     raise
                 output.finish()
@@ -336,7 +335,7 @@ def _verify(archive: Any, expected: ArchivePart) -> None:
         )
 
 
-def _send(raw: socket.socket, archive: Any, deadline: Deadline) -> None:
+def _send(raw: ExecSocket, archive: Any, deadline: Deadline) -> None:
     """Stream the archive into the exec's stdin, then close our writing half (tar sees EOF).
     A sandbox that stopped reading (its script failed, tar died) is not an error here: the exit
     code and stderr say what happened."""
@@ -352,7 +351,7 @@ class _Drain(threading.Thread):
     """Reads the exec's output while the archive is sent (tar's error messages must not fill the
     socket and stall the upload); keeps the tail of stderr for the error message."""
 
-    def __init__(self, raw: socket.socket, deadline: Deadline) -> None:
+    def __init__(self, raw: ExecSocket, deadline: Deadline) -> None:
         super().__init__(name="snapshot-restore-output", daemon=True)
         self.raw, self.deadline = raw, deadline
         self.stderr = bytearray()
