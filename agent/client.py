@@ -424,6 +424,13 @@ class AsyncSandkernel:
         return GatewayUnreachableError(f"lost the connection to the sandkernel gateway at {self.url}: {err}{unknown}")
 
 
+def file_url_path(path: str) -> str:
+    """``path`` as the tail of a files URL: an absolute path's leading ``/`` is sent as ``%2F``
+    (a ``//`` in a URL is merged into one by some proxies, which would make it relative)."""
+    quoted = quote(path)
+    return "%2F" + quoted[1:] if quoted.startswith("/") else quoted
+
+
 class AsyncSession:
     """One sandbox: a kernel whose state persists between :meth:`run` calls, and its transcript."""
 
@@ -503,14 +510,25 @@ class AsyncSession:
             raise await self.client.gateway_restarted(execution.ended_by or "gateway_restart", execution)
         return execution.raise_for_status() if check else execution
 
-    async def shell(self, command: str, timeout: float | None = None, *, source: str | None = None) -> ShellResult:
+    async def shell(
+        self,
+        command: str,
+        timeout: float | None = None,
+        *,
+        source: str | None = None,
+        output_limit: int | None = None,
+    ) -> ShellResult:
         """Run a ``/bin/sh`` command in /workspace, as a cell of the session's kernel (recorded in
         the transcript). ``timeout`` (default the session's execute_timeout) kills the command's
         whole process group and reports exit code 124; a non-zero exit is a result, not an error.
-        A gateway restart raises :class:`~sandkernel.agent.errors.GatewayRestarted` as in :meth:`run`."""
+        ``output_limit``: bytes of output brought back (head and tail, the middle cut; default
+        64 KiB, at most 4 MiB). A gateway restart raises
+        :class:`~sandkernel.agent.errors.GatewayRestarted` as in :meth:`run`."""
         body: dict[str, Any] = {"command": command}
         if timeout is not None:
             body["timeout"] = timeout
+        if output_limit is not None:
+            body["output_limit"] = output_limit
         if source is not None:
             body["source"] = source
         reply = await self._post_cell("/shell", body, (timeout + 120) if timeout else 3600.0)
@@ -634,9 +652,10 @@ class AsyncSession:
         await self.client.request("DELETE", self._path(query))
 
     async def upload(self, path: str, data: bytes | str) -> dict[str, Any]:
-        """Write a file in the session's workspace (``path`` relative to /workspace)."""
+        """Write a file in the session's sandbox: ``path`` relative to /workspace, or absolute
+        (anywhere the sandbox's user may write, e.g. /tmp); missing directories are made."""
         raw = data.encode() if isinstance(data, str) else data
-        return await self.client.request("PUT", self._path(f"/files/{quote(path)}"), raw=raw)
+        return await self.client.request("PUT", self._path(f"/files/{file_url_path(path)}"), raw=raw)
 
     async def upload_file(self, local: str | Path, path: str | None = None) -> dict[str, Any]:
         local = Path(local)
@@ -644,7 +663,7 @@ class AsyncSession:
         return await self.upload(path or local.name, data)
 
     async def download(self, path: str) -> bytes:
-        return await self.client.request("GET", self._path(f"/files/{quote(path)}"), parse=False)
+        return await self.client.request("GET", self._path(f"/files/{file_url_path(path)}"), parse=False)
 
     async def list_files(self, path: str = "") -> list[dict[str, Any]]:
         return await self.client.request("GET", self._path("/files") + "?" + urlencode({"path": path}))

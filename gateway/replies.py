@@ -13,7 +13,7 @@ from sandkernel.gateway.registry import ManagedSession
 from sandkernel.kernels.execution.outputs import ExecutionResult
 from sandkernel.kernels.execution.session import MAX_EXECUTE_TIMEOUT, check_timeout
 from sandkernel.output_text import readable_text
-from sandkernel.shell import execution_timeout, shell_code, shell_result
+from sandkernel.shell import execution_timeout, output_limit, shell_code, shell_result
 
 MAX_COMMAND_BYTES = 256 * 1024
 
@@ -46,16 +46,23 @@ def check_command(command: object) -> str:
     return command
 
 
-async def run_shell(managed: ManagedSession, command: object, timeout: object, source: str) -> dict[str, Any]:
+async def run_shell(
+    managed: ManagedSession, command: object, timeout: object, source: str, limit: object = None
+) -> dict[str, Any]:
     """Run a shell command as a cell of ``managed``'s kernel (see :mod:`sandkernel.shell`).
 
     ``timeout`` (seconds; default the session's ``execute_timeout``) stops the command itself and
-    reports exit code 124; the cell's own timeout is a little longer, as a backstop.
+    reports exit code 124; the cell's own timeout is a little longer, as a backstop. ``limit``:
+    the bytes of output brought back (head and tail; the default 64 KiB, at most 4 MiB).
     """
     command = check_command(command)
     seconds = managed.session.profile.execute_timeout if timeout is None else check_timeout(timeout)
+    try:
+        limit = output_limit(limit)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     result = await managed.session.execute(
-        shell_code(command, seconds),
+        shell_code(command, seconds, limit),
         timeout=min(execution_timeout(seconds), MAX_EXECUTE_TIMEOUT),
         source=source,
         shell=command,

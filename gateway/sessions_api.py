@@ -274,7 +274,7 @@ class ExecuteHandler(SessionScoped):
 
 
 class ShellHandler(SessionScoped):
-    """POST {command, timeout?, source?} → {status, exit_code, output, timed_out, truncated, ...}:
+    """POST {command, timeout?, output_limit?, source?} → {status, exit_code, output, timed_out, truncated, ...}:
     a /bin/sh command run as a cell of the session's kernel (see :mod:`sandkernel.shell`)."""
 
     async def post(self, session_id: str) -> None:
@@ -282,7 +282,8 @@ class ShellHandler(SessionScoped):
         managed = await self.live(session_id)
         source = client_door(body.get("source"), doors.SESSION_API)
         managed.touch()
-        self.write_json(await run_shell(managed, body.get("command"), body.get("timeout"), source))
+        reply = await run_shell(managed, body.get("command"), body.get("timeout"), source, body.get("output_limit"))
+        self.write_json(reply)
 
 
 class NotebookHandler(SessionScoped):

@@ -21,7 +21,12 @@ that is open, a gateway that is restarting).
 from __future__ import annotations
 
 # Codes that name the same condition wherever they appear, and the status that goes with them.
-STATUS_FOR_CODE: dict[str, int] = {"not_found": 404, "too_large": 413, "not_permitted": 403}
+STATUS_FOR_CODE: dict[str, int] = {
+    "not_found": 404,
+    "too_large": 413,
+    "not_permitted": 403,
+    "permission_denied": 403,
+}
 
 
 class SandkernelError(Exception):

@@ -15,8 +15,11 @@ import dataclasses
 from typing import Any
 
 SHELL_MIME = "application/vnd.sandkernel.shell+json"
-# What a command's output may bring back: its first and last halves, the middle cut.
+# What a command's output brings back by default: its first and last halves, the middle cut.
 MAX_SHELL_OUTPUT_BYTES = 64 * 1024
+# The most a caller may ask for (``output_limit``): a tool that pages files through commands, as
+# deepagents' read does with pages of up to 500 KiB sent as JSON, needs a page back whole.
+MAX_SHELL_OUTPUT_LIMIT = 4 * 1024 * 1024
 TIMED_OUT_EXIT_CODE = 124  # what coreutils' timeout(1) reports, so tools read it the usual way
 # The execution is allowed this much longer than the command, so the command's own timeout (which
 # reports the exit code and the output so far) fires before the session's timeout ladder does.
@@ -72,6 +75,19 @@ def shell_code(command: str, timeout: float, limit: int = MAX_SHELL_OUTPUT_BYTES
         mime=SHELL_MIME,
         timed_out_code=TIMED_OUT_EXIT_CODE,
     )
+
+
+def output_limit(value: object) -> int:
+    """The output limit a caller asked for (None: :data:`MAX_SHELL_OUTPUT_BYTES`), or ValueError
+    saying what it may be."""
+    if value is None:
+        return MAX_SHELL_OUTPUT_BYTES
+    if isinstance(value, bool) or not isinstance(value, int) or not 1024 <= value <= MAX_SHELL_OUTPUT_LIMIT:
+        raise ValueError(
+            f"'output_limit' is a number of bytes from 1024 to {MAX_SHELL_OUTPUT_LIMIT} (default "
+            f"{MAX_SHELL_OUTPUT_BYTES}), not {value!r}"
+        )
+    return value
 
 
 def execution_timeout(timeout: float) -> float:

@@ -29,7 +29,7 @@ from sandkernel.agent.offline_api import (
     say,
 )
 from sandkernel.agent.scenarios import SALES_ROWS, SALES_TASK, make_sales_files, sales_by_quarter
-from sandkernel.integrations.deepagents import SandkernelSandbox, run_python_tool, workspace_path
+from sandkernel.integrations.deepagents import OUTPUT_LIMIT, SandkernelSandbox, run_python_tool, sandbox_path
 from sandkernel.notebooks.replay import replay_notebook
 
 from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS
@@ -109,7 +109,7 @@ async def test_files_go_up_and_come_back_byte_exact(use):
     files = [
         (f"{base}/data file.bin", BINARY),
         (f"{base}/notes.txt", "naïve café €\n".encode()),
-        (f"rel {use.flavor}/x.txt", b"relative"),  # relative paths are taken under /workspace
+        (f"/tmp/up {use.flavor}/new/dir/x.txt", b"anywhere"),  # any place the sandbox's user may write
         (f"{base}/empty", b""),
     ]
     uploaded = await use("upload_files", files)
@@ -118,43 +118,53 @@ async def test_files_go_up_and_come_back_byte_exact(use):
     assert downloaded == [FileDownloadResponse(path=path, content=data, error=None) for path, data in files]
     # The files are where the shell sees them.
     listed = await use(
-        "execute", f"cmp '{base}/data file.bin' - < '{base}/data file.bin' && wc -c < 'rel {use.flavor}/x.txt'"
+        "execute",
+        f"cmp '{base}/data file.bin' - < '{base}/data file.bin' && wc -c < '/tmp/up {use.flavor}/new/dir/x.txt'",
     )
     assert (listed.output.strip(), listed.exit_code) == ("8", 0)
 
 
 async def test_file_errors_are_the_protocols_values_in_order(use):
-    await use("execute", f"mkdir -p 'a dir {use.flavor}'")
+    secret = f"/workspace/secret {use.flavor}"
+    await use("execute", f"mkdir -p 'a dir {use.flavor}' && echo s > '{secret}' && chmod 000 '{secret}'")
     paths = [
         f"/workspace/missing {use.flavor}.txt",
         f"/workspace/a dir {use.flavor}",
-        "/etc/passwd",
-        "/workspace/../etc/passwd",
+        secret,
         "../outside.txt",
+        "relative.txt",
         "/workspace",
-        "/tmp/scratch.txt",
+        "/tmp/nothing here.txt",
     ]
     downloaded = await use("download_files", paths)
     assert [(r.path, r.content, r.error) for r in downloaded] == [
         (paths[0], None, "file_not_found"),
         (paths[1], None, "is_directory"),
-        *[(path, None, "invalid_path") for path in paths[2:]],
+        (paths[2], None, "permission_denied"),
+        (paths[3], None, "invalid_path"),
+        (paths[4], None, "invalid_path"),
+        (paths[5], None, "is_directory"),
+        (paths[6], None, "file_not_found"),
     ]
     # A batch succeeds per file: the good ones are written, the others refused, in order.
     uploaded = await use(
         "upload_files",
-        [("/etc/evil", b"x"), (f"/workspace/a dir {use.flavor}", b"x"), (f"/workspace/ok {use.flavor}", b"ok")],
+        [
+            ("/etc/evil", b"x"),  # the root file system is read-only
+            (f"/workspace/a dir {use.flavor}", b"x"),
+            ("relative/x.txt", b"x"),
+            (f"/tmp/ok {use.flavor}/deeper/ok", b"ok"),
+        ],
     )
-    assert [r.error for r in uploaded] == ["invalid_path", "is_directory", None]
-    assert (await use("download_files", [f"/workspace/ok {use.flavor}"]))[0].content == b"ok"
+    assert [r.error for r in uploaded] == ["permission_denied", "is_directory", "invalid_path", None]
+    assert (await use("download_files", [f"/tmp/ok {use.flavor}/deeper/ok"]))[0].content == b"ok"
 
 
-def test_workspace_paths_are_mapped_or_refused():
-    assert workspace_path("/workspace/a b/c.txt") == "a b/c.txt"
-    assert workspace_path("a b/c.txt") == "a b/c.txt"
-    assert workspace_path("/workspace/x/../y") == "y"
-    for refused in ("/workspace", "/workspacex/y", "//workspace/y", "/workspace/../etc", "..", "", "a\x00b", "/tmp/x"):
-        assert workspace_path(refused) is None, refused
+def test_only_absolute_paths_go_through():
+    assert sandbox_path("/workspace/a b/c.txt") == "/workspace/a b/c.txt"
+    assert sandbox_path("/tmp/x/../y") == "/tmp/x/../y"  # resolved in the sandbox, as its user
+    for refused in ("a b/c.txt", "..", "", "a\x00b", "/tmp/a\x00b", None):
+        assert sandbox_path(refused) is None, refused
 
 
 # -- the file tools deepagents builds on execute ------------------------------------------------
@@ -198,7 +208,7 @@ async def test_the_file_tools_work_in_the_sandbox_image(use):
 
 
 async def test_an_edit_too_large_to_send_inline_goes_through_tmp(use):
-    """deepagents sends old and new text over 50 KB as /tmp files; they are written by kernel cells."""
+    """deepagents sends old and new text over 50 KB as /tmp files, uploaded like any other file."""
     path = f"/workspace/large edit {use.flavor}.txt"
     old, new = "a" * 40_000, "b" * 40_000
     await use("upload_files", [(path, f"start\n{old}\nend\n".encode())])
@@ -208,24 +218,34 @@ async def test_an_edit_too_large_to_send_inline_goes_through_tmp(use):
     assert content.content == f"start\n{new}\nend\n".encode()
     leftovers = await use("execute", "find /tmp -maxdepth 1 -name '.deepagents_edit_*' | wc -l")  # not ls: gVisor
     assert leftovers.output.strip() == "0"  # deepagents' own command removed its temp files
-    refused = await use("upload_files", [("/tmp/../etc/x", b"x"), ("/tmp/big", b"x" * 700_001)])
-    assert [r.error for r in refused] == ["invalid_path", "too_large"]
+    big = await use("upload_files", [(f"/tmp/big {use.flavor}", b"x" * 3_000_000)])
+    assert big == [FileUploadResponse(path=f"/tmp/big {use.flavor}", error=None)]
+    assert (await use("execute", f"wc -c < '/tmp/big {use.flavor}'")).output.strip() == "3000000"
 
 
 async def test_pages_and_matches_larger_than_the_shells_output_still_read_right(use):
-    """A shell command brings back 64 KiB at most; read and grep must not hand a cut document on."""
-    lines = [f"{i:05d} " + "x" * 94 for i in range(3000)]  # 100 bytes a line, 300 KB
+    """A command brings back OUTPUT_LIMIT (2 MiB) at most; read and grep must not hand a cut
+    document on. Control characters travel as six-byte JSON escapes, so a page of them outgrows it."""
+    lines = ["\x01" * 199 for _ in range(2000)]  # 400 KB of text, 2.4 MB as the read's JSON
     path = f"/workspace/big {use.flavor}/wide.txt"
-    await use("upload_files", [(path, "\n".join(lines).encode()), (f"{path}.one", b"y" * 100_000)])
-    page = await use("read", path)  # 2000 lines asked: 200 KB, so a smaller page comes back whole
+    wide = [f"{i:05d} " + "x" * 94 for i in range(25_000)]  # 2.5 MB: more matches than one command brings
+    await use(
+        "upload_files",
+        [
+            (path, "\n".join(lines).encode()),
+            (f"{path}.one", b"\x01" * 400_000),
+            (f"{path}.grep", "\n".join(wide).encode()),
+        ],
+    )
+    page = await use("read", path)  # 2000 lines asked: too large as JSON, so a smaller page comes back whole
     assert page.error is None and page.start_line == 1 and page.end_line < 2000
     assert page.file_data["content"] == "\n".join(lines[: page.end_line])
     following = await use("read", path, offset=page.next_offset)
     assert following.file_data["content"].split("\n")[0] == lines[page.end_line]
     too_long = await use("read", f"{path}.one")
-    assert too_long.error and "64 KiB" in too_long.error and "execute" in too_long.error
-    grep = await use("grep", "xxxx", f"/workspace/big {use.flavor}", "*.txt")
-    assert grep.truncated and 0 < len(grep.matches) < 3000
+    assert too_long.error and f"{OUTPUT_LIMIT // 1024} KiB" in too_long.error and "execute" in too_long.error
+    grep = await use("grep", "xxxx", f"/workspace/big {use.flavor}", "*.grep")
+    assert grep.truncated and 0 < len(grep.matches) < 25_000
 
 
 async def test_blocking_calls_on_an_async_session_from_its_own_loop_say_what_to_do(sessions):
@@ -400,5 +420,66 @@ async def test_create_deep_agent_works_the_sales_task_and_its_transcript_replays
     # The files the agent wrote through upload_files are inputs of the transcript, so a replay has them.
     inputs = [entry["path"] for entry in notebook["metadata"]["sandkernel"]["inputs"]]
     assert inputs[0] == "sales.csv" and "out/report.md" in inputs
+    _, verdicts = await asyncio.to_thread(replay_notebook, path)
+    assert [v.verdict for v in verdicts] == ["same"] * len(cells), [(v.index, v.verdict, v.diff) for v in verdicts]
+
+
+# -- end to end: a deep agent working in /tmp and /workspace, a large edit, a PNG read back -----
+
+NOTES = "/tmp/agent work/notes.txt"
+BIG = "/workspace/big.txt"
+BIG_TEXT = "".join(f"line {i:05d} " + "a" * 50 + "\n" for i in range(2000))  # 122 KB
+OLD_BLOCK = BIG_TEXT[100 * 61 : 600 * 61]  # 30 KB each way: over the 50 KB deepagents edits inline
+NEW_BLOCK = OLD_BLOCK.replace("a", "b")
+CHART = "/workspace/chart.png"
+
+
+def deep_agent_files_turns() -> list[ScriptedTurn]:
+    return [
+        ScriptedTurn([say("Notes first, in scratch space."), call("write_file", file_path=NOTES, content="scratch\n")]),
+        ScriptedTurn(
+            [call("write_file", file_path=BIG, content=BIG_TEXT)],
+            expect=[result_is_error(False), result_contains("notes.txt")],
+        ),
+        ScriptedTurn(
+            [call("edit_file", file_path=BIG, old_string=OLD_BLOCK, new_string=NEW_BLOCK)],
+            expect=[result_is_error(False), result_contains("big.txt")],
+        ),
+        ScriptedTurn(
+            [
+                call(
+                    "run_python",
+                    code="import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+                    "fig, ax = plt.subplots(figsize=(3, 2))\nax.plot([1, 3, 2])\n"
+                    f"fig.savefig({CHART!r}, dpi=50)\nplt.close(fig)\nprint('saved')",
+                )
+            ],
+            expect=[result_is_error(False), result_contains("Successfully replaced 1 instance")],
+        ),
+        ScriptedTurn([call("read_file", file_path=CHART)], expect=[result_contains("saved")]),
+        ScriptedTurn([call("read_file", file_path=NOTES)], expect=[result_has_image]),
+        ScriptedTurn([say("The chart and the notes are in place.")], expect=[result_contains("scratch")]),
+    ]
+
+
+async def test_a_deep_agent_works_in_tmp_and_workspace_edits_a_large_file_reads_a_png_and_replays(gateway, tmp_path):
+    async with AsyncSandkernel(gateway.url, ALICE) as client, client.session() as session:
+        sandbox = SandkernelSandbox(session)
+        async with ScriptedMessagesServer(deep_agent_files_turns()) as server:
+            model = ChatAnthropic(model=DEFAULT_MODEL, base_url=server.url, api_key="test", max_retries=0)
+            agent = create_deep_agent(model=model, backend=sandbox, tools=[sandbox.run_python_tool()])
+            state = await agent.ainvoke({"messages": [{"role": "user", "content": "Make the chart and keep notes."}]})
+        assert len(server.requests) == len(deep_agent_files_turns())  # every expectation met
+        assert state["messages"][-1].content == "The chart and the notes are in place."
+        assert await session.download(NOTES) == b"scratch\n"
+        assert await session.download(BIG) == BIG_TEXT.replace(OLD_BLOCK, NEW_BLOCK).encode()
+        assert (await session.download(CHART)).startswith(b"\x89PNG")
+        notebook = await session.notebook()
+    inputs = [entry["path"] for entry in notebook["metadata"]["sandkernel"]["inputs"]]
+    assert NOTES in inputs and "big.txt" in inputs  # /workspace files by their workspace name
+    assert any(path.startswith("/tmp/.deepagents_edit_") for path in inputs)  # the large edit's texts
+    path = tmp_path / "deepagents-files.ipynb"
+    nbformat.write(nbformat.from_dict(notebook), path)
+    cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
     _, verdicts = await asyncio.to_thread(replay_notebook, path)
     assert [v.verdict for v in verdicts] == ["same"] * len(cells), [(v.index, v.verdict, v.diff) for v in verdicts]

@@ -75,6 +75,10 @@ async def test_a_flood_comes_back_as_head_and_tail(gw, gateway_session):
     assert status == 200 and reply["exit_code"] == 0 and reply["truncated"]
     assert reply["output"].startswith("FIRST\n") and reply["output"].endswith("LAST\n")
     assert "bytes cut" in reply["output"] and len(reply["output"]) < 80 * 1024
+    # A caller may ask for more, up to MAX_SHELL_OUTPUT_LIMIT: the same flood's first 1 MiB whole.
+    command = "head -c 1000000 /dev/zero | tr '\\0' y"
+    status, reply = await shell(gw, gateway_session, {"command": command, "output_limit": 1024 * 1024})
+    assert status == 200 and not reply["truncated"] and reply["output"] == "y" * 1_000_000
 
 
 async def test_the_transcript_records_the_command_and_the_claimed_door(gw, gateway_session):
@@ -95,6 +99,9 @@ async def test_the_transcript_records_the_command_and_the_claimed_door(gw, gatew
         ({"command": "ls", "timeout": "soon"}, "timeout must be a number of seconds"),
         ({"command": "ls", "source": "mcp"}, "'source' must be one of"),  # only the gateway's own MCP says mcp
         ({"command": "x" * (256 * 1024 + 1)}, "upload a script"),
+        ({"command": "ls", "output_limit": 10**9}, "'output_limit' is a number of bytes from 1024 to"),
+        ({"command": "ls", "output_limit": "all"}, "'output_limit' is a number of bytes"),
+        ({"command": "ls", "output_limit": True}, "'output_limit' is a number of bytes"),
     ],
 )
 async def test_bad_requests_say_what_to_fix(gw, gateway_session, body, message):

@@ -17,15 +17,19 @@ provider, and how sandkernel answers it:
   far; the session stays usable. ``timeout=None`` is the sandbox's default (the session profile's
   execute_timeout, unless the sandbox was given its own); ``0`` is not "no limit" here (nothing in
   sandkernel is unbounded) but the longest deepagents itself allows.
-- ``upload_files`` / ``download_files`` go through the session's files API, byte for byte. The
-  files API serves /workspace only, so an absolute path must lie under /workspace and a relative
-  one is taken relative to it. One exception: an upload to /tmp (deepagents' ``edit`` sends old
-  and new text of a large edit as /tmp files) is written by a kernel cell, so it is recorded and
-  replayed before the edit that reads it. Any other path is refused per file with
-  ``invalid_path`` (the root file system is read-only anyway).
-  Refusals are values (``file_not_found``, ``is_directory``, ``invalid_path``, ``permission_denied``,
-  or sandkernel's own code such as ``too_large``), never exceptions; a gateway that cannot be
-  reached or a session that is gone raise the client's exception, as ``execute`` does.
+  Its output comes back whole up to :data:`OUTPUT_LIMIT` (2 MiB; BaseSandbox's file tools page
+  files through commands in pieces of up to 500 KiB), head and tail beyond that, flagged
+  ``truncated``.
+- ``upload_files`` / ``download_files`` go through the session's files API, byte for byte (up to
+  the gateway's 32 MiB per file): an absolute path anywhere the sandbox's user may read or write
+  (/workspace, /tmp, a new directory: parents are made), resolved and opened inside the sandbox
+  as that user, never by the host. Each upload is recorded in the transcript, so a replay puts it
+  back before the cell that followed it (deepagents' ``edit`` sends a large edit's texts as /tmp
+  files). A relative path is refused with ``invalid_path``, as the protocol says: where it would
+  land is not defined. Refusals are values (``file_not_found``, ``is_directory``,
+  ``invalid_path``, ``permission_denied``, or sandkernel's own code such as ``too_large``), never
+  exceptions; a gateway that cannot be reached or a session that is gone raise the client's
+  exception, as ``execute`` does.
 - ``ls``, ``read``, ``write``, ``edit``, ``grep``, ``glob`` and ``delete`` are BaseSandbox's, built
   on ``execute`` (short ``python3``/``grep`` commands, which the kernel image has).
 
@@ -44,9 +48,7 @@ of an error, and displayed figures as images (recorded with source ``"deepagents
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import posixpath
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from contextvars import ContextVar
 from typing import Any, TypeVar
@@ -77,53 +79,39 @@ from sandkernel.agent.execution import Execution
 from sandkernel.agent.sync_client import Session
 from sandkernel.agent.tools import TOOLS, result_block
 from sandkernel.doors import DEEPAGENTS
-from sandkernel.shell import MAX_SHELL_OUTPUT_BYTES, ShellResult
+from sandkernel.shell import ShellResult
 
 __all__ = ["SandkernelSandbox", "run_python_tool"]
 
 T = TypeVar("T")
 
-WORKSPACE = "/workspace"
-SCRATCH = "/tmp"
-# The largest /tmp upload a kernel cell carries: as base64 it stays under the gateway's 1 MiB code limit.
-MAX_SCRATCH_BYTES = 700_000
+# The output a command brings back whole: a page of BaseSandbox's read (up to 500 KiB of text, or
+# a binary file up to 500 KiB) travels as one JSON document, which escapes make larger.
+OUTPUT_LIMIT = 2 * 1024 * 1024
 # What ``timeout=0`` means here: deepagents' own ceiling for one command (FilesystemMiddleware's
 # max_execute_timeout default), since sandkernel runs nothing without a bound.
 LONGEST_TIMEOUT = 3600.0
 DEFAULT_PYTHON_TIMEOUT = 120.0
-# The files API's refusals (kernels/sandbox/workspace_files.py codes) in the protocol's words.
-PROTOCOL_ERRORS = {"not_found": FILE_NOT_FOUND, "bad_path": INVALID_PATH, "not_a_directory": FILE_NOT_FOUND}
+# The files API's refusals (kernels/sandbox/workspace_files.py codes) in the protocol's words; a
+# file that is not a regular one (a symlink, a FIFO, a device) is not read or replaced: denied.
+PROTOCOL_ERRORS = {
+    "not_found": FILE_NOT_FOUND,
+    "not_a_directory": FILE_NOT_FOUND,
+    "bad_path": INVALID_PATH,
+    "is_directory": IS_DIRECTORY,
+    "permission_denied": PERMISSION_DENIED,
+    "not_regular": PERMISSION_DENIED,
+}
 # Codes of a refused file request: a value in the response. Any other ClientError is the gateway
 # or the session failing, which raises.
-FILE_CODES = {*PROTOCOL_ERRORS, "not_regular", "too_large", "no_space", "not_written"}
+FILE_CODES = {*PROTOCOL_ERRORS, "too_large", "no_space", "not_written"}
 
 
-def workspace_path(path: str) -> str | None:
-    """The files API path (relative to /workspace) of a path deepagents gives, or None when it is
-    not a file path inside /workspace (``..`` that climbs out, another absolute path, a NUL)."""
-    if not isinstance(path, str) or not path or "\x00" in path:
+def sandbox_path(path: object) -> str | None:
+    """``path`` if it is one the protocol lets through (absolute, no NUL); None: invalid_path."""
+    if not isinstance(path, str) or not path.startswith("/") or "\x00" in path:
         return None
-    normalized = posixpath.normpath(path if path.startswith("/") else posixpath.join(WORKSPACE, path))
-    if not normalized.startswith(WORKSPACE + "/"):  # also refuses /workspace itself and //workspace
-        return None
-    return normalized[len(WORKSPACE) + 1 :]
-
-
-def scratch_path(path: str) -> str | None:
-    """The normalised path of an upload into /tmp (see the module docstring), or None."""
-    if not isinstance(path, str) or "\x00" in path or not path.startswith(SCRATCH + "/"):
-        return None
-    normalized = posixpath.normpath(path)
-    return normalized if normalized.startswith(SCRATCH + "/") else None
-
-
-def scratch_upload_code(path: str, data: bytes) -> str:
-    """The cell that writes ``data`` at ``path`` (a /tmp file) inside the sandbox."""
-    encoded = base64.b64encode(data).decode()
-    return (
-        f"# upload {path} ({len(data)} bytes)\n"
-        f"__import__('pathlib').Path({path!r}).write_bytes(__import__('base64').b64decode({encoded!r}))"
-    )
+    return path
 
 
 class _Bridge:
@@ -203,17 +191,22 @@ class SandkernelSandbox(BaseSandbox):
     def execute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:
         """Run ``command`` with ``/bin/sh -c`` in /workspace; stdout and stderr merged."""
         seconds = self._seconds(timeout)
-        return _response(self._bridge.call("shell", command, timeout=seconds, source=DEEPAGENTS), seconds)
+        result = self._bridge.call("shell", command, timeout=seconds, source=DEEPAGENTS, output_limit=OUTPUT_LIMIT)
+        return _response(result, seconds)
 
     async def aexecute(self, command: str, *, timeout: int | None = None) -> ExecuteResponse:
         seconds = self._seconds(timeout)
-        return _response(await self._bridge.acall("shell", command, timeout=seconds, source=DEEPAGENTS), seconds)
+        result = await self._bridge.acall(
+            "shell", command, timeout=seconds, source=DEEPAGENTS, output_limit=OUTPUT_LIMIT
+        )
+        return _response(result, seconds)
 
     # -- file tools whose output can outgrow the shell's --------------------------------------
-    # A command brings back at most MAX_SHELL_OUTPUT_BYTES (head and tail, the middle cut), while
-    # BaseSandbox's read sends a page of up to 500 KiB as one JSON document: a cut page would
-    # not parse. So a page that came back cut is asked for again with half the lines (each read
-    # says where the next one starts), and a cut grep is flagged as incomplete.
+    # A command brings back at most OUTPUT_LIMIT (head and tail, the middle cut), while
+    # BaseSandbox's read sends a page of up to 500 KiB as one JSON document, which escapes can
+    # make larger still: a cut page would not parse. So a page that came back cut is asked for
+    # again with half the lines (each read says where the next one starts), and a cut grep is
+    # flagged as incomplete.
 
     def read(self, file_path: str, offset: int = 0, limit: int = 2000) -> ReadResult:
         while True:
@@ -246,14 +239,14 @@ class SandkernelSandbox(BaseSandbox):
     # -- files -----------------------------------------------------------------------------
 
     def upload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
-        """Write each file under /workspace (parents made); one response per file, in order."""
+        """Write each file at its absolute path (parents made); one response per file, in order."""
         return [_drive(_upload_steps(path, data), self._bridge.call) for path, data in files]
 
     async def aupload_files(self, files: list[tuple[str, bytes]]) -> list[FileUploadResponse]:
         return [await _adrive(_upload_steps(path, data), self._bridge.acall) for path, data in files]
 
     def download_files(self, paths: list[str]) -> list[FileDownloadResponse]:
-        """Read each file from /workspace, bytes exactly; one response per path, in order."""
+        """Read each file at its absolute path, bytes exactly; one response per path, in order."""
         return [_drive(_download_steps(path), self._bridge.call) for path in paths]
 
     async def adownload_files(self, paths: list[str]) -> list[FileDownloadResponse]:
@@ -289,7 +282,7 @@ def _whole_page(result: ReadResult, file_path: str, watch: _Watch) -> ReadResult
         return result
     return ReadResult(
         error=f"File '{file_path}': one line at this offset is longer than the sandbox's shell output limit "
-        f"({MAX_SHELL_OUTPUT_BYTES // 1024} KiB); read it with execute (e.g. cut -c or head -c)"
+        f"({OUTPUT_LIMIT // 1024} KiB); read it with execute (e.g. cut -c or head -c)"
     )
 
 
@@ -319,52 +312,32 @@ Steps = Generator[tuple[Any, ...], Any, T]
 
 
 def _upload_steps(path: str, data: bytes) -> Steps[FileUploadResponse]:
-    relative = workspace_path(path)
-    if relative is None:
-        return (yield from _scratch_upload_steps(path, bytes(data)))
+    target = sandbox_path(path)
+    if target is None:
+        return FileUploadResponse(path=path, error=INVALID_PATH)
     try:
-        yield ("upload", (relative, bytes(data)), {})
+        yield ("upload", (target, bytes(data)), {})
     except ClientError as refused:
-        return FileUploadResponse(path=path, error=(yield from _refusal(refused, relative)))
+        return FileUploadResponse(path=path, error=_refusal(refused))
     return FileUploadResponse(path=path, error=None)
 
 
-def _scratch_upload_steps(path: str, data: bytes) -> Steps[FileUploadResponse]:
-    scratch = scratch_path(path)
-    if scratch is None:
-        return FileUploadResponse(path=path, error=INVALID_PATH)
-    if len(data) > MAX_SCRATCH_BYTES:
-        return FileUploadResponse(path=path, error="too_large")
-    execution = yield ("run", (scratch_upload_code(scratch, data),), {"timeout": 60, "source": DEEPAGENTS})
-    if execution.status == "ok":
-        return FileUploadResponse(path=path, error=None)
-    name = execution.error.name if execution.error else ""
-    return FileUploadResponse(path=path, error=IS_DIRECTORY if name == "IsADirectoryError" else PERMISSION_DENIED)
-
-
 def _download_steps(path: str) -> Steps[FileDownloadResponse]:
-    relative = workspace_path(path)
-    if relative is None:
+    target = sandbox_path(path)
+    if target is None:
         return FileDownloadResponse(path=path, content=None, error=INVALID_PATH)
     try:
-        content = yield ("download", (relative,), {})
+        content = yield ("download", (target,), {})
     except ClientError as refused:
-        return FileDownloadResponse(path=path, content=None, error=(yield from _refusal(refused, relative)))
+        return FileDownloadResponse(path=path, content=None, error=_refusal(refused))
     return FileDownloadResponse(path=path, content=bytes(content), error=None)
 
 
-def _refusal(refused: ClientError, relative: str) -> Steps[str]:
+def _refusal(refused: ClientError) -> str:
     """The protocol's error value for a refused file request; re-raises what is not about the file."""
     if refused.code not in FILE_CODES:
         raise refused
-    if refused.code != "not_regular":
-        return PROTOCOL_ERRORS.get(refused.code, refused.code)
-    # Not a regular file: a directory is in the way (say so), or a device, a FIFO, a symlink.
-    try:
-        yield ("list_files", (relative,), {})
-    except ClientError:
-        return PERMISSION_DENIED
-    return IS_DIRECTORY
+    return PROTOCOL_ERRORS.get(refused.code, refused.code)
 
 
 def _drive(steps: Steps[T], call: Callable[..., Any]) -> T:

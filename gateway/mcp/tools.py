@@ -345,13 +345,19 @@ class McpTools:
     async def upload_file(
         self,
         ctx: Context,
-        path: Annotated[str, Field(description="Where to write it, relative to /workspace, e.g. 'data/sales.csv'.")],
+        path: Annotated[
+            str,
+            Field(
+                description="Where to write it: relative to /workspace ('data/sales.csv'), or an absolute path "
+                "the sandbox's user may write ('/tmp/run/input.json'); missing directories are made."
+            ),
+        ],
         content: Annotated[str, Field(description="The file's content: text, or base64 for binary files.")],
         encoding: Annotated[str, Field(description="'text' (UTF-8) or 'base64'.")] = "text",
         session_id: SessionId = None,
     ) -> CallToolResult:
-        """Write a file into the sandbox's /workspace (replacing it if it exists), for your code
-        to read. Text is written as UTF-8; send binary files base64-encoded with encoding 'base64'."""
+        """Write a file into the sandbox (replacing it if it exists), for your code to read. Text
+        is written as UTF-8; send binary files base64-encoded with encoding 'base64'."""
         if encoding == "text":
             data = content.encode()
         elif encoding == "base64":
@@ -370,15 +376,16 @@ class McpTools:
             raise _tool_error(err) from err
         managed.touch()
         where = written.get("path", path)
-        return _result(f"wrote {len(data)} bytes to /workspace/{where}", {"session_id": managed.id, **written})
+        shown = where if where.startswith("/") else f"/workspace/{where}"
+        return _result(f"wrote {len(data)} bytes to {shown}", {"session_id": managed.id, **written})
 
     async def download_file(
         self,
         ctx: Context,
-        path: Annotated[str, Field(description="The file, relative to /workspace.")],
+        path: Annotated[str, Field(description="The file: relative to /workspace, or an absolute path.")],
         session_id: SessionId = None,
     ) -> CallToolResult:
-        """Read a file from the sandbox's /workspace. Text files come back as text (long ones cut
+        """Read a file from the sandbox (a relative path is in /workspace). Text files come back as text (long ones cut
         in the middle), images as images, other binary files as an embedded base64 resource.
         For large data, summarise it with run_python instead of reading it whole."""
         managed = await self.managed(ctx, session_id)
@@ -417,10 +424,12 @@ class McpTools:
     async def list_files(
         self,
         ctx: Context,
-        path: Annotated[str, Field(description="A directory relative to /workspace; '' is /workspace.")] = "",
+        path: Annotated[
+            str, Field(description="A directory: relative to /workspace ('' is /workspace), or an absolute path.")
+        ] = "",
         session_id: SessionId = None,
     ) -> CallToolResult:
-        """List a directory of the sandbox's /workspace: names, types and sizes."""
+        """List a directory of the sandbox (a relative path is in /workspace): names, types and sizes."""
         managed = await self.managed(ctx, session_id)
         try:
             entries = await managed.files.list(path)

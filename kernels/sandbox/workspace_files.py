@@ -5,8 +5,13 @@ user: the path is resolved inside the container, so a symlink the code planted c
 at something the sandbox user could read anyway, and nothing on the host is ever touched. The
 interpreter is named by absolute path (a planted ``/workspace/.local/bin/python`` is never looked
 up) and ``-I`` ignores PYTHONPATH and user site, so a planted module cannot stand in for the helper.
-Only regular files are read or replaced (O_NOFOLLOW, O_NONBLOCK: no devices, FIFOs, symlinks);
-paths must stay under /workspace.
+Only regular files are read or replaced (O_NOFOLLOW, O_NONBLOCK: no devices, FIFOs, symlinks).
+
+Paths: a relative one is in /workspace and must stay there (no ``..`` or symlink out of it); an
+absolute one may be anywhere the sandbox's user can read or write (/workspace, /tmp, a new
+directory under either): the helper runs as that user, so the kernel's own permission checks
+decide, as they do for the session's code (refusals: ``permission_denied``, ``not_found``,
+``is_directory``, ``not_regular``, ``too_large``, ``bad_path``).
 
 Uploads replace the file atomically (a new temp file of a random name beside it, then rename), but
 not with :mod:`sandkernel.atomic`, the host's writer: this code runs inside the container, where
@@ -39,19 +44,27 @@ MESSAGE_BYTES = 64 * 1024
 # Runs inside the sandbox. argv: op, path, max_bytes. Exit 0 with the result on stdout, or 2
 # with {"error": code, "message": sentence} on stdout.
 _HELPER = r"""
-import base64, json, os, stat, sys
+import base64, errno, json, os, stat, sys
 op, rel, limit = sys.argv[1], sys.argv[2], int(sys.argv[3])
 root = "/workspace"
 def fail(code, message):
     sys.stdout.write(json.dumps({"error": code, "message": message})); sys.exit(2)
+def refused(err, what):
+    if isinstance(err, PermissionError) or err.errno == errno.EROFS:
+        fail("permission_denied", f"{what}: permission denied ({err.strerror})")
 if "\x00" in rel:
     fail("bad_path", "path contains a NUL byte")
-path = os.path.normpath(os.path.join(root, rel.lstrip("/")))
-if path != root and not path.startswith(root + "/"):
-    fail("bad_path", f"{rel!r} is outside the workspace")
-parent = os.path.realpath(os.path.dirname(path)) if path != root else root
-if parent != root and not parent.startswith(root + "/"):
-    fail("bad_path", f"{rel!r} goes through a symlink out of the workspace")
+if rel.startswith("/"):  # anywhere the sandbox user may go: its own permissions decide
+    path = "/" + os.path.normpath(rel).lstrip("/")
+    shown = os.path.relpath(path, root) if path.startswith(root + "/") else path  # one name per file
+else:  # relative: inside /workspace, and no symlink out of it
+    path = os.path.normpath(os.path.join(root, rel))
+    shown = os.path.relpath(path, root)
+    if path != root and not path.startswith(root + "/"):
+        fail("bad_path", f"{rel!r} is outside the workspace (give an absolute path for another place)")
+    parent = os.path.realpath(os.path.dirname(path)) if path != root else root
+    if parent != root and not parent.startswith(root + "/"):
+        fail("bad_path", f"{rel!r} goes through a symlink out of the workspace")
 if op == "list":
     try:
         entries = []
@@ -63,18 +76,24 @@ if op == "list":
                 entries.append({"name": e.name, "type": kind, "size": st.st_size, "modified": st.st_mtime})
                 if len(entries) >= limit: break
     except FileNotFoundError:
-        fail("not_found", f"no directory {rel!r} in the workspace")
+        fail("not_found", f"no directory {rel!r}")
     except NotADirectoryError:
         fail("not_a_directory", f"{rel!r} is not a directory")
+    except OSError as err:
+        refused(err, f"cannot list {rel!r}")
+        fail("bad_path", f"cannot list {rel!r} ({err.strerror})")
     sys.stdout.write(json.dumps(sorted(entries, key=lambda e: e["name"])))
 elif op == "read":
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        fail("not_found", f"no file {rel!r} in the workspace")
+    except (FileNotFoundError, NotADirectoryError):
+        fail("not_found", f"no file {rel!r}")
     except OSError as err:
+        refused(err, f"cannot read {rel!r}")
         fail("not_regular", f"{rel!r} cannot be read as a regular file ({err.strerror})")
     st = os.fstat(fd)
+    if stat.S_ISDIR(st.st_mode):
+        fail("is_directory", f"{rel!r} is a directory")
     if not stat.S_ISREG(st.st_mode):
         fail("not_regular", f"{rel!r} is not a regular file")
     if st.st_size > limit:
@@ -88,12 +107,16 @@ elif op == "write":
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     except OSError as err:
+        refused(err, f"cannot make the directory of {rel!r}")
         fail("bad_path", f"cannot make the directory of {rel!r} ({err.strerror})")
+    if os.path.isdir(path) and not os.path.islink(path):
+        fail("is_directory", f"{rel!r} is a directory")
     head, name = os.path.split(path)
     tmp = os.path.join(head, f".{name}.{os.urandom(6).hex()}.sandkernel-upload")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     except OSError as err:
+        refused(err, f"cannot write {rel!r}")
         fail("not_regular", f"cannot write {rel!r} ({err.strerror})")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -104,13 +127,14 @@ elif op == "write":
     except OSError as err:
         try: os.unlink(tmp)
         except OSError: pass
+        refused(err, f"cannot write {rel!r}")
         fail("no_space" if err.errno in (28, 122) else "not_written", f"cannot write {rel!r} ({err.strerror})")
-    sys.stdout.write(json.dumps({"path": os.path.relpath(path, root), "size": len(data)}))
+    sys.stdout.write(json.dumps({"path": shown, "size": len(data)}))
 """
 
 
 class WorkspaceFiles:
-    """Upload, download and list files in one session's /workspace."""
+    """Upload, download and list files in one session's sandbox (relative paths: in /workspace)."""
 
     def __init__(self, container: SandboxContainer, timeout: float = FILE_HELPER_TIMEOUT) -> None:
         self.container = container
@@ -125,7 +149,7 @@ class WorkspaceFiles:
 
     async def write(self, path: str, data: bytes, max_bytes: int = MAX_FILE_BYTES) -> dict:
         if not path or path.endswith("/"):
-            raise ConfigError("give a file path inside the workspace, e.g. 'data/sales.csv'")
+            raise ConfigError("give a file path, e.g. 'data/sales.csv' (in /workspace) or '/tmp/data/sales.csv'")
         return json.loads(await self._run("write", path, max_bytes, stdin=data))
 
     async def _run(self, op: str, path: str, limit: int, stdin: bytes | None = None) -> bytes:

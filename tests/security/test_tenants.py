@@ -119,11 +119,20 @@ print('planted')"""
             assert "root:" not in json.dumps(body)
     check = await arena.attack("print(open('/etc/hostname').read().strip(), os.path.islink('link_shadow'))")
     assert check["status"] == "ok" and "pwned" not in check["text"]
-    # A leading slash means the workspace's root (as in Jupyter's contents API), never the system's.
+    # An absolute path is the sandbox's own, opened inside it as its user (issue 31: the doors
+    # serve what the session's code may reach): its read-only system files cannot be written,
+    # what the code itself cannot read is refused, and links are still not followed at the end.
     status, body = await arena.gateway.request("PUT", f"/api/sessions/{sid}/files/%2Fetc%2Fpasswd", raw=b"mine")
-    assert status == 201 and body["path"] == "etc/passwd"
+    assert_clear_error(status, body, 403)
+    assert body["error"] == "permission_denied" and "'/etc/passwd'" in body["message"], body
     status, body = await arena.gateway.request("GET", f"/api/sessions/{sid}/files/%2Fetc%2Fpasswd")
-    assert status == 200 and body == "mine"
+    assert status == 200 and "sandbox:x:" in body and "mine" not in body  # the sandbox's own, untouched
+    status, body = await arena.gateway.request("GET", f"/api/sessions/{sid}/files/%2Fetc%2Fshadow")
+    assert_clear_error(status, body, 403)
+    assert body["error"] == "permission_denied", body
+    status, body = await arena.gateway.request("GET", f"/api/sessions/{sid}/files/%2Fworkspace%2Flink_shadow")
+    assert_clear_error(status, body, 400)
+    assert body["error"] == "not_regular", body
 
 
 # (method, route, body, status, error code, words of the message that name the problem)
