@@ -57,12 +57,8 @@ async def run_shell(
     """
     command = check_command(command)
     seconds = managed.session.profile.execute_timeout if timeout is None else check_timeout(timeout)
-    try:
-        limit = output_limit(limit)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
     result = await managed.session.execute(
-        shell_code(command, seconds, limit),
+        shell_code(command, seconds, output_limit(limit)),
         timeout=min(execution_timeout(seconds), MAX_EXECUTE_TIMEOUT),
         source=source,
         shell=command,

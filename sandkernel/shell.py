@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from sandkernel.errors import ConfigError
+
 SHELL_MIME = "application/vnd.sandkernel.shell+json"
 # What a command's output brings back by default: its first and last halves, the middle cut.
 MAX_SHELL_OUTPUT_BYTES = 64 * 1024
@@ -78,12 +80,12 @@ def shell_code(command: str, timeout: float, limit: int = MAX_SHELL_OUTPUT_BYTES
 
 
 def output_limit(value: object) -> int:
-    """The output limit a caller asked for (None: :data:`MAX_SHELL_OUTPUT_BYTES`), or ValueError
-    saying what it may be."""
+    """The output limit a caller asked for (None: :data:`MAX_SHELL_OUTPUT_BYTES`), or a
+    ConfigError (400) saying what it may be."""
     if value is None:
         return MAX_SHELL_OUTPUT_BYTES
     if isinstance(value, bool) or not isinstance(value, int) or not 1024 <= value <= MAX_SHELL_OUTPUT_LIMIT:
-        raise ValueError(
+        raise ConfigError(
             f"'output_limit' is a number of bytes from 1024 to {MAX_SHELL_OUTPUT_LIMIT} (default "
             f"{MAX_SHELL_OUTPUT_BYTES}), not {value!r}"
         )

@@ -46,8 +46,9 @@ def processes_in(group: Path) -> dict[str, set[int]]:
 
 def main() -> int:
     known = known_containers()
+    groups = tenant_groups()
     leaked: dict[str, set[int]] = {}
-    for group in tenant_groups():
+    for group in groups:
         for container, pids in processes_in(group).items():
             if container not in known:
                 leaked.setdefault(container, set()).update(pids)
@@ -56,8 +57,8 @@ def main() -> int:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-    live = [group for group in tenant_groups() if processes_in(group)]
-    for group in sorted(tenant_groups(), key=lambda p: len(p.parts), reverse=True):
+    live = [group for group in groups if processes_in(group)]
+    for group in sorted(groups, key=lambda p: len(p.parts), reverse=True):
         for child in sorted(group.iterdir(), reverse=True):
             if child.is_dir():
                 with contextlib.suppress(OSError):
