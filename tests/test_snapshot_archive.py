@@ -25,7 +25,16 @@ from sandkernel.errors import SnapshotError, SnapshotQuotaError, SnapshotRejecte
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON
-from sandkernel.kernels.sandbox.exec_stream import Deadline, exit_code, frames, start_held
+from sandkernel.kernels.sandbox.exec_stream import (
+    RELEASE_GRACE,
+    SIGKILL_EXIT,
+    Deadline,
+    ExecStreamError,
+    exit_code,
+    frames,
+    kill_exec,
+    start_held,
+)
 from sandkernel.kernels.snapshots.archive import (
     KERNEL_TMP_FILES,
     ArchivePart,
@@ -422,8 +431,14 @@ async def test_the_fingerprint_sees_any_change_to_the_files_but_the_kernels(pair
 async def test_a_helpers_process_waits_until_the_host_has_read_its_output(pair):
     """dockerd gives an exec's output 2 s after its process exits, then closes the stream: a
     loaded gateway read captures cut short. A held helper's shell exits only once the host read
-    its trailer and closed the exec's stdin, so the output is whole whatever the host's lag;
-    and its exit code is still the program's."""
+    its trailer and closed the exec's stdin, so the output is whole whatever the host's lag, and
+    the trailer carries the program's exit status.
+
+    The release (the host's half-close) passes dockerd's stdin copy, its closer goroutine and
+    containerd's CloseIO before the shell sees EOF, and a loaded host lost it once in a hog run
+    (tests/README.md): the product does not rely on it, and kills a holder whose stream has not
+    ended :data:`RELEASE_GRACE` seconds after its release. So the holder is gone within that
+    grace either way: ended by the release with the program's code, or killed."""
     source, _ = pair
     api = source.container.engine.client.api
     argv = ["/bin/sh", "-c", "head -c 300000 /dev/zero; exit 3"]
@@ -434,15 +449,18 @@ async def test_a_helpers_process_waits_until_the_host_has_read_its_output(pair):
         )
         try:
             size = 0
-            raw_output = frames(output.raw, Deadline(60), "x")  # read without releasing it
-            for stream, data in raw_output:
+            for stream, data in frames(output.raw, Deadline(60), "x"):  # read without releasing it
                 size += len(data) if stream == 1 else 0
-                if data.endswith(output.token + b":003"):
+                if data.endswith(output.token + b":003"):  # the trailer: the program's status, 3
                     break
             time.sleep(3)  # past dockerd's 2 s: an unheld exec would have exited and its stream closed
             running = api.exec_inspect(exec_id)["Running"]
-            output.raw.shutdown(socket.SHUT_WR)
-            ended = next(raw_output, None) is None
+            output.raw.shutdown(socket.SHUT_WR)  # the release, as HeldOutput gives it
+            try:
+                ended = next(frames(output.raw, Deadline(RELEASE_GRACE), "x"), None) is None
+            except ExecStreamError:
+                ended = False  # the release was lost on its way to the shell: the product kills it
+                assert kill_exec(api, source.container.id, exec_id)
             return size, running, ended, exit_code(api, exec_id, Deadline(30), "x")
         finally:
             sock.close()
@@ -450,4 +468,4 @@ async def test_a_helpers_process_waits_until_the_host_has_read_its_output(pair):
     size, running, ended, code = await asyncio.to_thread(held_then_released)
     assert size == 300000 + 32 + len(":003")  # the program's bytes, then the trailer (token and status)
     assert running  # held: its process waited for the host
-    assert ended and code == 3
+    assert code == (3 if ended else SIGKILL_EXIT)  # the program's code, or the holder killed at the grace
