@@ -23,6 +23,7 @@ from pathlib import Path
 
 from sandkernel import __version__
 from sandkernel.errors import ConfigError, SandkernelError
+from sandkernel.extras import install_hint, missing_extra
 
 RUNTIME_CHOICES = ["auto", "runc", "runsc"]
 RUNTIME_HELP = "container runtime (default auto: gVisor where runsc is registered, else runc)"
@@ -238,6 +239,12 @@ def _cmd_policy_check(args: argparse.Namespace) -> int:
     return 1 if refused else 0
 
 
+def _missing(err: ModuleNotFoundError, command: str) -> int:
+    """Say which extra ``command`` needs (a client-only install lacks the server's packages)."""
+    print(f"sandkernel: {install_hint(command, missing_extra(err) or 'server')} ({err})", file=sys.stderr)
+    return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sandkernel",
@@ -254,18 +261,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_mcp_parser(sub)
 
-    serve = sub.add_parser(
-        "serve",
-        help="run the gateway: Jupyter-compatible kernel API and session API",
-        description="Run the gateway. Every setting below can also come from its environment variable or\n"
-        "from a --config file; precedence: flags > environment > config file > defaults.",
-        epilog=SERVE_RESTARTS,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    from sandkernel.gateway.settings import add_arguments
-
-    add_arguments(serve)
-    serve.set_defaults(func=_cmd_serve)
+    serve_help = "run the gateway: Jupyter-compatible kernel API and session API"
+    try:
+        from sandkernel.gateway.settings import add_arguments
+    except ModuleNotFoundError as err:  # a client-only install: serve says what to install
+        if missing_extra(err) is None:
+            raise
+        # Its flags are unknown here: every argument is taken as is, and the command explains.
+        serve = sub.add_parser("serve", help=serve_help, add_help=False, prefix_chars="\0")
+        serve.add_argument("serve_args", nargs="*")
+        absent = err  # the except clause unbinds its own name
+        serve.set_defaults(func=lambda _args: _missing(absent, "serve"))
+    else:
+        serve = sub.add_parser(
+            "serve",
+            help=serve_help,
+            description="Run the gateway. Every setting below can also come from its environment variable or\n"
+            "from a --config file; precedence: flags > environment > config file > defaults.",
+            epilog=SERVE_RESTARTS,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        add_arguments(serve)
+        serve.set_defaults(func=_cmd_serve)
 
     from sandkernel.notebooks.exit_codes import EXIT_CODES
 
@@ -422,6 +439,10 @@ def main(argv: list[str] | None = None) -> int:
     except SandkernelError as err:
         print(f"sandkernel: {err}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as err:
+        if missing_extra(err) is None:
+            raise
+        return _missing(err, args.command)
     except KeyboardInterrupt:
         return 130
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import io
 
-from PIL import Image as PILImage
-
 from sandkernel.mime import is_api_image
 
 MAX_EDGE = 1568
@@ -27,6 +25,10 @@ def fit_image(data: bytes, mime: str) -> tuple[bytes, str] | str:
     or a sentence saying why it cannot be shown."""
     if not is_api_image(mime):
         return f"[{mime} image not shown: the model accepts PNG, JPEG, GIF or WebP]"
+    # Pillow is the agent's and the server's (extras), not the client's: imported when an image
+    # is shown, so importing the agent loop (its help, its constants) needs no Pillow.
+    from PIL import Image as PILImage
+
     try:
         with PILImage.open(io.BytesIO(data)) as probe:  # reads the header only
             width, height = probe.size

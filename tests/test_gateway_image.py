@@ -65,22 +65,32 @@ def make_wheel(path: Path, requires: list[str]) -> Path:
 
 
 def test_requirements_are_the_core_and_the_cluster_extra_only(tmp_path):
+    """The core, the cluster extra and the extras of sandkernel's own it names (the server),
+    each line once; the other extras (mcp, agent, test) stay out."""
     wheel = make_wheel(
         tmp_path / f"sandkernel-{__version__}-py3-none-any.whl",
         [
-            "docker>=7.1",
+            "tornado>=6.4",
             'tomli>=2; python_version < "3.11"',
+            'docker>=7.1; extra == "server"',
+            'pillow>=10.0; extra == "server"',
+            'anthropic>=0.40; extra == "agent"',
+            'pillow>=10.0; extra == "agent"',
+            'sandkernel[server]; extra == "cluster"',
             'psycopg[binary]>=3.1; extra == "cluster"',
             "psycopg-pool>=3.2; extra == 'cluster'",
+            'sandkernel[server]; extra == "mcp"',
             'mcp>=2.3; extra == "mcp"',
-            'sandkernel[cluster,deepagents,mcp]; extra == "test"',
+            'sandkernel[agent,cluster,mcp,server]; extra == "test"',
         ],
     )
     assert requirements(wheel) == [
-        "docker>=7.1",
+        "tornado>=6.4",
         'tomli>=2; python_version < "3.11"',
         "psycopg[binary]>=3.1",
         "psycopg-pool>=3.2",
+        "docker>=7.1",
+        "pillow>=10.0",
     ]
 
 

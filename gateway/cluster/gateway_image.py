@@ -60,6 +60,7 @@ SOURCE_DATE_EPOCH = "315532800"  # 1980-01-01, the earliest date a zip entry can
 # Not copied when git cannot list the tree: build output, caches, downloaded payloads.
 TREE_IGNORE = (".git", ".venv", "build", "dist", "wheelhouse", "__pycache__", "*.egg-info", ".*_cache", "*.pyc")
 _EXTRA_MARKER = re.compile(r"""^extra\s*==\s*["']([\w.-]+)["']$""")
+_OWN_EXTRAS = re.compile(r"^sandkernel\s*\[([\w.,\s-]+)\]$")  # an extra that names others of sandkernel's
 
 
 def dockerfile_dir() -> Path:
@@ -129,25 +130,39 @@ def wheel_version(wheel: Path) -> str:
 
 def requirements(wheel: Path, extra: str = EXTRA) -> list[str]:
     """The requirement lines the image installs: the wheel's Requires-Dist with no extra marker
-    plus those of ``extra`` (marker removed), other extras dropped; environment markers
-    (python_version...) are kept for pip to judge against the image's Python. Pure: unit-tested."""
+    plus those of ``extra`` (marker removed), and of the extras ``extra`` names of sandkernel's
+    own (``sandkernel[server]``: the cluster gateway is a server), other extras dropped;
+    environment markers (python_version...) are kept for pip to judge against the image's
+    Python. Pure: unit-tested."""
     with zipfile.ZipFile(wheel) as zf:
         [metadata] = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
         message = email.parser.Parser().parsestr(zf.read(metadata).decode())
-    lines: list[str] = []
+    by_extra: dict[str | None, list[str]] = {}
     for requirement in message.get_all("Requires-Dist") or []:
         spec, _, marker = requirement.partition(";")
         marker = marker.strip()
         named = _EXTRA_MARKER.match(marker)
         if not marker:
-            lines.append(spec.strip())
+            by_extra.setdefault(None, []).append(spec.strip())
         elif named:
-            if named.group(1) == extra:
-                lines.append(spec.strip())
+            by_extra.setdefault(named.group(1), []).append(spec.strip())
         elif "extra" not in marker:
-            lines.append(requirement.strip())
+            by_extra.setdefault(None, []).append(requirement.strip())
         else:
             raise ImageBuildError(f"cannot tell whether the image needs {requirement!r} (a compound extra marker)")
+    lines: list[str] = []
+    wanted, seen = [None, extra], set()
+    while wanted:
+        name = wanted.pop(0)
+        if name in seen:
+            continue
+        seen.add(name)
+        for spec in by_extra.get(name, []):
+            own = _OWN_EXTRAS.match(spec)
+            if own:
+                wanted += [e.strip() for e in own.group(1).split(",")]
+            elif spec not in lines:
+                lines.append(spec)
     return lines
 
 
