@@ -16,7 +16,7 @@ come back and re-adopt its sessions. Calls that start work (create, execute, res
 are retried only when the request was not run: the connection was refused (it never left this
 process) or a stopping gateway answered 503 ``gateway_restarting``. Otherwise they are never
 sent again, since a retry could run the code twice: an execute that loses its gateway raises
-:class:`~sandkernel.agent.errors.GatewayRestarted` after waiting for the gateway to answer
+:class:`~sandkernel.agent.execution.GatewayRestarted` after waiting for the gateway to answer
 again, so the next call works. The sync twins live in :mod:`sandkernel.agent.sync_client`.
 
 In a cluster, a session's calls go straight to the host that holds it once an answer has named
@@ -51,12 +51,11 @@ from tornado.simple_httpclient import HTTPTimeoutError
 from sandkernel.agent.errors import (
     ClientError,
     GatewayError,
-    GatewayRestarted,
     GatewayUnreachableError,
     RequestTimeoutError,
     error_for_status,
 )
-from sandkernel.agent.execution import Execution, restart_message
+from sandkernel.agent.execution import Execution, GatewayRestarted, restart_message
 from sandkernel.output_text import readable_text
 from sandkernel.owner_hint import HOST_HEADER
 from sandkernel.shell import ShellResult
@@ -486,7 +485,7 @@ class AsyncSession:
         code is ``result.error``, not raised, unless ``check=True``; timeouts, kernel deaths and
         OOM kills are statuses likewise.
 
-        Raises :class:`~sandkernel.agent.errors.GatewayRestarted` when the gateway went away
+        Raises :class:`~sandkernel.agent.execution.GatewayRestarted` when the gateway went away
         before the result (the connection dropped, or the gateway let go of the execution as it
         stopped: status ``detached``), after waiting for it to answer again: the code may or may
         not have run to completion, and it is never sent twice.
@@ -523,7 +522,7 @@ class AsyncSession:
         whole process group and reports exit code 124; a non-zero exit is a result, not an error.
         ``output_limit``: bytes of output brought back (head and tail, the middle cut; default
         64 KiB, at most 4 MiB). A gateway restart raises
-        :class:`~sandkernel.agent.errors.GatewayRestarted` as in :meth:`run`."""
+        :class:`~sandkernel.agent.execution.GatewayRestarted` as in :meth:`run`."""
         body: dict[str, Any] = {"command": command}
         if timeout is not None:
             body["timeout"] = timeout

@@ -1,21 +1,16 @@
 """Exceptions of the Python client, one per failure kind, so callers can catch what they handle.
 
-Two families: the gateway refused or could not serve a request (:class:`ClientError` and its
-HTTP-status subclasses, :class:`GatewayUnreachableError`, :class:`RequestTimeoutError`), and
-code that ran but did not finish well (:class:`ExecutionFailed` subclasses, raised only when the
-caller asks: ``run(..., check=True)`` or :meth:`Execution.raise_for_status`). An exception in the
-user's code is data in the :class:`~sandkernel.agent.execution.Execution` unless asked otherwise,
-as in E2B's ``run_code``.
+Here: the gateway refused or could not serve a request (:class:`ClientError` and its
+HTTP-status subclasses, :class:`GatewayUnreachableError`, :class:`RequestTimeoutError`). Code
+that ran but did not finish well has its exceptions beside its result, in agent/execution.py
+(:class:`~sandkernel.agent.execution.ExecutionFailed` and its subclasses,
+:class:`~sandkernel.agent.execution.GatewayRestarted`): they carry the Execution, which this
+module, imported by it, does not name.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from sandkernel import errors as gateway_errors
-
-if TYPE_CHECKING:
-    from sandkernel.agent.execution import Execution
 
 
 class ClientError(Exception):
@@ -67,70 +62,8 @@ class SandboxLostError(NotFoundError):
     why: exit code, OOM kill, removed by hand); the session is listed as ``lost``, not usable."""
 
 
-class GatewayRestarted(ClientError):
-    """An execute's gateway went away before its result: the connection dropped (a crash, a
-    ``kill -9``), or the gateway let go of the execution as it stopped (status ``detached``).
-
-    Why an exception and not a status like a timeout: nothing says how far the code got. It may
-    have run to completion, part way, or (if it was still queued) not at all, and it may still
-    be running in the kernel; the client never sends it again by itself. Check the session's
-    state (a variable, a file the code writes) before running it again. ``execution`` holds the
-    outputs seen before the cut (None when the reply was not streamed); ``came_back`` says
-    whether the gateway answered again within the client's ``restart_wait``, so the next call
-    can go ahead.
-    """
-
-    def __init__(self, message: str, execution: Execution | None = None, came_back: bool = True) -> None:
-        super().__init__(message, 0, "gateway_restart")
-        self.execution = execution
-        self.came_back = came_back
-
-
 class RequestTimeoutError(ClientError, TimeoutError):
     """The gateway did not answer within the client's request timeout."""
-
-
-class ExecutionFailed(ClientError):
-    """Code ran in the sandbox but did not end ``ok``; ``execution`` holds what it produced."""
-
-    def __init__(self, message: str, execution: Execution) -> None:
-        super().__init__(message, 0, execution.status)
-        self.execution = execution
-
-
-class CodeError(ExecutionFailed):
-    """The code raised an exception (``execution.error`` has name, value, traceback)."""
-
-
-class ExecutionTimeoutError(ExecutionFailed, TimeoutError):
-    """The code ran past its timeout and was stopped (``execution.ended_by`` says how)."""
-
-
-class ExecutionInterruptedError(ExecutionFailed):
-    """The execution was interrupted (by :meth:`interrupt` or a disconnect)."""
-
-
-class KernelDiedError(ExecutionFailed):
-    """The kernel process died during the execution; its variables are gone."""
-
-
-class OutOfMemoryError(KernelDiedError, MemoryError):
-    """The kernel was killed for using more memory than its profile allows."""
-
-
-class KernelRestartedError(ExecutionFailed):
-    """A restart that a client asked for (``execution.state_lost`` says through which door) ended
-    the execution: nobody's code failed; its variables are gone, /workspace is kept."""
-
-
-class SessionDeletedError(ExecutionFailed):
-    """The session was deleted (by a client, its lifetime, the gateway's stop) while the code ran:
-    ``execution`` holds the outputs so far; start a new session."""
-
-
-class ExecutionRefusedError(ExecutionFailed):
-    """Nothing ran: the operator's execution policy or the session's circuit breaker refused the
-    code (``execution.refusal`` says who, which rule and what to change)."""
 
 
 class SnapshotFailedError(ConflictError):
@@ -182,17 +115,6 @@ CODE_ERRORS: dict[str, type[ClientError]] = {
     gateway_errors.SnapshotQuotaError.code: SnapshotQuotaError,
     gateway_errors.SessionPausedError.code: SessionPausedError,
     gateway_errors.SessionBusyError.code: SessionBusyError,
-}
-
-EXECUTION_ERRORS: dict[str, type[ExecutionFailed]] = {
-    "error": CodeError,
-    "timeout": ExecutionTimeoutError,
-    "interrupted": ExecutionInterruptedError,
-    "kernel_died": KernelDiedError,
-    "oom": OutOfMemoryError,
-    "refused": ExecutionRefusedError,
-    "restarted": KernelRestartedError,
-    "deleted": SessionDeletedError,
 }
 
 

@@ -1,4 +1,7 @@
-"""What one ``run`` returns: the ordered outputs in nbformat shape, plus views people reach for.
+"""What one ``run`` returns: the ordered outputs in nbformat shape, plus views people reach for;
+and the exceptions raised for an execution that did not end well, which carry it (raised only
+when the caller asks: ``run(..., check=True)`` or :meth:`Execution.raise_for_status`; an
+exception in the user's code is data in the Execution otherwise, as in E2B's ``run_code``).
 
 Field names follow the gateway's execute reply; the views (``text``, ``stdout``, ``results``,
 ``images``, ``error``) are what E2B's ``Execution`` users expect to find.
@@ -10,7 +13,7 @@ import base64
 import dataclasses
 from typing import Any
 
-from sandkernel.agent.errors import EXECUTION_ERRORS, GatewayRestarted
+from sandkernel.agent.errors import ClientError
 from sandkernel.mime import IMAGE_MIME_TYPES, is_base64
 
 
@@ -150,3 +153,77 @@ def restart_message(how: str, came_back: bool = True, waited: float = 0.0) -> st
         "completion, and may still be running in the kernel; do not assume it ran once or not at "
         f"all: check the session's state before running it again ({back})"
     )
+
+
+class GatewayRestarted(ClientError):
+    """An execute's gateway went away before its result: the connection dropped (a crash, a
+    ``kill -9``), or the gateway let go of the execution as it stopped (status ``detached``).
+
+    Why an exception and not a status like a timeout: nothing says how far the code got. It may
+    have run to completion, part way, or (if it was still queued) not at all, and it may still
+    be running in the kernel; the client never sends it again by itself. Check the session's
+    state (a variable, a file the code writes) before running it again. ``execution`` holds the
+    outputs seen before the cut (None when the reply was not streamed); ``came_back`` says
+    whether the gateway answered again within the client's ``restart_wait``, so the next call
+    can go ahead.
+    """
+
+    def __init__(self, message: str, execution: Execution | None = None, came_back: bool = True) -> None:
+        super().__init__(message, 0, "gateway_restart")
+        self.execution = execution
+        self.came_back = came_back
+
+
+class ExecutionFailed(ClientError):
+    """Code ran in the sandbox but did not end ``ok``; ``execution`` holds what it produced."""
+
+    def __init__(self, message: str, execution: Execution) -> None:
+        super().__init__(message, 0, execution.status)
+        self.execution = execution
+
+
+class CodeError(ExecutionFailed):
+    """The code raised an exception (``execution.error`` has name, value, traceback)."""
+
+
+class ExecutionTimeoutError(ExecutionFailed, TimeoutError):
+    """The code ran past its timeout and was stopped (``execution.ended_by`` says how)."""
+
+
+class ExecutionInterruptedError(ExecutionFailed):
+    """The execution was interrupted (by :meth:`interrupt` or a disconnect)."""
+
+
+class KernelDiedError(ExecutionFailed):
+    """The kernel process died during the execution; its variables are gone."""
+
+
+class OutOfMemoryError(KernelDiedError, MemoryError):
+    """The kernel was killed for using more memory than its profile allows."""
+
+
+class KernelRestartedError(ExecutionFailed):
+    """A restart that a client asked for (``execution.state_lost`` says through which door) ended
+    the execution: nobody's code failed; its variables are gone, /workspace is kept."""
+
+
+class SessionDeletedError(ExecutionFailed):
+    """The session was deleted (by a client, its lifetime, the gateway's stop) while the code ran:
+    ``execution`` holds the outputs so far; start a new session."""
+
+
+class ExecutionRefusedError(ExecutionFailed):
+    """Nothing ran: the operator's execution policy or the session's circuit breaker refused the
+    code (``execution.refusal`` says who, which rule and what to change)."""
+
+
+EXECUTION_ERRORS: dict[str, type[ExecutionFailed]] = {
+    "error": CodeError,
+    "timeout": ExecutionTimeoutError,
+    "interrupted": ExecutionInterruptedError,
+    "kernel_died": KernelDiedError,
+    "oom": OutOfMemoryError,
+    "refused": ExecutionRefusedError,
+    "restarted": KernelRestartedError,
+    "deleted": SessionDeletedError,
+}

@@ -135,7 +135,7 @@ class Session:
 
     def run(self, code: str, timeout: float | None = None, **options: Any) -> Execution:
         """See :meth:`AsyncSession.run` (callbacks run on the client's loop thread; a gateway
-        restart raises :class:`~sandkernel.agent.errors.GatewayRestarted` here likewise)."""
+        restart raises :class:`~sandkernel.agent.execution.GatewayRestarted` here likewise)."""
         return self._call(self._async.run(code, timeout, **options))
 
     def shell(self, command: str, timeout: float | None = None, **options: Any) -> ShellResult:

@@ -14,8 +14,7 @@ import re
 from typing import Any
 
 from sandkernel.agent.client import AsyncSession
-from sandkernel.agent.errors import GatewayRestarted
-from sandkernel.agent.execution import Execution
+from sandkernel.agent.execution import Execution, GatewayRestarted
 from sandkernel.agent.images import image_block
 from sandkernel.truncation import clip_text, cut_marker
 

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError
-from sandkernel.gateway.registry import LostSession, ManagedSession, PausedSession, SessionRegistry, seconds_since
+from sandkernel.gateway.managed import LostSession, ManagedSession, PausedSession, seconds_since
+from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settled_replies import SettledReplies
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.execution.session import KernelSession

@@ -18,39 +18,75 @@ import json
 import logging
 import math
 from collections.abc import Awaitable, Mapping
-from http import HTTPStatus
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from tornado import web
 
 from sandkernel.errors import KernelNotFoundError, SandkernelError, SessionClosedError
 from sandkernel.gateway.auth import TokenAuth
+from sandkernel.gateway.http_api import MAX_BODY_BYTES, MAX_DRAINED_BYTES, ApiError, phrase_code
+from sandkernel.gateway.managed import LostSession, ManagedSession, TooManySessionsError
 from sandkernel.gateway.metrics import GatewayMetrics
-from sandkernel.gateway.registry import LostSession, ManagedSession, SessionRegistry, TooManySessionsError
+from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.owner_hint import HOST_HEADER
 
 if TYPE_CHECKING:
-    from sandkernel.gateway.cluster.catalog import HostInfo
-    from sandkernel.gateway.cluster.forward import ClusterLink
-    from sandkernel.gateway.cluster.signing import Forwarded
+    from tornado.httputil import HTTPServerRequest
+
+    from sandkernel.kernels.durable.records import SandboxRecord
 
 log = logging.getLogger(__name__)
+
+
+# The cluster as a handler sees it, when this gateway is one of several: the single-host core
+# names it by what it uses (gateway/cluster/ implements it on top of one host, and this module
+# imports nothing of gateway/cluster at load).
+
+
+class ForwardedRequest(Protocol):
+    """A request another gateway forwarded, verified (gateway/cluster/signing.py's Forwarded)."""
+
+    @property
+    def origin(self) -> str: ...
+
+    def check_body(self, body: bytes) -> None: ...
+
+
+class OtherHost(Protocol):
+    """Another gateway of the cluster (gateway/cluster/catalog.py's HostInfo)."""
+
+    @property
+    def host_id(self) -> str: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def status(self) -> str: ...
+
+
+class ClusterSeam(Protocol):
+    """What a handler asks of the cluster (gateway/cluster/forward.py's ClusterLink)."""
+
+    @property
+    def url(self) -> str: ...
+
+    def forwarded_from(self, request: HTTPServerRequest) -> ForwardedRequest | None: ...
+
+    async def owner_elsewhere(
+        self, tenant: str, *, session_id: str | None = None, kernel_id: str | None = None
+    ) -> OtherHost | None: ...
+
+    async def lost_with_its_host(self, tenant: str, session_id: str) -> SandboxRecord | None: ...
+
+    async def forget_lost(self, tenant: str, session_id: str) -> bool: ...
+
 
 INTERNAL_ERROR = (500, "internal_error", "the gateway hit an unexpected error; it has been logged")
 # What a request gets while the gateway is stopping (its sessions go on in the next process).
 RESTARTING_MESSAGE = "the gateway is restarting; retry"
 RETRY_AFTER_SECONDS = 2
-
-
-class ApiError(web.HTTPError):
-    """A handler's refusal of a request: an HTTP status, a machine code and a sentence for people."""
-
-    def __init__(self, status: int, message: str, code: str | None = None, retry_after: float | None = None) -> None:
-        super().__init__(status, reason=HTTPStatus(status).phrase)
-        self.message = message
-        self.code = code or _phrase_code(status)
-        self.retry_after = retry_after
 
 
 def restarting_error() -> ApiError:
@@ -67,13 +103,6 @@ def retry_after_of(err: BaseException | None) -> int | None:
     return max(1, math.ceil(seconds))
 
 
-def _phrase_code(status: int) -> str:
-    try:
-        return HTTPStatus(status).phrase.lower().replace(" ", "_")
-    except ValueError:
-        return "error"
-
-
 def error_reply(err: BaseException) -> tuple[int, str, str]:
     """(status, code, message) for any exception a request raised: the one mapping.
 
@@ -84,7 +113,7 @@ def error_reply(err: BaseException) -> tuple[int, str, str]:
     if isinstance(err, SandkernelError):
         return err.http_status, err.code, str(err) or type(err).__doc__ or err.code
     if isinstance(err, web.HTTPError):
-        code = _phrase_code(err.status_code)
+        code = phrase_code(err.status_code)
         return err.status_code, code, err.log_message or err.reason or code.replace("_", " ")
     return INTERNAL_ERROR
 
@@ -149,14 +178,6 @@ def error_payload(code: str, message: str) -> bytes:
     return json.dumps({"error": code, "message": message}).encode()
 
 
-# Request bodies larger than this get a JSON 413 (checked on Content-Length, then while reading).
-MAX_BODY_BYTES = 40 * 1024 * 1024
-# Tornado's own cap (its HTTPServer's max_body_size): a body over it ends the connection with a
-# bare 400. Up to it, the rest of an over-limit body is read and dropped after the 413 went out
-# (BaseHandler.refuse_then_drain).
-MAX_DRAINED_BYTES = 2 * MAX_BODY_BYTES
-
-
 @web.stream_request_body
 class BaseHandler(web.RequestHandler):
     """Thin handlers: dependencies come through ``initialize``; subclasses implement verbs.
@@ -175,7 +196,7 @@ class BaseHandler(web.RequestHandler):
     served_while_stopping = False  # health, metrics and the API document answer to the end
     _counted = False
     forwarded_from: str | None = None  # the origin host of a request another gateway forwarded (verified)
-    forward_to: HostInfo | None = None  # the host this request is passed to (cluster mode)
+    forward_to: OtherHost | None = None  # the host this request is passed to (cluster mode)
     lost_elsewhere: LostSession | None = None  # its session was lost with its host (cluster mode)
     serves_session_model = False  # GET/DELETE /api/sessions/{id}: a lost session's model and delete
     forwarding: Any = None  # the exchange with that host, once started (gateway/cluster/forward.py)
@@ -223,7 +244,7 @@ class BaseHandler(web.RequestHandler):
             return None  # forwarded once already (the loop guard), or no session in the path
         return self._route(cluster, session_id, kernel_id)
 
-    def _check_body_once_in(self, forwarded: Forwarded) -> None:
+    def _check_body_once_in(self, forwarded: ForwardedRequest) -> None:
         """The verb runs only if the body that came is the one the forwarding gateway signed
         (401 otherwise): tornado calls it by name once the body is in, so it is wrapped here."""
         verb_name = (self.request.method or "get").lower()
@@ -238,11 +259,11 @@ class BaseHandler(web.RequestHandler):
         setattr(self, verb_name, checked)
 
     @property
-    def cluster(self) -> ClusterLink | None:
+    def cluster(self) -> ClusterSeam | None:
         """This gateway's cluster link; None on a single host."""
         return getattr(self.registry, "cluster", None)
 
-    async def _route(self, cluster: ClusterLink, session_id: str | None, kernel_id: str | None) -> None:
+    async def _route(self, cluster: ClusterSeam, session_id: str | None, kernel_id: str | None) -> None:
         """Cluster mode: when another host holds the caller's session or kernel (and this one does
         not), the request is passed there once its body is in (:meth:`_forward` answers for the
         verb). A session this host holds, or nobody does, or another tenant does, is served here."""
@@ -409,7 +430,7 @@ class BaseHandler(web.RequestHandler):
     def write_error(self, status_code: int, **kwargs: Any) -> None:
         exc = kwargs.get("exc_info", (None, None, None))[1]
         if exc is None:
-            code = _phrase_code(status_code)
+            code = phrase_code(status_code)
             message = code.replace("_", " ")
         else:
             _, code, message = error_reply(exc)

@@ -54,7 +54,7 @@ from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatu
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 
 if TYPE_CHECKING:
-    from sandkernel.gateway.registry import ManagedSession
+    from sandkernel.gateway.managed import ManagedSession
     from sandkernel.gateway.settings import GatewaySettings
 
 log = logging.getLogger(__name__)
@@ -215,7 +215,7 @@ class StartBreaker:
         self._in_flight: dict[int, float] = {}  # id of a running start -> when it began
         self.last_failure: str | None = None
         if metrics is not None:
-            metrics.watch_start_breaker(self)
+            metrics.watch_start_breaker(self.health, STATES)
 
     @property
     def engine(self) -> DockerEngine:

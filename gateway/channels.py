@@ -36,10 +36,12 @@ from tornado import websocket
 
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import ApiError, authenticate_request, error_reply, restarting_error, retry_after_of
+from sandkernel.gateway.base import authenticate_request, error_reply, restarting_error, retry_after_of
 from sandkernel.gateway.cluster.forward import ForwardedChannels, cluster_of
+from sandkernel.gateway.http_api import ApiError
 from sandkernel.gateway.inflight import InFlight, ledger_of
-from sandkernel.gateway.registry import ManagedSession, SessionRegistry
+from sandkernel.gateway.managed import ManagedSession
+from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.gateway.wire import FrameError, from_frame, to_frame
 from sandkernel.gateway.ws_audit import debug_request_note, execute_request_notes

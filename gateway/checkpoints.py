@@ -14,15 +14,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.events import ALLOW, ExecutionRequest, SessionObserver, Verdict
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
 
 if TYPE_CHECKING:
-    from sandkernel.gateway.registry import ManagedSession
-    from sandkernel.gateway.snapshots import SnapshotManager
+    from sandkernel.gateway.managed import ManagedSession
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,12 @@ KEPT_AFTER = frozenset({ExecutionStatus.OK, ExecutionStatus.ERROR, ExecutionStat
 
 class CellCheckpoints(SessionObserver):
     """Takes a checkpoint after each recorded cell of one session, and holds the next cell back
-    until it is taken (it is also the session's gate)."""
+    until it is taken (it is also the session's gate). ``take`` is the snapshot manager's
+    ``checkpoint`` (gateway/snapshots.py, which builds this observer: given the method, this
+    module imports nothing of it)."""
 
-    def __init__(self, manager: SnapshotManager, managed: ManagedSession) -> None:
-        self.manager = manager
+    def __init__(self, take: Callable[[ManagedSession], Awaitable[Any]], managed: ManagedSession) -> None:
+        self.take = take
         self.managed = managed
         self._pending: asyncio.Task | None = None
 
@@ -46,7 +48,7 @@ class CellCheckpoints(SessionObserver):
 
     async def _take(self) -> None:
         try:
-            await self.manager.checkpoint(self.managed)
+            await self.take(self.managed)
         except SandkernelError as err:  # the quota, a sandbox that went away: the cell stands
             log.warning("no checkpoint after this cell: %s", err, extra={"session": self.managed.id})
 

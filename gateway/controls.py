@@ -28,7 +28,7 @@ from sandkernel.kernels.policy import ExecPolicy, PolicyGate, load_policy
 from sandkernel.kernels.sandbox.state_dir import state_dir
 
 if TYPE_CHECKING:
-    from sandkernel.gateway.registry import ManagedSession
+    from sandkernel.gateway.managed import ManagedSession
     from sandkernel.kernels.execution.session import KernelSession
 
 AUDIT_SUBDIR = "audit"

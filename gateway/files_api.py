@@ -8,7 +8,7 @@ each with its own status (a closed session is a 404, a missing container too; ne
 from __future__ import annotations
 
 from sandkernel.doors import SESSION_API
-from sandkernel.gateway.base import ApiError
+from sandkernel.gateway.http_api import ApiError
 from sandkernel.gateway.sessions_api import SessionScoped
 from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFiles
 

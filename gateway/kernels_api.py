@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 from sandkernel import __version__
 from sandkernel.doors import KERNEL_API
-from sandkernel.gateway.base import ApiError, BaseHandler
+from sandkernel.gateway.base import BaseHandler
 from sandkernel.gateway.cluster.forward import record_model
-from sandkernel.gateway.registry import ManagedSession
+from sandkernel.gateway.http_api import ApiError
+from sandkernel.gateway.managed import ManagedSession
 from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 from sandkernel.kernels.lifecycle.profiles import Runtime
 from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for

@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
-
-if TYPE_CHECKING:
-    from sandkernel.gateway.breakers import StartBreaker
 
 # A label value longer than this is cut (a custom policy check names its own rules).
 MAX_LABEL_CHARS = 64
@@ -137,13 +134,14 @@ class GatewayMetrics:
             registry=self.registry,
         )
 
-    def watch_start_breaker(self, breaker: StartBreaker) -> None:
-        """Read ``breaker``'s state at every scrape (it changes with time: open -> half_open)."""
-        from sandkernel.gateway.breakers import STATES
-
-        for state in STATES:
+    def watch_start_breaker(self, health: Callable[[], dict[str, Any]], states: Iterable[str]) -> None:
+        """Read the start breaker's state from ``health`` (its ``health()``) at every scrape (it
+        changes with time: open -> half_open), one gauge per state of ``states``. Given the
+        method, not the breaker: the breakers report to these metrics, so this module names none
+        of theirs."""
+        for state in states:
             self.start_breaker_state.labels(state).set_function(
-                lambda state=state: 1.0 if breaker.health()["state"] == state else 0.0
+                lambda state=state: 1.0 if health()["state"] == state else 0.0
             )
 
     def record_execution(self, result: ExecutionResult) -> None:

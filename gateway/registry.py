@@ -15,22 +15,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import datetime as dt
-import hashlib
 import logging
 import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sandkernel.errors import (
-    ConfigError,
     KernelNotFoundError,
-    SandboxLostError,
     SandkernelError,
-    SessionPausedError,
+)
+from sandkernel.gateway.managed import (
+    LostSession,
+    ManagedSession,
+    PausedSession,
+    TooManySessionsError,
+    now_iso,
 )
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.session_metadata import checked_metadata
@@ -43,277 +44,51 @@ from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
 from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.profiles import Profile
 from sandkernel.kernels.sandbox.cpu_groups import group_for
-from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
-from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
 from sandkernel.notebooks.observer import attach_transcript
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
 if TYPE_CHECKING:
-    from sandkernel.gateway.audit.log import AuditLog
-    from sandkernel.gateway.breakers import SessionBreaker
-    from sandkernel.gateway.cluster.forward import ClusterLink
     from sandkernel.gateway.controls import SessionControls
-    from sandkernel.gateway.snapshots import SnapshotManager
 
 log = logging.getLogger(__name__)
 
 
+class Snapshots(Protocol):
+    """What the registry asks of the gateway's snapshots (gateway/snapshots.py's SnapshotManager,
+    which sits above it: named here by what is used, so the registry imports nothing of it)."""
+
+    def watch(self, managed: ManagedSession) -> None: ...
+
+    async def settled(self, session_id: str, tenant: str | None = None) -> None: ...
+
+    async def pause(self, managed: ManagedSession, door: str) -> dict[str, Any]: ...
+
+    async def resume(self, tenant: str, session_id: str, door: str) -> dict[str, Any]: ...
+
+    async def forget(self, session_id: str) -> None: ...
+
+    async def expire(self) -> list[str]: ...
+
+
+class ClusterCatalog(Protocol):
+    """The shared catalog's session reservations (gateway/cluster/catalog.py)."""
+
+    async def reserve(self, tenant: str, limit: int | None, session_id: str) -> None: ...
+
+    async def release(self, session_id: str) -> None: ...
+
+
+class Cluster(Protocol):
+    """What the registry asks of the cluster (gateway/cluster/forward.py's ClusterLink, on top of
+    one host: the registry never imports it)."""
+
+    @property
+    def catalog(self) -> ClusterCatalog: ...
+
+
 # Idle sessions the culler pauses at once (each pause archives a workspace: disk and CPU).
 CULL_PAUSES_AT_ONCE = 4
-
-
-class TooManySessionsError(ConfigError):
-    """A tenant (or the gateway) is at its session limit."""
-
-    status = 429
-
-
-# What an interrupt answers while a restart is under way (it sends nothing).
-RESTART_UNDER_WAY = (
-    "a restart of the kernel is under way, so nothing was interrupted: the restart ends the running "
-    "cell (status restarted)"
-)
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def seconds_since(timestamp: str | None) -> float:
-    """Seconds between an ISO 8601 timestamp (``_now()``'s form) and now; 0 for none or a bad one
-    (a clock that went back counts as no time)."""
-    if not isinstance(timestamp, str):
-        return 0.0
-    try:
-        then = dt.datetime.fromisoformat(timestamp.replace("Z", "+00:00"))
-    except ValueError:
-        return 0.0
-    if then.tzinfo is None:
-        then = then.replace(tzinfo=dt.timezone.utc)
-    return max(0.0, (dt.datetime.now(dt.timezone.utc) - then).total_seconds())
-
-
-@dataclasses.dataclass
-class ManagedSession:
-    session: KernelSession
-    tenant: str
-    created: str
-    metadata: dict[str, Any]
-    kernel_name: str
-    last_activity: str = dataclasses.field(default_factory=_now)
-    execution_state: str = "idle"
-    connections: int = 0
-    origin: str = "session_api"  # or "kernel_api": who created it decides who may end it
-    created_mono: float = dataclasses.field(default_factory=time.monotonic)
-    recorder: TranscriptRecorder | None = None  # the session's transcript (an observer of it)
-    # execute_replies of websocket executes a previous gateway process left running, for the
-    # websockets that (re)connect (settled_replies.py)
-    settled_replies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    active_mono: float = dataclasses.field(default_factory=time.monotonic)
-    breaker: SessionBreaker | None = None  # its circuit breaker (gateway/controls.py attaches it)
-    audit: AuditLog | None = None  # the gateway's audit stream, when it writes one
-    helper_timeout: float = FILE_HELPER_TIMEOUT  # the gateway's --helper-timeout (attach_observers)
-    # When its --max-lifetime started counting: its creation, or for a fork its parent's (a
-    # fork must not renew a lifetime). Kept in the catalog so a later gateway counts the same.
-    lifetime_from: str | None = None
-
-    @property
-    def files(self) -> WorkspaceFiles:
-        """Its /workspace, read and written inside its sandbox within the helper deadline."""
-        return WorkspaceFiles(self.session.container, self.helper_timeout)
-
-    @property
-    def id(self) -> str:
-        return self.session.id
-
-    def audit_record(self, event: str, door: str | None = None, **fields: Any) -> None:
-        """Add a record about this session to the audit stream, if there is one."""
-        if self.audit is not None:
-            self.audit.record(event, tenant=self.tenant, session=self.id, door=door, **fields)
-
-    def touch(self, state: str | None = None) -> None:
-        self.last_activity = _now()
-        self.active_mono = time.monotonic()
-        if state:
-            self.execution_state = state
-
-    async def interrupt(self, door: str) -> bool:
-        """Interrupt the running execution: what the kernel API's and the session API's
-        ``/interrupt`` and MCP's ``interrupt`` do (``door`` says which, for the audit). False:
-        nothing was sent, a restart is under way (it ends the running cell)."""
-        sent = await self.session.interrupt()
-        self.audit_record("session_interrupted", door=door, sent=sent)
-        return sent
-
-    async def restart(self, door: str) -> None:
-        """Restart the kernel (memory state dropped, /workspace kept); the fresh kernel is idle
-        whatever was running before: what both the kernel and the session API's ``/restart`` do.
-        A restart asked for is also how a caller takes a quarantined session back (its breaker
-        is cleared)."""
-        await self.session.restart(f"the kernel was restarted on request through the {door} door")
-        self.touch("idle")
-        if self.breaker is not None:
-            self.breaker.clear()
-        self.audit_record("session_restarted", door=door)
-
-    async def write_file(self, path: str, data: bytes, door: str) -> dict[str, Any]:
-        """Write a tenant's file into /workspace (inside the sandbox), keep a copy in the
-        transcript so a replay can restore the session's inputs, and audit it: what every door
-        that uploads (the files API, MCP) does."""
-        written = await self.files.write(path, data)
-        if self.session.meter is not None:  # the upload is not the next cell's doing
-            self.session.meter.forget_files()
-        if self.recorder is not None:
-            self.recorder.record_input(written.get("path", path), data)
-        self.audit_record(
-            "file_written",
-            door=door,
-            path=written.get("path", path),
-            size=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-        )
-        return written
-
-    def kernel_model(self) -> dict[str, Any]:
-        """The Jupyter kernel model (what /api/kernels returns)."""
-        return {
-            "id": self.session.kernel_id,
-            "name": self.kernel_name,
-            "last_activity": self.last_activity,
-            "execution_state": self.execution_state,
-            "connections": self.connections,
-        }
-
-    def session_model(self) -> dict[str, Any]:
-        """A superset of Jupyter's session model."""
-        return {
-            "id": self.id,
-            "path": str(self.recorder.path) if self.recorder else None,
-            "name": self.metadata.get("name", ""),
-            "type": "notebook",
-            "kernel": self.kernel_model(),
-            "created": self.created,
-            "profile": self.session.profile.to_dict(public=True),
-            "metadata": self.metadata,
-            "state": SandboxState.RUNNING.value,
-            "quarantined": self.breaker.quarantined if self.breaker is not None else None,
-        }
-
-    def gateway_record(self, **extra: Any) -> dict[str, Any]:
-        """The registry's part of the session's catalog record: what a later gateway needs to list
-        it as this one did (the tenant and the kernel's state are fields of their own)."""
-        return {
-            "created": self.created,
-            "lifetime_from": self.lifetime_from or self.created,
-            "metadata": self.metadata,
-            "kernel_name": self.kernel_name,
-            "origin": self.origin,
-            "transcript": str(self.recorder.path) if self.recorder else None,
-            "last_activity": self.last_activity,
-            "quarantined": self.breaker.quarantined if self.breaker is not None else None,
-            **extra,
-        }
-
-
-@dataclasses.dataclass
-class RecordedSession:
-    """A session the registry knows only by its catalog record (lost or paused): no sandbox runs."""
-
-    record: SandboxRecord
-
-    @property
-    def id(self) -> str:
-        return self.record.session_id
-
-    @property
-    def tenant(self) -> str:
-        return self.record.tenant or ""
-
-
-@dataclasses.dataclass
-class LostSession(RecordedSession):
-    """A recorded session whose sandbox a restarted gateway could not adopt: it died or was
-    removed while no gateway was attached (or, ``refused``, it was not what the record says and
-    is left alone for the operator). Listed with its reason until its tenant deletes it; every
-    other call on it is a 410 that says so."""
-
-    reason: str
-    refused: bool = False
-
-    def error(self) -> SandboxLostError:
-        return SandboxLostError(
-            f"session {self.id}'s sandbox is lost: {self.reason}. Its variables and files are gone; "
-            f"delete it (DELETE /api/sessions/{self.id}) and start a new session"
-        )
-
-    def session_model(self) -> dict[str, Any]:
-        """The session model of a live session, with state ``lost`` and the reason; its kernel is
-        ``dead``."""
-        return {
-            **recorded_model(self.record, self.record.kernel.get("kernel_id"), "dead"),
-            "state": SandboxState.LOST.value,
-            "lost_reason": self.reason,
-        }
-
-
-@dataclasses.dataclass
-class PausedSession(RecordedSession):
-    """A session paused to disk (gateway/snapshots.py): no container, no memory, no CPU; its files
-    and the cells that rebuild its memory are kept in a snapshot until it is resumed (explicitly,
-    or by its next execute or file call), deleted, or expired after ``paused_ttl``."""
-
-    @property
-    def snapshot(self) -> dict[str, Any]:
-        """The snapshot's summary (id, bytes, cells, created)."""
-        paused = self.record.kernel.get("paused")
-        return dict(paused) if isinstance(paused, dict) else {}
-
-    def error(self) -> SessionPausedError:
-        return SessionPausedError(
-            f"session {self.id} is paused; resume it (POST /api/sessions/{self.id}/resume), or execute code or "
-            "use its files: that resumes it"
-        )
-
-    def session_model(self) -> dict[str, Any]:
-        """The session model with state ``paused`` and its snapshot; its kernel does not run."""
-        return {
-            **recorded_model(self.record, None, "paused"),
-            "state": SandboxState.PAUSED.value,
-            "snapshot": self.snapshot,
-        }
-
-
-def recorded_model(record: SandboxRecord, kernel_id: Any, execution_state: str) -> dict[str, Any]:
-    """The session model of a session known only by its catalog record (lost, paused)."""
-    gateway = record.gateway
-    metadata = gateway.get("metadata") if isinstance(gateway.get("metadata"), dict) else {}
-    return {
-        "id": record.session_id,
-        "path": gateway.get("transcript"),
-        "name": metadata.get("name", ""),
-        "type": "notebook",
-        "kernel": {
-            "id": kernel_id,
-            "name": gateway.get("kernel_name"),
-            "last_activity": gateway.get("last_activity"),
-            "execution_state": execution_state,
-            "connections": 0,
-        },
-        "created": gateway.get("created"),
-        "profile": _public_profile(record.kernel.get("profile")),
-        "metadata": metadata,
-    }
-
-
-def _public_profile(recorded: Any) -> dict[str, Any]:
-    """The public view of a recorded profile ({} when the record's cannot be read back)."""
-    from sandkernel.kernels.durable.adoption import profile_from_record
-
-    try:
-        return profile_from_record(recorded).to_dict(public=True)
-    except Exception:  # a record a newer or older gateway wrote: listing it must still work
-        return {}
 
 
 class SessionRegistry:
@@ -343,7 +118,7 @@ class SessionRegistry:
         self._sessions: dict[str, ManagedSession] = {}
         self._lost: dict[str, LostSession] = {}
         self._paused: dict[str, PausedSession] = {}
-        self.snapshots: SnapshotManager | None = None  # set by gateway/snapshots.py's SnapshotManager
+        self.snapshots: Snapshots | None = None  # set by gateway/snapshots.py's SnapshotManager
         self._pending: dict[str, int] = {}  # sandboxes being made, by tenant (see reserved)
         self._resuming = 0  # paused sessions being resumed (they count for their tenant already)
         self._idle_pauses: dict[str, asyncio.Task] = {}  # the culler's pauses under way, by session
@@ -357,7 +132,7 @@ class SessionRegistry:
         self._start_slots = asyncio.Semaphore(settings.cold_start_concurrency)
         self._tenant_starts: dict[str, asyncio.Semaphore] = {}  # each token's lane of cold starts
         self.cpu_groups: set[str] = set()  # the tenants' CPU groups used: removed when empty at the stop
-        self.cluster: ClusterLink | None = None  # the other hosts and the shared catalog, when one of several
+        self.cluster: Cluster | None = None  # the other hosts and the shared catalog, when one of several
         if pool is not None:  # the pool grows beyond its floor only into room the sessions leave
             pool.room = self._pool_room
 
@@ -490,7 +265,9 @@ class SessionRegistry:
                 session = await self.cold_start(chosen, session_id, tenant)
             await attach_transcript(session, recorder)
             kernel_name = kernel_name_for(session.profile.runtime)
-            managed = ManagedSession(session, tenant, _now(), metadata, kernel_name, origin=origin, recorder=recorder)
+            managed = ManagedSession(
+                session, tenant, now_iso(), metadata, kernel_name, origin=origin, recorder=recorder
+            )
             await self.record(managed)
         self.attach_observers(managed)
         self._sessions[session.id] = managed
@@ -883,7 +660,7 @@ class SessionRegistry:
         await self._stop_idle_pauses()
         sessions = list(self._sessions.values())
         self._sessions.clear()
-        detached_at = _now()
+        detached_at = now_iso()
         results = await asyncio.gather(*(m.session.detach() for m in sessions), return_exceptions=True)
         for managed, outcome in zip(sessions, results, strict=True):
             if isinstance(outcome, BaseException):

@@ -9,7 +9,7 @@ from typing import Any
 from sandkernel.doors import CLIENT_DOORS
 from sandkernel.errors import ConfigError
 from sandkernel.gateway.budget import OutputBudget, apply_budget
-from sandkernel.gateway.registry import ManagedSession
+from sandkernel.gateway.managed import ManagedSession
 from sandkernel.kernels.execution.outputs import ExecutionResult
 from sandkernel.kernels.execution.session import MAX_EXECUTE_TIMEOUT, check_timeout
 from sandkernel.output_text import readable_text

@@ -29,7 +29,7 @@ from sandkernel import __version__
 from sandkernel.errors import ConfigError, SandkernelError
 from sandkernel.gateway.adoption import AdoptionReport, adopt_all
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import MAX_DRAINED_BYTES, BaseHandler, NotFoundHandler, authenticate_operator
+from sandkernel.gateway.base import BaseHandler, NotFoundHandler, authenticate_operator
 from sandkernel.gateway.channels import ChannelsHandler
 from sandkernel.gateway.cluster.catalog import ClusterCatalog
 from sandkernel.gateway.cluster.fast_lane import FastLane
@@ -38,6 +38,7 @@ from sandkernel.gateway.cluster.membership import ClusterMembership
 from sandkernel.gateway.cluster.signing import load_cluster_secret
 from sandkernel.gateway.controls import SessionControls
 from sandkernel.gateway.files_api import EgressHandler, FilesHandler, VariablesHandler
+from sandkernel.gateway.http_api import MAX_DRAINED_BYTES
 from sandkernel.gateway.kernels_api import (
     ApiRootHandler,
     KernelActionHandler,

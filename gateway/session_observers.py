@@ -19,7 +19,7 @@ from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserve
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
 
 if TYPE_CHECKING:
-    from sandkernel.gateway.registry import ManagedSession
+    from sandkernel.gateway.managed import ManagedSession
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,8 @@ from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserve
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
 
 if TYPE_CHECKING:
-    from sandkernel.gateway.registry import ManagedSession, SessionRegistry
+    from sandkernel.gateway.managed import ManagedSession
+    from sandkernel.gateway.registry import SessionRegistry
 
 # How many settled replies a session keeps for websockets that have not reconnected yet.
 MAX_PENDING = 8

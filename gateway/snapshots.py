@@ -42,7 +42,8 @@ from sandkernel.errors import (
 )
 from sandkernel.gateway.adoption import managed_from_record
 from sandkernel.gateway.checkpoints import CellCheckpoints
-from sandkernel.gateway.registry import ManagedSession, PausedSession, SessionRegistry, _now, seconds_since
+from sandkernel.gateway.managed import ManagedSession, PausedSession, now_iso, seconds_since
+from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.adoption import profile_from_record, profile_record
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
@@ -134,7 +135,7 @@ class SnapshotManager:
             kernel,
             state=SandboxState.PAUSED,
             tenant=live.tenant,
-            gateway=live.gateway_record(paused_at=_now()),
+            gateway=live.gateway_record(paused_at=now_iso()),
         )
         # Live to paused with no await between: in between, the session counted for neither, and
         # a concurrent create or fork of its tenant could pass the limit (a benchmark saw it).
@@ -377,7 +378,7 @@ class SnapshotManager:
     def watch(self, managed: ManagedSession) -> None:
         """With ``--checkpoint-every-cell``, checkpoint the session's files after each cell."""
         if self.settings.checkpoint_every_cell:
-            checkpoints = CellCheckpoints(self, managed)
+            checkpoints = CellCheckpoints(self.checkpoint, managed)
             managed.session.add_observer(checkpoints)
             managed.session.add_gate(checkpoints)
 
@@ -487,7 +488,7 @@ class SnapshotManager:
             child = ManagedSession(
                 session,
                 parent.tenant,
-                _now(),
+                now_iso(),
                 metadata,
                 kernel_name_for(session.profile.runtime),
                 origin=parent.origin,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from sandkernel import doors
-from sandkernel.gateway.base import ApiError
+from sandkernel.gateway.http_api import ApiError
 from sandkernel.gateway.sessions_api import SessionScoped
 
 

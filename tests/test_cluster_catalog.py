@@ -19,7 +19,8 @@ import pytest
 from sandkernel.errors import SandboxLostError
 from sandkernel.gateway.cluster.catalog import ClusterCatalog, HostInfo
 from sandkernel.gateway.cluster.membership import ClusterMembership
-from sandkernel.gateway.registry import SessionRegistry, TooManySessionsError
+from sandkernel.gateway.managed import TooManySessionsError
+from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable import pg_host_lock
 from sandkernel.kernels.durable.postgres import (

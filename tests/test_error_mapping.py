@@ -24,9 +24,10 @@ from sandkernel.errors import (
     SettingNotPermittedError,
     UnknownProfileError,
 )
-from sandkernel.gateway.base import INTERNAL_ERROR, ApiError, BaseHandler, error_reply
+from sandkernel.gateway.base import INTERNAL_ERROR, BaseHandler, error_reply
+from sandkernel.gateway.http_api import ApiError
+from sandkernel.gateway.managed import TooManySessionsError
 from sandkernel.gateway.metrics import GatewayMetrics
-from sandkernel.gateway.registry import TooManySessionsError
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.sandbox.workspace_files import WorkspaceFileError
 

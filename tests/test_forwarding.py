@@ -30,7 +30,6 @@ from tornado.netutil import bind_sockets
 from tornado.websocket import websocket_connect
 
 from sandkernel.errors import ConfigError
-from sandkernel.gateway.base import MAX_BODY_BYTES
 from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.cluster.peer_pool import Hop, PeerPool
 from sandkernel.gateway.cluster.signing import (
@@ -39,6 +38,7 @@ from sandkernel.gateway.cluster.signing import (
     load_cluster_secret,
     sign,
 )
+from sandkernel.gateway.http_api import MAX_BODY_BYTES
 from sandkernel.gateway.kernels_api import recorded_kernel_model
 from sandkernel.kernels.durable.records import SandboxRecord
 

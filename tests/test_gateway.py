@@ -288,7 +288,7 @@ async def test_files_and_variables(gateway):
 
 
 async def test_oversized_body_gets_a_json_413(gateway):
-    from sandkernel.gateway.base import MAX_BODY_BYTES
+    from sandkernel.gateway.http_api import MAX_BODY_BYTES
 
     code, body = await gateway.request("POST", "/api/sessions", raw=b"{" + b" " * (MAX_BODY_BYTES + 10) + b"}")
     assert code == 413 and body["error"] == "too_large" and "limit" in body["message"]
@@ -299,7 +299,7 @@ async def test_oversized_body_gets_a_json_413(gateway):
 async def test_oversized_chunked_body_gets_a_json_413_not_a_cut_connection(gateway):
     """Without a Content-Length the limit is only found while reading: the gateway still answers
     413 (it used to log an uncaught exception and cut the connection) and goes on serving."""
-    from sandkernel.gateway.base import MAX_BODY_BYTES
+    from sandkernel.gateway.http_api import MAX_BODY_BYTES
 
     reader, writer = await asyncio.open_connection("127.0.0.1", gateway.port)
     writer.write(

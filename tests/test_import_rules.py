@@ -220,3 +220,109 @@ def test_the_cli_skips_the_slow_unused_import_and_notebooks_still_validate():
     assert done.returncode == 0 and done.stdout.strip() == "skipped", done.stdout + done.stderr
     main = (ROOT / "sandkernel" / "cli.py").read_text().split("def main(", 1)[1]
     assert "skip_unused_slow_imports()" in main.split("args = ", 1)[0], "main() must skip before any command runs"
+
+
+# -- no import cycle among the modules (issue 32) ---------------------------------------------
+#
+# Layers say which way packages point; inside a layer, modules must form a directed graph too:
+# a cycle makes the order of module loading decide what works, and hides two modules that are
+# one. Counted: the imports that run when a module loads and those under ``if TYPE_CHECKING:``
+# (a type named from a module that imports this one is still a cycle, only one the interpreter
+# does not trip on). Imports inside functions are not counted: they run at call time.
+
+
+def load_time_imports(tree: ast.Module, module: str, is_package: bool) -> Iterator[str]:
+    """The dotted targets of ``tree``'s imports outside functions (module level, class bodies,
+    ``if``/``try`` blocks, ``if TYPE_CHECKING:`` included)."""
+
+    def visit(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            yield node
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                children = getattr(node, field, None)
+                if isinstance(children, list):
+                    yield from visit([c for c in children if isinstance(c, ast.stmt | ast.ExceptHandler)])
+
+    top = ast.Module(body=list(visit(tree.body)), type_ignores=[])
+    shallow = ast.Module(body=[n for n in top.body if isinstance(n, ast.Import | ast.ImportFrom)], type_ignores=[])
+    for _, target in imported_modules(shallow, module, is_package):
+        yield target
+
+
+def module_graph(sources: Iterator[tuple[str, str, bool]]) -> dict[str, set[str]]:
+    """module -> the modules of the same graph it imports at load time. ``sources`` are
+    (dotted name, source, is_package); ``from X import Y`` counts as X.Y where that is a module
+    of the graph, else as X (the longest module the name lies in)."""
+    parsed = {name: (ast.parse(source), is_package) for name, source, is_package in sources}
+    graph: dict[str, set[str]] = {}
+    for name, (tree, is_package) in parsed.items():
+        graph[name] = set()
+        for target in load_time_imports(tree, name, is_package):
+            while target and target not in parsed:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def strong(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                strong(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            strong(node)
+    return sorted(found)
+
+
+def test_no_import_cycle_among_the_modules():
+    graph = module_graph((name, path.read_text(), is_package) for name, path, is_package in package_sources())
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100, "the walk missed modules or imports"
+    found = cycles(graph)
+    described = [
+        " <-> ".join(cycle)
+        + "\n    "
+        + "\n    ".join(f"{m} imports {', '.join(sorted(graph[m] & set(cycle)))}" for m in cycle)
+        for cycle in found
+    ]
+    assert not found, f"{len(found)} import cycle(s):\n" + "\n".join(described)
+
+
+def test_the_cycle_check_finds_planted_cycles_and_spares_function_imports():
+    """A cycle through a TYPE_CHECKING import is found, one closed only inside a function is
+    not, and a three-module ring is one component."""
+    sources = [
+        ("pkg", "", True),
+        ("pkg.a", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n", False),
+        ("pkg.b", "from pkg import a\n", False),
+        ("pkg.c", "def later():\n    from pkg import d\n", False),
+        ("pkg.d", "from pkg.c import later\n", False),
+        ("pkg.x", "from . import y\n", False),
+        ("pkg.y", "import pkg.z\n", False),
+        ("pkg.z", "class Z:\n    from pkg.x import X\n", False),
+    ]
+    assert cycles(module_graph(iter(sources))) == [["pkg.a", "pkg.b"], ["pkg.x", "pkg.y", "pkg.z"]]

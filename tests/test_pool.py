@@ -268,7 +268,8 @@ async def test_a_growing_pool_gives_its_starts_way_to_sessions_too(runtime):
     removes its sandbox when it ends; once the removals are done only the floor is left (before,
     only ready ones could go: the second session got a 429). Sessions that releasing cannot make
     fit are refused without taking anything from the pool."""
-    from sandkernel.gateway.registry import SessionRegistry, TooManySessionsError
+    from sandkernel.gateway.managed import TooManySessionsError
+    from sandkernel.gateway.registry import SessionRegistry
     from sandkernel.gateway.settings import GatewaySettings
 
     require_runtime(runtime)

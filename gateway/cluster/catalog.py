@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sandkernel.gateway.registry import TooManySessionsError
+from sandkernel.gateway.managed import TooManySessionsError
 from sandkernel.kernels.durable.postgres import RECORD_COLUMNS, PostgresStore
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.durable.store import StoreError

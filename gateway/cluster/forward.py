@@ -36,7 +36,6 @@ from tornado.httpclient import HTTPClientError, HTTPRequest
 from tornado.iostream import StreamClosedError
 
 from sandkernel.errors import ClusterUnavailableError, SandkernelError
-from sandkernel.gateway.base import MAX_BODY_BYTES
 from sandkernel.gateway.cluster.peer_pool import Hop, PeerPool
 from sandkernel.gateway.cluster.signing import (
     FORWARDED_HEADER,
@@ -47,7 +46,8 @@ from sandkernel.gateway.cluster.signing import (
     sign,
     verify,
 )
-from sandkernel.gateway.registry import LostSession, PausedSession, recorded_model
+from sandkernel.gateway.http_api import MAX_BODY_BYTES
+from sandkernel.gateway.managed import LostSession, PausedSession, recorded_model
 from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 from sandkernel.owner_hint import HOST_HEADER
 

@@ -38,7 +38,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from sandkernel.errors import ConfigError
-from sandkernel.gateway.base import ApiError
+from sandkernel.gateway.http_api import ApiError
 
 log = logging.getLogger(__name__)
 

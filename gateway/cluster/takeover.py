@@ -24,7 +24,7 @@ import logging
 from typing import TYPE_CHECKING, Protocol, cast
 
 from sandkernel.errors import SnapshotRejectedError
-from sandkernel.gateway.registry import PausedSession, seconds_since
+from sandkernel.gateway.managed import PausedSession, seconds_since
 
 if TYPE_CHECKING:
     from sandkernel.gateway.cluster.forward import ClusterLink

@@ -35,8 +35,9 @@ from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from sandkernel.errors import SandkernelError
+from sandkernel.gateway.managed import ManagedSession
 from sandkernel.gateway.mcp.resolver import SessionResolver, TenantResolver
-from sandkernel.gateway.registry import ManagedSession, SessionRegistry
+from sandkernel.gateway.registry import SessionRegistry
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,8 @@ from mcp.server.context import ServerRequestContext
 
 from sandkernel import doors
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandboxLostError
-from sandkernel.gateway.registry import ManagedSession, SessionRegistry
+from sandkernel.gateway.managed import ManagedSession
+from sandkernel.gateway.registry import SessionRegistry
 
 log = logging.getLogger(__name__)
 

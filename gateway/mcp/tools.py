@@ -46,8 +46,9 @@ from sandkernel import __version__
 from sandkernel.doors import MCP
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
 from sandkernel.gateway.budget import OutputBudget
+from sandkernel.gateway.managed import RESTART_UNDER_WAY, ManagedSession, PausedSession
 from sandkernel.gateway.mcp.resolver import ResolverFor, SessionResolver
-from sandkernel.gateway.registry import RESTART_UNDER_WAY, ManagedSession, PausedSession, SessionRegistry
+from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.replies import execution_reply, run_shell
 from sandkernel.gateway.sessions_api import MAX_CODE_BYTES
 from sandkernel.gateway.snapshots import MAX_FORKS, SnapshotManager

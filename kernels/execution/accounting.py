@@ -29,17 +29,18 @@ import itertools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from sandkernel.kernels.execution.events import SessionObserver
-from sandkernel.kernels.lifecycle.profiles import WorkspaceStorage
+from sandkernel.kernels.execution.events import Observers, SessionObserver
+from sandkernel.kernels.lifecycle.profiles import Profile, WorkspaceStorage
 from sandkernel.kernels.sandbox import workspace_scan
 from sandkernel.kernels.sandbox.cgroup import Cgroup, CpuTimes, PeakWindow, locate
 from sandkernel.kernels.sandbox.fs_changes import ChangeWatch, Unavailable
 
 if TYPE_CHECKING:
     from sandkernel.kernels.egress.proxy import EgressProxy, EgressRecord
-    from sandkernel.kernels.execution.session import KernelSession
+    from sandkernel.kernels.sandbox.container import SandboxContainer
+    from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,27 @@ class _Cell:
             self.peak = None
 
 
+class MeteredSession(Protocol):
+    """What a meter reads of its session: kernels/execution/session.py's KernelSession, which
+    creates the meter (so this module names it by what it reads, and imports nothing of it). The
+    container and the provisioner are read each time: a restart replaces them."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def profile(self) -> Profile: ...
+
+    @property
+    def container(self) -> SandboxContainer: ...
+
+    @property
+    def provisioner(self) -> DockerProvisioner: ...
+
+    @property
+    def observers(self) -> Observers: ...
+
+
 class CellMeter:
     """Measures one cell at a time for a :class:`KernelSession` (created by the session, called
     under its execute lock). The container can be replaced between cells and within one: its id
@@ -99,7 +121,7 @@ class CellMeter:
     (idempotent) releases them, and is called when the session closes (from its first cell on,
     the meter observes ``session_closed``)."""
 
-    def __init__(self, session: KernelSession, fresh_baseline: bool = False, watch: bool = True) -> None:
+    def __init__(self, session: MeteredSession, fresh_baseline: bool = False, watch: bool = True) -> None:
         self._session = session
         self._fresh_baseline = fresh_baseline
         self._use_watch = watch

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from sandkernel.gateway.base import ApiError
 from sandkernel.gateway.cluster.signing import FORWARDED_HEADER, MAX_SKEW_SECONDS, NonceLedger, sign, verify
+from sandkernel.gateway.http_api import ApiError
 
 from ..gateway_fixtures import ALICE, BOB
 
