@@ -716,7 +716,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
 # -- the command line ------------------------------------------------------------------------
 
 
-def _shown_default(field: dataclasses.Field) -> str:
+def shown_default(field: dataclasses.Field) -> str:
     shown = field.metadata.get("shown_default")
     if shown is not None:
         return shown
@@ -744,7 +744,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     for field in dataclasses.fields(GatewaySettings):
         kind = _kind(field.name)
-        text = f"{field.metadata['help']} (default: {_shown_default(field)}; ${env_name(field)})"
+        text = f"{field.metadata['help']} (default: {shown_default(field)}; ${env_name(field)})"
         options: dict[str, Any] = {"dest": field.name, "default": argparse.SUPPRESS, "help": text}
         if kind is bool:
             options["action"] = argparse.BooleanOptionalAction
