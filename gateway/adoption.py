@@ -25,14 +25,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from sandkernel import doors
 from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError
 from sandkernel.gateway.managed import LostSession, ManagedSession, PausedSession, seconds_since
 from sandkernel.gateway.registry import SessionRegistry
-from sandkernel.gateway.settled_replies import SettledReplies
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
-from sandkernel.notebooks.observer import attach_transcript
 from sandkernel.notebooks.recorder import TranscriptRecorder
 
 if TYPE_CHECKING:
@@ -117,14 +116,14 @@ async def _adopt_session(registry: SessionRegistry, record: SandboxRecord, repor
         registry.add_lost(LostSession(record, reason, refused=True))
         report.refused.append(sid)
         return
-    managed = await _restore(session, record)
+    managed = await _restore(registry, session, record)
     registry.add_adopted(managed)
     if managed.breaker is not None:  # a quarantine outlives the gateway process, like the session
         managed.breaker.restore(record.gateway.get("quarantined"))
     gateway = record.gateway
     running = record.running or {}
-    if running.get("source") == "websocket" and not running.get("silent") and running.get("msg_id"):
-        session.add_observer(SettledReplies(managed, registry, str(running["msg_id"])))
+    if running.get("source") == doors.WEBSOCKET and not running.get("silent") and running.get("msg_id"):
+        registry.wiring.settle(managed, registry.websockets, str(running["msg_id"]))
     await session.resume(running=record.running, detached_at=gateway.get("detached_at"))
     if registry.writer is not None:  # no longer detached
         registry.writer.update(sid, gateway=managed.gateway_record())
@@ -150,14 +149,14 @@ async def _adopt_paused(registry: SessionRegistry, record: SandboxRecord, report
     report.paused.append(record.session_id)
 
 
-async def _restore(session: KernelSession, record: SandboxRecord) -> ManagedSession:
+async def _restore(registry: SessionRegistry, session: KernelSession, record: SandboxRecord) -> ManagedSession:
     """The registry entry the previous process had, its transcript reopened and its clocks
     carried over (idle time and age count from before the restart)."""
     recorder = None
     transcript = record.gateway.get("transcript")
     if isinstance(transcript, str):
         recorder = await asyncio.to_thread(TranscriptRecorder.reopen, Path(transcript))
-        await attach_transcript(session, recorder)
+        await registry.wiring.transcript(session, recorder)
     managed = managed_from_record(session, record, recorder)
     if isinstance(record.gateway.get("last_activity"), str):
         managed.last_activity = record.gateway["last_activity"]

@@ -28,6 +28,7 @@ from sandkernel.gateway.http_api import MAX_BODY_BYTES, MAX_DRAINED_BYTES, ApiEr
 from sandkernel.gateway.managed import LostSession, ManagedSession, TooManySessionsError
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.service import SessionService
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.owner_hint import HOST_HEADER
 
@@ -203,10 +204,16 @@ class BaseHandler(web.RequestHandler):
     _refusal: ApiError | None = None  # answered; the rest of the body is dropped (refuse_then_drain)
 
     def initialize(
-        self, registry: SessionRegistry, auth: TokenAuth | None, settings: GatewaySettings, metrics: GatewayMetrics
+        self,
+        registry: SessionRegistry,
+        auth: TokenAuth | None,
+        settings: GatewaySettings,
+        service: SessionService,
+        metrics: GatewayMetrics,
     ) -> None:
         """Called by tornado with the route's dependencies (server.py's route table)."""
         self.registry = registry
+        self.service = service  # every execute, shell, interrupt and restart goes through it
         self.auth = auth
         self.gateway_settings = settings  # (``self.settings`` is tornado's application settings)
         self.metrics = metrics

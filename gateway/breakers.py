@@ -149,6 +149,17 @@ class SessionBreaker(SessionObserver):
             if self.max_timeouts and self.timeouts >= self.max_timeouts:
                 await self._trip("timeout", f"its code ran into its timeout {self.timeouts} times in a row", result)
 
+    async def _restart(self, reason: str, already: bool) -> None:
+        """The breaker's restart, once the execution that tripped it is recorded (unless that
+        execution's end already restarted the kernel: an OOM kill, the timeout ladder)."""
+        session = self.managed.session
+        if not already:
+            await session.restart(f"the kernel was restarted by the gateway's circuit breaker: {reason}")
+        await session.note(
+            f"The gateway's circuit breaker tripped: {reason}. "
+            + ("The kernel was restarted; variables are gone, /workspace files are kept." if not already else "")
+        )
+
     async def _trip(self, kind: str, reason: str, result: ExecutionResult) -> None:
         if self._quarantined is not None:
             return
@@ -159,15 +170,8 @@ class SessionBreaker(SessionObserver):
                 "session breaker tripped (%s): restarting the kernel", reason, extra={"session": self.managed.id}
             )
             self.ooms = self.timeouts = 0
-            already = status_restarted_kernel(result)
-            if not already:
-                await self.managed.session.restart(
-                    f"the kernel was restarted by the gateway's circuit breaker: {reason}"
-                )
-            await self.managed.session.note(
-                f"The gateway's circuit breaker tripped: {reason}. "
-                + ("The kernel was restarted; variables are gone, /workspace files are kept." if not already else "")
-            )
+            # Queued, not awaited here: every observer hears this result before the restart's events.
+            self.managed.session.after_execution(lambda: self._restart(reason, status_restarted_kernel(result)))
             return
         self._quarantined = {
             "reason": reason,

@@ -34,6 +34,7 @@ import zmq
 from jupyter_client.session import Session
 from tornado import websocket
 
+from sandkernel import doors
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.base import authenticate_request, error_reply, restarting_error, retry_after_of
@@ -42,6 +43,7 @@ from sandkernel.gateway.http_api import ApiError
 from sandkernel.gateway.inflight import InFlight, ledger_of
 from sandkernel.gateway.managed import ManagedSession
 from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.service import SessionService
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.gateway.wire import FrameError, from_frame, to_frame
 from sandkernel.gateway.ws_audit import debug_request_note, execute_request_notes
@@ -83,8 +85,11 @@ def _aborts_queue(result: ExecutionResult, content: dict[str, Any]) -> bool:
 
 
 class ChannelsHandler(websocket.WebSocketHandler):
-    def initialize(self, registry: SessionRegistry, auth: TokenAuth | None, settings: GatewaySettings) -> None:
+    def initialize(
+        self, registry: SessionRegistry, auth: TokenAuth | None, settings: GatewaySettings, service: SessionService
+    ) -> None:
         self.registry = registry
+        self.service = service
         self.auth = auth
         self.gateway_settings = settings
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
@@ -408,7 +413,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
     ) -> ExecutionResult | None:
         """Run one relayed execute_request on the session's execution path; None if it could not run."""
         assert self.session is not None and self.managed is not None
-        session = self.managed.session
+        managed = self.managed
+        session = managed.session
         msg_id = str(msg["header"].get("msg_id", ""))
         reply = self.replies[msg_id] = RelayedReply()
 
@@ -425,8 +431,8 @@ class ChannelsHandler(websocket.WebSocketHandler):
             for note in execute_request_notes(content):
                 await session.note(note)
             task = asyncio.create_task(
-                session.execute_relayed(
-                    str(content.get("code", "")), send, reply, silent=bool(content.get("silent")), source="websocket"
+                self.service.execute_relayed(
+                    managed, doors.WEBSOCKET, content.get("code", ""), send, reply, bool(content.get("silent"))
                 )
             )
             try:

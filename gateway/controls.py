@@ -4,32 +4,22 @@ One object built at start-up from the settings: the execution policy (a gate ask
 code reaches a kernel), the session circuit breaker (a gate and an observer), per-cell
 accounting (on or off), the audit stream (an observer, a gate that holds back a tenant the log
 cannot keep up with, plus the records the registry writes for session lifecycle and files) and
-the start breaker (around every cold sandbox start). The registry calls
-:meth:`SessionControls.attach` wherever it takes a session on (created, handed out of the pool,
-adopted), so no door can run code around them.
+the start breaker (around every cold sandbox start). gateway/wiring.py puts their gates and
+observers on every session the registry takes on (created, handed out of the pool, adopted,
+resumed, forked), so no door can run code around them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from sandkernel.gateway.audit.gate import AuditGate
 from sandkernel.gateway.audit.log import AuditLog
-from sandkernel.gateway.audit.observer import AuditObserver
-from sandkernel.gateway.breakers import SessionBreaker, StartBreaker
+from sandkernel.gateway.breakers import StartBreaker
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.settings import GatewaySettings
-from sandkernel.kernels.execution.events import ExecutionGate
-from sandkernel.kernels.policy import ExecPolicy, PolicyGate, load_policy
+from sandkernel.kernels.policy import ExecPolicy, load_policy
 from sandkernel.kernels.sandbox.state_dir import state_dir
-
-if TYPE_CHECKING:
-    from sandkernel.gateway.managed import ManagedSession
-    from sandkernel.kernels.execution.session import KernelSession
 
 AUDIT_SUBDIR = "audit"
 MiB = 2**20
@@ -37,7 +27,7 @@ MiB = 2**20
 
 @dataclasses.dataclass
 class SessionControls:
-    """What the operator turned on, and the one place it is attached to a session."""
+    """What the operator turned on (attached to each session by gateway/wiring.py)."""
 
     settings: GatewaySettings
     metrics: GatewayMetrics
@@ -61,49 +51,6 @@ class SessionControls:
                 tenant_bytes_per_minute=settings.audit_tenant_mb_per_minute * MiB,
             )
         return cls(settings, metrics, StartBreaker(settings, metrics), policy, audit)
-
-    def attach(self, managed: ManagedSession) -> None:
-        """Put the controls on a session the registry takes on: the audit gate first (the
-        cheapest, and a tenant the log cannot keep up with should not cost a policy review
-        either), then the policy (a refused cell never counts toward the breaker), the breaker,
-        accounting and the audit observer."""
-        session = managed.session
-        session.set_accounting(self.settings.accounting)
-        if self.audit is not None:
-            session.add_gate(AuditGate(self.audit, managed.tenant))
-        if self.policy is not None:
-            session.add_gate(PolicyGate(self.policy))
-        breaker = SessionBreaker(managed, self.settings, self.metrics)
-        managed.breaker = breaker
-        session.add_gate(breaker)
-        session.add_observer(breaker)
-        managed.audit = self.audit
-        if self.audit is not None:
-            session.add_observer(AuditObserver(managed.tenant, managed.id, self.audit))
-
-    @contextlib.contextmanager
-    def on_replay(self, session: KernelSession, tenant: str) -> Iterator[None]:
-        """The gates and audit new code passes, on the cells a sandbox replays before the
-        registry takes it on (resume, rewind, fork): the operator's policy as it is now (it may
-        have been tightened since the cells first ran), the audit gate, and an audit record per
-        replayed cell (``door`` replay). Taken off at the end; :meth:`attach` puts on its own."""
-        gates: list[ExecutionGate] = []
-        if self.audit is not None:
-            gates.append(AuditGate(self.audit, tenant))
-        if self.policy is not None:
-            gates.append(PolicyGate(self.policy))
-        observer = AuditObserver(tenant, session.id, self.audit) if self.audit is not None else None
-        for gate in gates:
-            session.add_gate(gate)
-        if observer is not None:
-            session.add_observer(observer)
-        try:
-            yield
-        finally:
-            for gate in gates:
-                session.remove_gate(gate)
-            if observer is not None:
-                session.remove_observer(observer)
 
     async def close(self) -> None:
         """Flush the audit stream (the gateway stops)."""

@@ -10,21 +10,18 @@ from __future__ import annotations
 from sandkernel.doors import SESSION_API
 from sandkernel.gateway.http_api import ApiError
 from sandkernel.gateway.sessions_api import SessionScoped
-from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES, WorkspaceFiles
+from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES
 
 
 class FilesHandler(SessionScoped):
     """GET …/files?path=DIR lists; GET …/files/PATH downloads; PUT …/files/PATH uploads (raw body)."""
 
-    async def _files(self, session_id: str) -> WorkspaceFiles:
-        return (await self.live(session_id)).files
-
     async def get(self, session_id: str, path: str | None = None) -> None:
-        files = await self._files(session_id)
+        managed = await self.live(session_id)
         if path is None:
-            self.write_json(await files.list(self.get_query_argument("path", "")))
+            self.write_json(await self.service.list_files(managed, self.get_query_argument("path", "")))
             return
-        data = await files.read(path)
+        data = await self.service.read_file(managed, path)
         self.set_header("Content-Type", "application/octet-stream")
         self.set_header("Content-Disposition", f'attachment; filename="{path.rsplit("/", 1)[-1]}"')
         self.finish(data)
@@ -34,14 +31,13 @@ class FilesHandler(SessionScoped):
             raise ApiError(400, "PUT needs a file path: /api/sessions/{id}/files/{path}")
         if len(self.body) > MAX_FILE_BYTES:
             raise ApiError(413, f"upload is over the limit of {MAX_FILE_BYTES} bytes", "too_large")
-        written = await (await self.live(session_id)).write_file(path, self.body, door=SESSION_API)
+        written = await self.service.write_file(await self.live(session_id), SESSION_API, path, self.body)
         self.write_json(written, status=201)
 
 
 class VariablesHandler(SessionScoped):
     async def get(self, session_id: str) -> None:
-        managed = self.managed(session_id)
-        self.write_json(await managed.session.variables())
+        self.write_json(await self.service.variables(self.managed(session_id)))
 
 
 class EgressHandler(SessionScoped):

@@ -148,14 +148,14 @@ class KernelHandler(KernelScoped):
 
 
 class KernelActionHandler(KernelScoped):
-    """POST interrupt or restart (the same implementation as the session API's: ManagedSession's)."""
+    """POST interrupt or restart (the same implementation as the session API's: the session service's)."""
 
     async def post(self, kernel_id: str, action: str) -> None:
         managed = await self.registry.for_kernel_call(self.tenant, self._managed(kernel_id).id)
         if action == "interrupt":  # 204 also when a restart under way made it a no-op (Jupyter's API)
-            await managed.interrupt(KERNEL_API)
+            await self.service.interrupt(managed, KERNEL_API)
             self.set_status(204)
             self.finish()
         else:
-            await managed.restart(KERNEL_API)
+            await self.service.restart(managed, KERNEL_API)
             self.write_json(managed.kernel_model())

@@ -35,8 +35,9 @@ from sandkernel.gateway.managed import (
 )
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.session_metadata import checked_metadata
-from sandkernel.gateway.session_observers import CatalogWriter, observe
+from sandkernel.gateway.session_observers import CatalogWriter
 from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.gateway.wiring import SessionWiring
 from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.session import KernelSession
@@ -45,7 +46,6 @@ from sandkernel.kernels.lifecycle.pool import WarmPool
 from sandkernel.kernels.lifecycle.profiles import Profile
 from sandkernel.kernels.sandbox.cpu_groups import group_for
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
-from sandkernel.notebooks.observer import attach_transcript
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
 if TYPE_CHECKING:
@@ -57,8 +57,6 @@ log = logging.getLogger(__name__)
 class Snapshots(Protocol):
     """What the registry asks of the gateway's snapshots (gateway/snapshots.py's SnapshotManager,
     which sits above it: named here by what is used, so the registry imports nothing of it)."""
-
-    def watch(self, managed: ManagedSession) -> None: ...
 
     async def settled(self, session_id: str, tenant: str | None = None) -> None: ...
 
@@ -115,6 +113,7 @@ class SessionRegistry:
         self.store = store
         self.writer = CatalogWriter(store) if store is not None else None
         self.controls = controls
+        self.wiring = SessionWiring(settings, self.metrics, controls, self.writer)  # observers and gates
         self._sessions: dict[str, ManagedSession] = {}
         self._lost: dict[str, LostSession] = {}
         self._paused: dict[str, PausedSession] = {}
@@ -263,13 +262,13 @@ class SessionRegistry:
             )
             if session is None:
                 session = await self.cold_start(chosen, session_id, tenant)
-            await attach_transcript(session, recorder)
+            await self.wiring.transcript(session, recorder)
             kernel_name = kernel_name_for(session.profile.runtime)
             managed = ManagedSession(
                 session, tenant, now_iso(), metadata, kernel_name, origin=origin, recorder=recorder
             )
             await self.record(managed)
-        self.attach_observers(managed)
+        self.wiring.attach(managed)
         self._sessions[session.id] = managed
         log.info("session created", extra={"session": session.id, "tenant": tenant})
         managed.audit_record(
@@ -314,15 +313,6 @@ class SessionRegistry:
                 lambda: KernelSession.start(profile=profile, session_id=session_id, cpu_group=cpu_group)
             )
 
-    def attach_observers(self, managed: ManagedSession) -> None:
-        """Attach the gateway's observers and the operator's controls to a session it takes on."""
-        managed.helper_timeout = self.settings.helper_timeout
-        if self.controls is not None:  # first: the breaker hears a result before the catalog records it
-            self.controls.attach(managed)
-        observe(managed, self.metrics, self.writer)
-        if self.snapshots is not None:  # per-cell checkpoints, when the operator keeps them
-            self.snapshots.watch(managed)
-
     async def record(self, managed: ManagedSession) -> None:
         """Write a new session to the catalog (replacing its pool record, if it was pooled);
         a failure removes the session: one that a restart would lose is not handed out."""
@@ -343,12 +333,12 @@ class SessionRegistry:
 
     def add_adopted(self, managed: ManagedSession) -> None:
         """A session a previous gateway process made, adopted at start-up (gateway/adoption.py)."""
-        self.attach_observers(managed)
+        self.wiring.attach(managed)
         self._sessions[managed.id] = managed
 
     def add_live(self, managed: ManagedSession) -> None:
         """A session made or brought back by a snapshot (a resume, a fork), observed and recorded."""
-        self.attach_observers(managed)
+        self.wiring.attach(managed)
         self._sessions[managed.id] = managed
         self._paused.pop(managed.id, None)
 

@@ -50,6 +50,7 @@ from sandkernel.gateway.kernels_api import (
 from sandkernel.gateway.mcp.http import McpHandler, McpHttp
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.service import SessionService
 from sandkernel.gateway.sessions_api import (
     ExecuteHandler,
     MarkdownHandler,
@@ -144,11 +145,12 @@ def make_app(
     registry: SessionRegistry,
     settings: GatewaySettings,
     auth: TokenAuth | None,
+    service: SessionService,
     metrics: GatewayMetrics | None = None,
     mcp: McpHttp | None = None,
 ) -> web.Application:
     """The route table: every handler gets its dependencies through ``initialize``."""
-    deps = {"registry": registry, "auth": auth, "settings": settings}
+    deps = {"registry": registry, "auth": auth, "settings": settings, "service": service}
     api = {**deps, "metrics": metrics or GatewayMetrics()}
     kid = r"(?P<kernel_id>[^/]+)"
     sid = r"(?P<session_id>[^/]+)"
@@ -234,6 +236,7 @@ class Gateway:
         self,
         settings: GatewaySettings,
         registry: SessionRegistry,
+        service: SessionService,
         server: httpserver.HTTPServer,
         shown_token: str | None,
         default_runtime: str,
@@ -245,6 +248,7 @@ class Gateway:
         self._previous_engine_parent = DEFAULT_ENGINE_PARENT
         self.default_runtime = default_runtime  # what "auto" (or the operator) chose
         self.registry = registry
+        self.service = service  # what every door runs code through (gateway/service.py)
         self.shown_token = shown_token  # the single token to print (None with a tokens file)
         self.store = store
         self.adoption = adoption  # what start-up found in the catalog
@@ -331,9 +335,10 @@ class Gateway:
             )
             if reaped.removed:
                 log.info("reaped orphaned containers", extra={"count": len(reaped.removed)})
-            mcp = await McpHttp.start(registry, settings)  # None without the mcp extra
+            service = SessionService(settings.budget, metrics)  # every door runs code through it
+            mcp = await McpHttp.start(registry, settings, service)  # None without the mcp extra
             server = httpserver.HTTPServer(
-                make_app(registry, settings, auth, registry.metrics, mcp),
+                make_app(registry, settings, auth, service, registry.metrics, mcp),
                 max_body_size=MAX_DRAINED_BYTES,
                 idle_connection_timeout=settings.header_timeout,
                 body_timeout=settings.body_timeout,
@@ -365,7 +370,7 @@ class Gateway:
             raise
         if pool is not None:
             pool.start()
-        gateway = cls(settings, registry, server, shown_token, runtime.value, store, report)
+        gateway = cls(settings, registry, service, server, shown_token, runtime.value, store, report)
         gateway._previous_state_dir = previous_state_dir  # put back on stop (in-process gateways)
         gateway._previous_engine_parent = previous_engine_parent
         gateway.mcp = mcp

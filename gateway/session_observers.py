@@ -3,7 +3,7 @@
 The session layer emits events (kernels/execution/events.py); here the gateway's own concerns
 hear them: the kernel model's ``execution_state`` and idle clock, the metrics, and the session's
 record in the catalog (so a later gateway process can adopt it). The transcript observer comes
-from notebooks/observer.py. Later: accounting and audit.
+from notebooks/observer.py. gateway/wiring.py puts them all on a session, in order.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from sandkernel.gateway.metrics import GatewayMetrics, MetricsObserver
 from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
@@ -112,11 +111,3 @@ class CatalogObserver(SessionObserver):
             log.warning("cannot record the restarted kernel: %s", err, extra={"session": self.managed.id})
             return
         self.writer.update(self.managed.id, kernel=state)
-
-
-def observe(managed: ManagedSession, metrics: GatewayMetrics, writer: CatalogWriter | None = None) -> None:
-    """Attach the gateway's observers to a newly created, handed-out or adopted session."""
-    managed.session.add_observer(ActivityObserver(managed))
-    managed.session.add_observer(MetricsObserver(metrics))
-    if writer is not None:
-        managed.session.add_observer(CatalogObserver(managed, writer))

@@ -30,12 +30,11 @@ from sandkernel.gateway.budget import OutputBudget, apply_budget
 from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.http_api import ApiError
 from sandkernel.gateway.managed import RESTART_UNDER_WAY, LostSession, ManagedSession, PausedSession
-from sandkernel.gateway.replies import client_door, execution_reply, run_shell
+from sandkernel.gateway.service import checked_code, client_door
 from sandkernel.gateway.session_metadata import checked_metadata
 from sandkernel.kernels.execution.outputs import ExecutionResult
 
 KEEPALIVE_SECONDS = 10.0
-MAX_CODE_BYTES = 1024 * 1024
 
 
 class SessionsHandler(BaseHandler):
@@ -110,18 +109,18 @@ class SessionHandler(SessionScoped):
 
 
 class SessionActionHandler(SessionScoped):
-    """POST interrupt or restart (the same implementation as the kernel API's: ManagedSession's)."""
+    """POST interrupt or restart (the same implementation as the kernel API's: the session service's)."""
 
     async def post(self, session_id: str, action: str) -> None:
         managed = await self.registry.for_kernel_call(self.tenant, session_id)
         if action == "interrupt":
-            if await managed.interrupt(doors.SESSION_API):
+            if await self.service.interrupt(managed, doors.SESSION_API):
                 self.set_status(204)
                 self.finish()
             else:
                 self.write_json({"interrupted": False, "reason": RESTART_UNDER_WAY})
         else:
-            await managed.restart(doors.SESSION_API)
+            await self.service.restart(managed, doors.SESSION_API)
             self.write_json(managed.session_model())
 
 
@@ -184,11 +183,7 @@ class ExecuteHandler(SessionScoped):
     async def post(self, session_id: str) -> None:
         body = self.json_body()
         managed = await self.live(session_id)
-        code = body.get("code")
-        if not isinstance(code, str):
-            raise ApiError(400, "'code' must be a string of Python source", "bad_code")
-        if len(code.encode()) > MAX_CODE_BYTES:
-            raise ApiError(413, f"code is larger than {MAX_CODE_BYTES} bytes; upload a file and run it instead")
+        code = checked_code(body.get("code"))  # before a stream's headers: a bad one is a plain 4xx
         timeout = body.get("timeout")
         tag = body.get("tag")
         if tag is not None and not isinstance(tag, str):
@@ -197,21 +192,14 @@ class ExecuteHandler(SessionScoped):
         streaming = self.get_query_argument("stream", "") in ("1", "true") or "application/x-ndjson" in (
             self.request.headers.get("Accept") or ""
         )
-        managed.touch()  # busy / idle follow the execution itself (gateway/session_observers.py)
         if streaming:
             await self._stream(managed, code, timeout, tag, source)
         else:
             # Answered before the observers record it (same turn of the event loop; see execute).
-            await managed.session.execute(code, timeout=timeout, tag=tag, source=source, on_result=self._answer)
+            await self.service.execute(managed, source, code, timeout, tag=tag, on_result=self._answer)
 
     def _answer(self, result: ExecutionResult) -> None:
-        self.write_json(self._reply(result))
-
-    def _reply(self, result: ExecutionResult) -> dict[str, Any]:
-        data = execution_reply(result, self.gateway_settings.budget)
-        if data["truncation"]["truncated"]:
-            self.metrics.record_reply_truncated()
-        return data
+        self.write_json(self.service.reply(result))
 
     def _summary(self, result: ExecutionResult, budget: StreamBudget) -> dict[str, Any]:
         """The last line of a stream: the reply without the outputs the stream carried."""
@@ -221,14 +209,13 @@ class ExecuteHandler(SessionScoped):
         data["outputs"] = leftovers
         data["streamed"] = budget.sent
         data["truncation"] = budget.truncation(result)
-        if data["truncation"]["truncated"]:
-            self.metrics.record_reply_truncated()
+        self.service.count_truncated(data["truncation"])
         return data
 
     async def _stream(self, managed: ManagedSession, code: str, timeout: Any, tag: str | None, source: str) -> None:
         self.set_header("Content-Type", "application/x-ndjson")
         self.set_header("Cache-Control", "no-cache")
-        budget = StreamBudget(self.gateway_settings.budget)
+        budget = StreamBudget(self.service.budget)
         disconnected = asyncio.Event()
         self.request.connection.set_close_callback(disconnected.set)
 
@@ -254,11 +241,11 @@ class ExecuteHandler(SessionScoped):
         async def interrupt_on_disconnect() -> None:
             await disconnected.wait()
             with contextlib.suppress(SandkernelError, RuntimeError):
-                await managed.interrupt(doors.SESSION_API)
+                await self.service.interrupt(managed, doors.SESSION_API)
 
         helpers = [asyncio.create_task(keepalive()), asyncio.create_task(interrupt_on_disconnect())]
         try:
-            result = await managed.session.execute(code, timeout=timeout, on_output=on_output, tag=tag, source=source)
+            result = await self.service.execute(managed, source, code, timeout, tag=tag, on_output=on_output)
         except SandkernelError as err:
             if not self._headers_written:
                 raise  # nothing sent yet: an ordinary JSON error
@@ -282,8 +269,9 @@ class ShellHandler(SessionScoped):
         body = self.json_body()
         managed = await self.live(session_id)
         source = client_door(body.get("source"), doors.SESSION_API)
-        managed.touch()
-        reply = await run_shell(managed, body.get("command"), body.get("timeout"), source, body.get("output_limit"))
+        reply = await self.service.shell(
+            managed, source, body.get("command"), body.get("timeout"), body.get("output_limit")
+        )
         self.write_json(reply)
 
 

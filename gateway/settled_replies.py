@@ -14,14 +14,25 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
-from typing import TYPE_CHECKING, Any
+from collections.abc import Set
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus
 
 if TYPE_CHECKING:
     from sandkernel.gateway.managed import ManagedSession
-    from sandkernel.gateway.registry import SessionRegistry
+
+
+class KernelWebsocket(Protocol):
+    """What this observer asks of an open kernel websocket (gateway/channels.py's handler)."""
+
+    managed: ManagedSession | None
+
+    def deliver_settled_replies(self) -> None: ...
+
+
+Websockets = Set[KernelWebsocket]  # the server's open kernel websockets
 
 # How many settled replies a session keeps for websockets that have not reconnected yet.
 MAX_PENDING = 8
@@ -62,9 +73,9 @@ def settled_reply(request: ExecutionRequest, result: ExecutionResult) -> dict[st
 class SettledReplies(SessionObserver):
     """Answers the websocket execute a previous gateway process left running (see the module)."""
 
-    def __init__(self, managed: ManagedSession, registry: SessionRegistry, msg_id: str) -> None:
+    def __init__(self, managed: ManagedSession, websockets: Websockets, msg_id: str) -> None:
         self.managed = managed
-        self.registry = registry
+        self.websockets = websockets
         self.msg_id = msg_id
 
     async def execution_finished(self, request: ExecutionRequest, result: ExecutionResult) -> None:
@@ -74,6 +85,6 @@ class SettledReplies(SessionObserver):
         pending = self.managed.settled_replies
         pending.append(settled_reply(request, result))
         del pending[:-MAX_PENDING]
-        for handler in list(self.registry.websockets):
+        for handler in list(self.websockets):
             if handler.managed is self.managed:
                 handler.deliver_settled_replies()

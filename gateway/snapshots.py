@@ -41,7 +41,6 @@ from sandkernel.errors import (
     SnapshotRejectedError,
 )
 from sandkernel.gateway.adoption import managed_from_record
-from sandkernel.gateway.checkpoints import CellCheckpoints
 from sandkernel.gateway.managed import ManagedSession, PausedSession, now_iso, seconds_since
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
@@ -54,7 +53,6 @@ from sandkernel.kernels.snapshots.archive import capture_files
 from sandkernel.kernels.snapshots.quota import CHECKPOINT_WINDOW_SECONDS, TenantSnapshotBytes, WrittenInWindow
 from sandkernel.kernels.snapshots.store import SnapshotManifest, SnapshotStore
 from sandkernel.notebooks.compare import code_cells
-from sandkernel.notebooks.observer import attach_transcript
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 from sandkernel.notebooks.resume import Restored, cells_in_memory, rebuild
 from sandkernel.notebooks.transcript import build_notebook
@@ -86,6 +84,7 @@ class SnapshotManager:
         self._tenant_bytes: dict[str, TenantSnapshotBytes] = {}
         self._checkpoint_bytes: dict[str, WrittenInWindow] = {}
         registry.snapshots = self
+        registry.wiring.checkpoint = self.checkpoint  # per-cell checkpoints, with --checkpoint-every-cell
 
     def _lock(self, session_id: str, tenant: str) -> asyncio.Lock:
         """The session's lock; made only for a session already found to be ``tenant``'s."""
@@ -273,7 +272,7 @@ class SnapshotManager:
             ) from err
         managed = managed_from_record(session, paused.record, recorder)
         if recorder is not None:
-            await attach_transcript(session, recorder)
+            await self.registry.wiring.transcript(session, recorder)
             if rewind_to is not None:
                 await recorder.add_markdown(
                     f"> **sandkernel:** rewound to cell {rewind_to}: the state is again the one right after it "
@@ -302,8 +301,7 @@ class SnapshotManager:
 
     def _gated(self, session: KernelSession, tenant: str) -> contextlib.AbstractContextManager[None]:
         """Replayed cells pass the operator's gates and are audited, as new code is."""
-        controls = self.registry.controls
-        return controls.on_replay(session, tenant) if controls is not None else contextlib.nullcontext()
+        return self.registry.wiring.on_replay(session, tenant)
 
     def _profile_now(self, recorded: Profile, session_id: str, outcome: str) -> Profile:
         """The profile a session starts again with: the operator's current settings, its
@@ -374,13 +372,6 @@ class SnapshotManager:
         return paused
 
     # -- per-cell checkpoints ------------------------------------------------------------------
-
-    def watch(self, managed: ManagedSession) -> None:
-        """With ``--checkpoint-every-cell``, checkpoint the session's files after each cell."""
-        if self.settings.checkpoint_every_cell:
-            checkpoints = CellCheckpoints(self.checkpoint, managed)
-            managed.session.add_observer(checkpoints)
-            managed.session.add_gate(checkpoints)
 
     async def checkpoint(self, managed: ManagedSession) -> SnapshotManifest:
         """Archive the files as the last cell left them, and drop the oldest checkpoints beyond
@@ -483,7 +474,7 @@ class SnapshotManager:
                 {"tenant": parent.tenant, "client_metadata": metadata, "forked_from": parent.id},
             )
             recorder.inherit(notebook, parent.id, upto)
-            await attach_transcript(session, recorder)
+            await self.registry.wiring.transcript(session, recorder)
             await recorder.note(f"forked from session {parent.id} after its cell {upto} ({_said(restored)})")
             child = ManagedSession(
                 session,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 SESSION_API = "session_api"
 MCP = "mcp"
-KERNEL_API = "kernel_api"  # Jupyter's REST kernel API and its websocket
+KERNEL_API = "kernel_api"  # Jupyter's REST kernel API (interrupt, restart)
+WEBSOCKET = "websocket"  # the kernel API's websocket: a Jupyter client's own execute_request
 DEEPAGENTS = "deepagents"
 CLIENT_DOORS = (SESSION_API, DEEPAGENTS, "langchain", "agent")

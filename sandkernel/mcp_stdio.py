@@ -106,7 +106,7 @@ async def serve_stdio(args: argparse.Namespace) -> int:
         try:
             gateway.registry.catalog.for_tenant(args.profile, {})  # a bad --profile stops here, not at the first call
             resolver = TenantResolver(gateway.registry, DEFAULT_TENANT, {"profile": args.profile})
-            server = build_mcp_server(lambda ctx: resolver, settings.budget)
+            server = build_mcp_server(lambda ctx: resolver, gateway.service)
             print(
                 f"sandkernel mcp: gateway {gateway.url} (runtime {gateway.default_runtime}), token {token}; "
                 f"JupyterLab: jupyter lab --gateway-url={gateway.url} --GatewayClient.auth_token={token}",

@@ -38,8 +38,9 @@ from sandkernel.gateway.base import error_reply, restarting_error, retry_after_o
 from sandkernel.gateway.breakers import PING_TIMEOUT, PROBE_RETRY_SECONDS, SessionBreaker, StartBreaker
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.settings import GatewaySettings
-from sandkernel.kernels.execution.events import ExecutionRequest
+from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, TimeoutStep
+from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine
 
 from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS, RunscState, require_runtime, runsc_required, runsc_state
@@ -276,13 +277,23 @@ def result(status: ExecutionStatus, ended_by: TimeoutStep | None = None) -> Exec
 
 
 class Session:
-    """What the breaker uses of a session: its id, notes and restart (recorded)."""
+    """What the breaker uses of a session: its id, notes, restart (recorded) and the work queued
+    after an execution (run by :meth:`finish`, as KernelSession runs it once every observer has
+    heard the result)."""
 
     def __init__(self) -> None:
         self.id = "s1"
         self.notes: list[str] = []
         self.restarts = 0
         self.restart_reasons: list[str] = []
+        self.queued: list = []
+
+    def after_execution(self, work) -> None:
+        self.queued.append(work)
+
+    async def finish(self) -> None:
+        while self.queued:
+            await self.queued.pop(0)()
 
     async def note(self, text: str) -> None:
         self.notes.append(text)
@@ -337,12 +348,48 @@ async def test_the_restart_action_restarts_a_kernel_that_still_runs_and_refuses_
     breaker, session, _ = session_breaker(breaker_timeouts=2, breaker_ooms=2, breaker_action="restart")
     for _ in range(2):  # interrupted at its timeout: the kernel (and the runaway's state) still there
         await breaker.execution_finished(REQUEST, result(ExecutionStatus.TIMEOUT, TimeoutStep.INTERRUPT))
+    assert session.restarts == 0, "restarted while the other observers had not heard the result yet"
+    await session.finish()
     assert session.restarts == 1 and breaker.quarantined is None and breaker.timeouts == 0
     assert "circuit breaker" in session.restart_reasons[0]  # the transcript says why, not "on request"
     for _ in range(2):  # an OOM kill already restarted it: nothing more to do than say so
         await breaker.execution_finished(REQUEST, result(ExecutionStatus.OOM))
+    await session.finish()
     assert session.restarts == 1 and breaker.ooms == 0 and len(session.notes) == 2
     assert (await breaker.admit(REQUEST)).refusal is None
+
+
+class EventOrder(SessionObserver):
+    """Records which events it hears, in order (attached after the breaker, as the catalog is)."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    async def execution_finished(self, request: ExecutionRequest, result: ExecutionResult) -> None:
+        self.events.append(f"finished {result.status.value}")
+
+    async def kernel_restarted(self, reason: str, container_replaced: bool) -> None:
+        self.events.append("restarted")
+
+
+@pytest.mark.docker
+async def test_the_breaker_s_restart_comes_after_every_observer_heard_the_cell():
+    """A real session: the breaker trips on a timeout that left the kernel running (interrupted);
+    its restart is queued after the execution, so an observer after it hears the cell end first
+    (not the restart in the middle of the cell's own event), and the next execute finds the fresh
+    kernel (the variable is gone)."""
+    require_runtime("runc")
+    async with await KernelSession.start(overrides={"runtime": "runc"}) as session:
+        breaker, order = session_breaker(breaker_timeouts=1, breaker_action="restart")[0], EventOrder()
+        breaker.managed = SimpleNamespace(id=session.id, session=session)
+        session.add_observer(breaker)
+        session.add_observer(order)
+        await session.execute("kept = 1")
+        timed_out = await session.execute("import time\nwhile True: time.sleep(0.05)", timeout=1)
+        assert timed_out.status is ExecutionStatus.TIMEOUT and timed_out.ended_by is TimeoutStep.INTERRUPT
+        assert order.events == ["finished ok", "finished timeout", "restarted"], order.events
+        after = await session.execute("print('kept' in globals())")
+        assert after.status is ExecutionStatus.OK and "False" in str(after.outputs), after.outputs
 
 
 # -- through a real gateway -----------------------------------------------------------------------

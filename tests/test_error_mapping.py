@@ -108,7 +108,7 @@ async def raising_server():
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    deps = {"registry": None, "auth": None, "settings": GatewaySettings(), "metrics": GatewayMetrics()}
+    deps = {"registry": None, "auth": None, "settings": GatewaySettings(), "service": None, "metrics": GatewayMetrics()}
     server = httpserver.HTTPServer(web.Application([(r"/(?P<what>\w+)", Raising, deps)]))
     server.listen(port, address="127.0.0.1")
     yield f"http://127.0.0.1:{port}"

@@ -21,6 +21,7 @@ from PIL import Image
 
 from sandkernel.gateway.mcp.resolver import TenantResolver
 from sandkernel.gateway.mcp.tools import build_mcp_server
+from sandkernel.gateway.service import SessionService
 from sandkernel.images import MAX_EDGE
 from sandkernel.notebooks.compare import Verdict
 from sandkernel.notebooks.replay import replay
@@ -39,7 +40,7 @@ async def mcp_stack(request, tmp_path_factory):
     gateway = await start_gateway(tmp, default_runtime=request.param, notebook_dir=tmp / "notebooks")
     alice = TenantResolver(gateway.server.registry, "alice")
     bob = TenantResolver(gateway.server.registry, "bob")
-    server = build_mcp_server(lambda ctx: alice, gateway.settings.budget)
+    server = build_mcp_server(lambda ctx: alice, gateway.server.service)
     # The client's task group must be entered and left by one task; a module fixture's set-up
     # and teardown run in different ones, so the client lives in a task of its own.
     ready: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -196,7 +197,7 @@ async def test_sessions_are_separate_and_tenants_cannot_reach_each_other(mcp_sta
     assert {alice.default_id, other} <= {s["session_id"] for s in listed.structured_content["sessions"]}
 
     # bob's resolver: alice's id answers exactly as an unknown id does
-    bob_server = build_mcp_server(lambda ctx: bob, alice.registry.settings.budget)
+    bob_server = build_mcp_server(lambda ctx: bob, SessionService(alice.registry.settings.budget))
     async with Client(bob_server) as bob_client:
         foreign = await bob_client.call_tool("run_python", {"code": "y", "session_id": other})
         unknown = await bob_client.call_tool("run_python", {"code": "y", "session_id": "0" * 32})
@@ -334,7 +335,7 @@ async def test_pause_then_run_python_resumes_and_other_tenants_see_nothing(mcp_s
     assert entry["state"] == "paused"
 
     # bob: alice's session, paused or live, answers as an unknown id does, and is left alone
-    bob_server = build_mcp_server(lambda ctx: bob, registry.settings.budget)
+    bob_server = build_mcp_server(lambda ctx: bob, SessionService(registry.settings.budget))
     calls = {
         "pause_session": {},
         "resume_session": {},

@@ -31,6 +31,7 @@ from tornado.iostream import StreamClosedError
 from sandkernel.gateway.base import BaseHandler
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.service import SessionService
 from sandkernel.gateway.settings import GatewaySettings
 
 if TYPE_CHECKING:
@@ -71,7 +72,9 @@ class McpHttp:
         sessions.terminate = self._terminate
 
     @classmethod
-    async def start(cls, registry: SessionRegistry, settings: GatewaySettings) -> McpHttp | None:
+    async def start(
+        cls, registry: SessionRegistry, settings: GatewaySettings, service: SessionService
+    ) -> McpHttp | None:
         """Build the MCP server over ``registry`` and start serving it; None (logged) when the
         optional ``mcp`` package is not installed."""
         try:
@@ -85,7 +88,7 @@ class McpHttp:
 
         idle = settings.idle_timeout if settings.idle_timeout is not None else DEFAULT_MCP_IDLE_SECONDS
         sessions = HttpSessions(registry, idle)
-        server = build_mcp_server(sessions.resolver_for, settings.budget)
+        server = build_mcp_server(sessions.resolver_for, service)
         server.middleware.append(note_started_sessions)
         server.streamable_http_app(
             streamable_http_path=MCP_PATH,
@@ -212,10 +215,11 @@ class McpHandler(BaseHandler):
         registry: SessionRegistry,
         auth: TokenAuth | None,
         settings: GatewaySettings,
+        service: SessionService,
         metrics: GatewayMetrics,
         mcp: McpHttp,
     ) -> None:
-        super().initialize(registry, auth, settings, metrics)
+        super().initialize(registry, auth, settings, service, metrics)
         self.mcp = mcp
         self._gone = asyncio.Event()  # the client went away, or the response is complete
         self._body_given = False

@@ -9,7 +9,7 @@ what a model needs is more than a string: the text of a run, its images as MCP i
 The tools never decide whose session they touch: each call asks the transport's
 :data:`~sandkernel.gateway.mcp.resolver.ResolverFor` for the caller's resolver (resolver.py).
 Executions are recorded in the session's transcript with ``source: "mcp"``, budgeted like the
-session API's replies (gateway/budget.py through gateway/replies.py). A bad argument or a refusal
+session API's replies (gateway/service.py, the one way every door runs code). A bad argument or a refusal
 (unknown session, path outside /workspace, a limit) comes back as a tool error that says what to
 fix; nothing a caller sends can crash the server (the SDK turns any other exception into a
 generic tool error and logs it).
@@ -45,12 +45,10 @@ from pydantic import Field
 from sandkernel import __version__
 from sandkernel.doors import MCP
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
-from sandkernel.gateway.budget import OutputBudget
 from sandkernel.gateway.managed import RESTART_UNDER_WAY, ManagedSession, PausedSession
 from sandkernel.gateway.mcp.resolver import ResolverFor, SessionResolver
 from sandkernel.gateway.registry import SessionRegistry
-from sandkernel.gateway.replies import execution_reply, run_shell
-from sandkernel.gateway.sessions_api import MAX_CODE_BYTES
+from sandkernel.gateway.service import SessionService, checked_code
 from sandkernel.gateway.snapshots import MAX_FORKS, SnapshotManager
 from sandkernel.images import fit_image
 from sandkernel.kernels.sandbox.workspace_files import MAX_FILE_BYTES
@@ -242,9 +240,10 @@ def _paused_summary(paused: PausedSession) -> dict[str, Any]:
 class McpTools:
     """The tools and the notebook resource of one MCP server; every call resolves its caller."""
 
-    def __init__(self, resolver_for: ResolverFor, budget: OutputBudget) -> None:
+    def __init__(self, resolver_for: ResolverFor, service: SessionService) -> None:
         self.resolver_for = resolver_for
-        self.budget = budget
+        self.service = service  # runs the code, for every door alike (gateway/service.py)
+        self.budget = service.budget
 
     def resolver(self, ctx: Context) -> SessionResolver:
         try:
@@ -291,15 +290,16 @@ class McpTools:
         earlier results instead of recomputing them. The value of the last expression is shown,
         as in a notebook. Figures and images you display come back as images. An exception comes
         back as an error result with the traceback. For shell commands use run_shell."""
-        if len(code.encode()) > MAX_CODE_BYTES:
-            raise ToolError(f"code is larger than {MAX_CODE_BYTES} bytes; upload it with upload_file and run it")
-        managed = await self.managed(ctx, session_id)
-        managed.touch()
         try:
-            result = await managed.session.execute(code, timeout=_check_timeout(timeout), source=SOURCE)
+            checked_code(code)  # before a default session is started for it
         except SandkernelError as err:
             raise _tool_error(err) from err
-        reply = execution_reply(result, self.budget)
+        managed = await self.managed(ctx, session_id)
+        try:
+            result = await self.service.execute(managed, SOURCE, code, _check_timeout(timeout))
+        except SandkernelError as err:
+            raise _tool_error(err) from err
+        reply = self.service.reply(result)
         structured = {
             "session_id": managed.id,
             "status": reply["status"],
@@ -327,9 +327,8 @@ class McpTools:
         exit code comes back as an error result that names it; a command over its timeout is
         killed (exit code 124). Use it for pip installs, git, ls, or any command-line tool."""
         managed = await self.managed(ctx, session_id)
-        managed.touch()
         try:
-            reply = await run_shell(managed, command, _check_timeout(timeout), SOURCE)
+            reply = await self.service.shell(managed, SOURCE, command, _check_timeout(timeout))
         except SandkernelError as err:
             raise _tool_error(err) from err
         text = ANSI.sub("", reply.get("output") or "").rstrip()
@@ -372,10 +371,9 @@ class McpTools:
             raise ToolError(f"the file is {len(data)} bytes; the limit is {MAX_FILE_BYTES}")
         managed = await self.managed(ctx, session_id)
         try:
-            written = await managed.write_file(path, data, door=SOURCE)
+            written = await self.service.write_file(managed, SOURCE, path, data)
         except SandkernelError as err:
             raise _tool_error(err) from err
-        managed.touch()
         where = written.get("path", path)
         shown = where if where.startswith("/") else f"/workspace/{where}"
         return _result(f"wrote {len(data)} bytes to {shown}", {"session_id": managed.id, **written})
@@ -391,10 +389,9 @@ class McpTools:
         For large data, summarise it with run_python instead of reading it whole."""
         managed = await self.managed(ctx, session_id)
         try:
-            data = await managed.files.read(path)
+            data = await self.service.read_file(managed, path)
         except SandkernelError as err:
             raise _tool_error(err) from err
-        managed.touch()
         mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
         info: dict[str, Any] = {"session_id": managed.id, "path": path, "size": len(data), "mime_type": mime}
         if is_api_image(mime):
@@ -433,7 +430,7 @@ class McpTools:
         """List a directory of the sandbox (a relative path is in /workspace): names, types and sizes."""
         managed = await self.managed(ctx, session_id)
         try:
-            entries = await managed.files.list(path)
+            entries = await self.service.list_files(managed, path)
         except SandkernelError as err:
             raise _tool_error(err) from err
         lines = [
@@ -450,7 +447,7 @@ class McpTools:
         running code and without printing their values."""
         managed = await self.managed(ctx, session_id)
         try:
-            variables = await managed.session.variables()
+            variables = await self.service.variables(managed)
         except SandkernelError as err:
             raise _tool_error(err) from err
         lines = [", ".join(f"{k}={v}" for k, v in var.items() if v is not None) for var in variables]
@@ -461,7 +458,7 @@ class McpTools:
         """Interrupt the code running in the session (KeyboardInterrupt); variables are kept."""
         managed = await self.managed(ctx, session_id)
         try:
-            sent = await managed.interrupt(SOURCE)
+            sent = await self.service.interrupt(managed, SOURCE)
         except SandkernelError as err:
             raise _tool_error(err) from err
         return _result("interrupted" if sent else RESTART_UNDER_WAY, {"session_id": managed.id, "interrupted": sent})
@@ -471,7 +468,7 @@ class McpTools:
         are kept. Use it when the kernel is stuck or its state is broken."""
         managed = await self.managed(ctx, session_id)
         try:
-            await managed.restart(SOURCE)
+            await self.service.restart(managed, SOURCE)
         except SandkernelError as err:
             raise _tool_error(err) from err
         return _result("restarted: variables cleared, /workspace kept", {"session_id": managed.id})
@@ -686,13 +683,13 @@ def _summary(managed: ManagedSession) -> dict[str, Any]:
 READ_ONLY = ToolAnnotations(read_only_hint=True, destructive_hint=False, open_world_hint=False)
 
 
-def build_mcp_server(resolver_for: ResolverFor, budget: OutputBudget, *, name: str = "sandkernel") -> MCPServer:
+def build_mcp_server(resolver_for: ResolverFor, service: SessionService, *, name: str = "sandkernel") -> MCPServer:
     """The MCP server with every tool and the notebook resource (see resolver.py for how a
     transport runs it and what ``resolver_for`` gets)."""
     if not callable(resolver_for):
         raise ConfigError("resolver_for must be a callable from a request context to a SessionResolver")
     server: MCPServer = MCPServer(name, instructions=INSTRUCTIONS, version=__version__)
-    tools = McpTools(resolver_for, budget)
+    tools = McpTools(resolver_for, service)
     closed = ToolAnnotations(open_world_hint=False)
     table = [
         (tools.run_python, closed),

@@ -19,7 +19,7 @@ import datetime as dt
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from jupyter_client import AsyncKernelManager
@@ -133,6 +133,7 @@ class KernelSession:
         self._orphan_task: asyncio.Task | None = None  # an execution a previous process left running
         self.observers = Observers(self.id)
         self._gates: list[ExecutionGate] = []
+        self._after_execution: list[Callable[[], Awaitable[None]]] = []  # see after_execution
         # Measures each cell on the host (CPU, peak memory, files, egress, packages); None: off.
         self.meter: CellMeter | None = CellMeter(self)
         self._own_replies = OwnShellReplies(self._kernel.read_shell)
@@ -253,6 +254,20 @@ class KernelSession:
 
     def remove_observer(self, observer: SessionObserver) -> None:
         self.observers.remove(observer)
+
+    def after_execution(self, work: Callable[[], Awaitable[None]]) -> None:
+        """Run ``work`` once the execution being reported has been heard by every observer,
+        before the next execute starts: how an observer acts on the session (the breaker
+        restarting its kernel) without calling back into it half-way through an event."""
+        self._after_execution.append(work)
+
+    async def _run_after_execution(self) -> None:
+        while self._after_execution:
+            work = self._after_execution.pop(0)
+            try:
+                await work()
+            except SandkernelError as err:  # the result stands; the next execute meets the state
+                log.warning("work queued after an execution failed: %s", err, extra={"session": self.id})
 
     def add_gate(self, gate: ExecutionGate) -> None:
         """Ask ``gate`` about every execution from now on, before it reaches the kernel."""
@@ -513,8 +528,9 @@ class KernelSession:
         ``on_result`` is called with the result before the observers hear of it, so a door can
         answer its client first: the observers' bookkeeping (transcript, catalog, audit,
         metrics) then runs before this returns, still holding the execute lock: most observers
-        only queue their slow work, and one that awaits (the breaker's restart) makes later
-        executes wait for it, so no execute can see the reply's effects unrecorded.
+        only queue their slow work, so no execute can see the reply's effects unrecorded. Work an
+        observer queues with :meth:`after_execution` (the breaker's restart) runs once every
+        observer has heard the result, still before the next execute.
         Should it raise, the observers are still told and its exception is raised after them.
         """
         if not isinstance(code, str):
@@ -624,6 +640,7 @@ class KernelSession:
         await self.observers.emit("execution_finished", request, result)
         if notes:
             await self._flush_notes()
+        await self._run_after_execution()
         if answer_failed is not None:
             raise answer_failed
         return result
