@@ -80,7 +80,7 @@ def main() -> None:
     parser.add_argument("--runtimes", default="runc,runsc", help="comma-separated runtimes")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
-    from sandkernel.kernels.lifecycle.profiles import DEFAULT_IMAGE
+    from sandkernel.kernels.model.profiles import DEFAULT_IMAGE
 
     contenders = {
         "before": (args.before.resolve(), args.before_image),

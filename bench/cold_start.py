@@ -26,9 +26,9 @@ from jupyter_client import AsyncKernelClient
 from results_dir import results_path
 
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.model.profiles import resolve_profile
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 
 
 def _quiet(msg: dict) -> None:

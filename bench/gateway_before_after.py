@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=100, help="round trips per door, tree and round")
     parser.add_argument("--runtimes", default="runc,runsc", help="comma-separated runtimes")
     args = parser.parse_args()
-    from sandkernel.kernels.lifecycle.profiles import DEFAULT_IMAGE
+    from sandkernel.kernels.model.profiles import DEFAULT_IMAGE
 
     contenders = {
         "before": (args.before.resolve(), args.before_image),

@@ -26,8 +26,9 @@ from inprocess_gateway import GatewayApi, inprocess_gateway
 from results_dir import results_path
 
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.reaper import SESSION_LABEL, listed_containers
+from sandkernel.kernels.lifecycle.reaper import listed_containers
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import SESSION_LABEL
 
 TEN_MB = "print('x' * 10_000_000)"
 ONE_MB_PNG = (

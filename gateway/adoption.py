@@ -29,8 +29,8 @@ from sandkernel import doors
 from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError
 from sandkernel.gateway.managed import LostSession, ManagedSession, PausedSession, seconds_since
 from sandkernel.gateway.registry import SessionRegistry
-from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.notebooks.recorder import TranscriptRecorder
 

@@ -35,7 +35,7 @@ from sandkernel.owner_hint import HOST_HEADER
 if TYPE_CHECKING:
     from tornado.httputil import HTTPServerRequest
 
-    from sandkernel.kernels.durable.records import SandboxRecord
+    from sandkernel.kernels.model.records import SandboxRecord
 
 log = logging.getLogger(__name__)
 

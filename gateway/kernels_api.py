@@ -12,8 +12,8 @@ from sandkernel.gateway.base import BaseHandler
 from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.http_api import ApiError
 from sandkernel.gateway.managed import ManagedSession
-from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
-from sandkernel.kernels.lifecycle.profiles import Runtime
+from sandkernel.kernels.model.profiles import Runtime
+from sandkernel.kernels.model.records import SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
 
 if TYPE_CHECKING:

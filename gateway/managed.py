@@ -17,8 +17,8 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sandkernel.errors import ConfigError, SandboxLostError, SessionPausedError
-from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.model.records import SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT
 from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
 from sandkernel.notebooks.recorder import TranscriptRecorder
@@ -281,7 +281,7 @@ def recorded_model(record: SandboxRecord, kernel_id: Any, execution_state: str) 
 
 def _public_profile(recorded: Any) -> dict[str, Any]:
     """The public view of a recorded profile ({} when the record's cannot be read back)."""
-    from sandkernel.kernels.durable.adoption import profile_from_record
+    from sandkernel.kernels.execution.adoption import profile_from_record
 
     try:
         return profile_from_record(recorded).to_dict(public=True)

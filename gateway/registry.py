@@ -38,12 +38,12 @@ from sandkernel.gateway.session_metadata import checked_metadata
 from sandkernel.gateway.session_observers import CatalogWriter
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.gateway.wiring import SessionWiring
-from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
 from sandkernel.kernels.lifecycle.pool import WarmPool
-from sandkernel.kernels.lifecycle.profiles import Profile
+from sandkernel.kernels.model.profiles import Profile
+from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.cpu_groups import group_for
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for

@@ -67,13 +67,13 @@ from sandkernel.gateway.snapshots_api import SnapshotActionHandler
 from sandkernel.gateway.stop_watch import bounded_stop
 from sandkernel.gateway.tls import server_context
 from sandkernel.kernels.durable.postgres import PostgresStore
-from sandkernel.kernels.durable.records import SandboxState
 from sandkernel.kernels.durable.store import SessionStore, mark_remote_catalog, open_store
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_runtime
 from sandkernel.kernels.lifecycle.pool import WarmPool
-from sandkernel.kernels.lifecycle.profiles import Runtime
 from sandkernel.kernels.lifecycle.reaper import reap
+from sandkernel.kernels.model.profiles import Runtime
+from sandkernel.kernels.model.records import SandboxState
 from sandkernel.kernels.sandbox.cgroup import DEFAULT_ENGINE_PARENT, use_engine_parent
 from sandkernel.kernels.sandbox.cpu_groups import remove_empty_groups
 from sandkernel.kernels.sandbox.docker_engine import default_engine

@@ -44,10 +44,10 @@ from sandkernel.gateway.adoption import managed_from_record
 from sandkernel.gateway.managed import ManagedSession, PausedSession, now_iso, seconds_since
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
-from sandkernel.kernels.durable.adoption import profile_from_record, profile_record
-from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.execution.adoption import profile_from_record, profile_record
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.profiles import Profile
+from sandkernel.kernels.model.profiles import Profile
+from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.snapshots.archive import capture_files
 from sandkernel.kernels.snapshots.quota import CHECKPOINT_WINDOW_SECONDS, TenantSnapshotBytes, WrittenInWindow

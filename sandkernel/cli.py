@@ -157,7 +157,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_image_build(args: argparse.Namespace) -> int:
-    from sandkernel.kernels.lifecycle.profiles import DEFAULT_IMAGE
+    from sandkernel.kernels.model.profiles import DEFAULT_IMAGE
     from sandkernel.kernels.sandbox.image import build_image
 
     build_image(tag=args.tag or DEFAULT_IMAGE, base=args.base, offline=args.offline, progress=print)

@@ -80,7 +80,7 @@ async def serve_stdio(args: argparse.Namespace) -> int:
     from sandkernel.gateway.mcp.tools import build_mcp_server
     from sandkernel.gateway.server import Gateway
     from sandkernel.gateway.settings import GatewaySettings
-    from sandkernel.kernels.lifecycle.reaper import owner_label
+    from sandkernel.kernels.sandbox.labels import owner_label
     from sandkernel.local_gateway import LOCAL_DEFAULTS, free_port
 
     stop = asyncio.Event()
@@ -155,7 +155,8 @@ def _start_undertaker(owner: str, state: Path) -> None:
 
 def undertake(owner: str, state: Path) -> None:
     """Wait for the process ``owner`` names (host:pid:start) to die, then remove what it left."""
-    from sandkernel.kernels.lifecycle.reaper import owner_alive, reap_sync
+    from sandkernel.kernels.lifecycle.reaper import reap_sync
+    from sandkernel.kernels.sandbox.labels import owner_alive
     from sandkernel.kernels.sandbox.state_dir import use_state_dir
 
     while owner_alive(owner):

@@ -33,9 +33,10 @@ import pytest
 
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, listed_containers, owner_label, reap_sync
+from sandkernel.kernels.lifecycle.reaper import listed_containers, reap_sync
+from sandkernel.kernels.model.profiles import resolve_profile
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 
 # Parallel runs (pytest-xdist): the groups, their order and the exclusive tests' lock, see
 # tests/scheduling.py; what each tier cost, printed at the end of a run: tests/tier_times.py;

@@ -21,8 +21,8 @@ from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SessionDet
 from sandkernel.kernels.execution.events import SessionObserver
 from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.state_dir import state_dir
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk
 
@@ -36,13 +36,13 @@ CHILD = textwrap.dedent(
     import asyncio, json, os, sys
     from sandkernel.kernels.execution.events import SessionObserver
     from sandkernel.kernels.execution.session import KernelSession
-    from sandkernel.kernels.lifecycle import reaper
+    from sandkernel.kernels.sandbox import labels
 
     # The sandbox is labelled as the test process's, which outlives this child: the reaper of any
     # gateway another test starts meanwhile (a parallel run) must not take it before adoption.
     # A real crashed gateway's sandboxes are spared the same way by its catalog.
     # (The original is held apart: patching reaper first must not hide it from the others.)
-    original = reaper.owner_label
+    original = labels.owner_label
     for module in list(sys.modules.values()):
         if getattr(module, "owner_label", None) is original:
             module.owner_label = lambda: os.environ["SANDKERNEL_TEST_ORPHAN_OWNER"]

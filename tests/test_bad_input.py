@@ -13,8 +13,8 @@ from sandkernel.errors import (
     UnknownProfileError,
 )
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.runtime_dir import default_base_dir
 
 pytestmark = pytest.mark.docker

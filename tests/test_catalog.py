@@ -9,7 +9,7 @@ import pytest
 from sandkernel.errors import ConfigError, SettingNotPermittedError, UnknownProfileError
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import DEFAULT_CEILINGS, OPERATOR_SETTINGS, ProfileCatalog
-from sandkernel.kernels.lifecycle.profiles import PROFILES, Runtime
+from sandkernel.kernels.model.profiles import PROFILES, Runtime
 
 
 def catalog_from(tmp_path, entries, runtime=Runtime.RUNC, egress=None) -> ProfileCatalog:

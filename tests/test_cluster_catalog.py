@@ -33,8 +33,8 @@ from sandkernel.kernels.durable.postgres import (
     application_name,
     host_lock_key,
 )
-from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
 from sandkernel.kernels.durable.store import StoreError
+from sandkernel.kernels.model.records import SandboxRecord, SandboxState
 
 from . import postgres_fixtures
 from .conftest import container_ids_of

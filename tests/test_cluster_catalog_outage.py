@@ -19,7 +19,7 @@ import pytest
 from sandkernel.gateway.cluster.catalog import ClusterCatalog
 from sandkernel.gateway.cluster.membership import ClusterMembership
 from sandkernel.kernels.durable.postgres import PostgresStore
-from sandkernel.kernels.durable.records import SandboxRecord
+from sandkernel.kernels.model.records import SandboxRecord
 
 pytestmark = pytest.mark.docker
 

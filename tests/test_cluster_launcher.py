@@ -16,7 +16,7 @@ import docker
 import pytest
 
 from sandkernel.gateway.cluster.launcher import _watch_exit
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 
 pytestmark = pytest.mark.docker
 

@@ -16,7 +16,7 @@ import pytest
 
 from sandkernel.gateway.cluster.catalog import ClusterCatalog
 from sandkernel.kernels.durable.postgres import PostgresStore
-from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
+from sandkernel.kernels.model.records import SandboxRecord, SandboxState
 from sandkernel.kernels.snapshots.store import SnapshotStore
 
 from .conftest import container_ids_of

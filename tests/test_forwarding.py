@@ -40,7 +40,7 @@ from sandkernel.gateway.cluster.signing import (
 )
 from sandkernel.gateway.http_api import MAX_BODY_BYTES
 from sandkernel.gateway.kernels_api import recorded_kernel_model
-from sandkernel.kernels.durable.records import SandboxRecord
+from sandkernel.kernels.model.records import SandboxRecord
 
 from .conftest import container_ids_of, require_runtime
 from .gateway_fixtures import ALICE, BOB, OPERATOR, call_api, free_port

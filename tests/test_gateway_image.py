@@ -48,8 +48,8 @@ from sandkernel.gateway.cluster.gateway_image import (
     source_checkout,
 )
 from sandkernel.gateway.cluster.launcher import DOCKER_SOCKET, GATEWAY_CAPABILITIES, LOOP_DEVICE_RULES
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = ("mkfs.ext4", "losetup", "mount", "umount", "tar", "catatonit")

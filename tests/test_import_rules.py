@@ -326,3 +326,74 @@ def test_the_cycle_check_finds_planted_cycles_and_spares_function_imports():
         ("pkg.z", "class Z:\n    from pkg.x import X\n", False),
     ]
     assert cycles(module_graph(iter(sources))) == [["pkg.a", "pkg.b"], ["pkg.x", "pkg.y", "pkg.z"]]
+
+
+# -- sub-packages (issue 32, item 3) -------------------------------------------------------------
+# Inside sandkernel.kernels the sub-packages form a directed graph too: model (profiles, records)
+# and egress at the bottom, sandbox above them, durable (the catalogs) and execution above that,
+# lifecycle (pool, prewarm, reaper, profile catalog) above execution. A module's imports of another
+# sub-package's modules are edges between the two sub-packages; no cycle among them.
+DAG_PACKAGES = (f"{PACKAGE}.kernels",)
+
+
+def subpackage_graph(graph: dict[str, set[str]], package: str) -> dict[str, set[str]]:
+    """sub-package -> the sub-packages of ``package`` its modules import (its top-level modules
+    are the sub-package ``(top)``)."""
+
+    def part(module: str) -> str | None:
+        if not module.startswith(package + "."):
+            return None
+        rest = module[len(package) + 1 :].split(".")
+        return rest[0] if len(rest) > 1 or f"{package}.{rest[0]}" in subpackages else "(top)"
+
+    subpackages = {m for m in graph if m.startswith(package + ".") and any(o.startswith(m + ".") for o in graph)}
+    edges: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        source = part(module)
+        if source is None:
+            continue
+        edges.setdefault(source, set())
+        for target in targets:
+            sink = part(target)
+            if sink is not None and sink != source:
+                edges[source].add(sink)
+                edges.setdefault(sink, set())
+    return edges
+
+
+def test_the_sub_packages_form_a_directed_graph():
+    graph = module_graph((name, path.read_text(), is_package) for name, path, is_package in package_sources())
+    for package in DAG_PACKAGES:
+        edges = subpackage_graph(graph, package)
+        assert len(edges) >= 5, f"the walk missed {package}'s sub-packages: {sorted(edges)}"
+        found = cycles(edges)
+        described = [
+            " <-> ".join(cycle)
+            + "\n    "
+            + "\n    ".join(
+                f"{module} imports {target}"
+                for module, targets in sorted(graph.items())
+                for target in sorted(targets)
+                for cycle_part in [cycle]
+                if any(module.startswith(f"{package}.{a}.") for a in cycle_part)
+                and any(target.startswith(f"{package}.{b}.") for b in cycle_part)
+                and module.split(".")[2] != target.split(".")[2]
+            )
+            for cycle in found
+        ]
+        assert not found, f"{package}: sub-package cycle(s):\n" + "\n".join(described)
+
+
+def test_the_sub_package_check_finds_a_planted_cycle():
+    sources = [
+        ("pkg", "", True),
+        ("pkg.low", "", True),
+        ("pkg.low.a", "from pkg.high.b import B\n", False),
+        ("pkg.high", "", True),
+        ("pkg.high.b", "B = 1\n", False),
+        ("pkg.high.c", "from pkg.low.a import x\n", False),
+        ("pkg.tool", "from pkg.low import a\n", False),
+    ]
+    edges = subpackage_graph(module_graph(iter(sources)), "pkg")
+    assert edges == {"low": {"high"}, "high": {"low"}, "(top)": {"low"}}
+    assert cycles(edges) == [["high", "low"]]

@@ -23,7 +23,7 @@ import pytest
 
 from sandkernel import doors
 from sandkernel.kernels.execution.events import SessionObserver
-from sandkernel.kernels.lifecycle.profiles import resolve_profile
+from sandkernel.kernels.model.profiles import resolve_profile
 
 from .conftest import RUNC, RUNSC, container_ids_of
 from .gateway_fixtures import Gateway, call_api, gateway_fixture

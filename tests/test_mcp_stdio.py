@@ -26,8 +26,8 @@ from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp_types import TextContent
 
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, SESSION_LABEL
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, SESSION_LABEL
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL
 from tests.conftest import RUNC, RUNTIME_PARAMS, require_runtime
 

@@ -14,9 +14,9 @@ import nbformat
 import pytest
 
 from sandkernel.kernels.lifecycle.pool import RETRY_SECONDS, WarmPool
-from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.model.profiles import resolve_profile
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 
 from .conftest import RUNTIME_PARAMS, require_runtime
 from .gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway

@@ -3,7 +3,7 @@
 import pytest
 
 from sandkernel.errors import ConfigError, UnknownProfileError
-from sandkernel.kernels.lifecycle.profiles import PROFILES, Runtime, resolve_profile
+from sandkernel.kernels.model.profiles import PROFILES, Runtime, resolve_profile
 
 
 def test_default_profile_is_bounded():

@@ -31,7 +31,6 @@ import pytest
 from sandkernel.kernels.durable import SCHEMA_VERSION, SandboxRecord, StoreError, open_store
 from sandkernel.kernels.durable.pg_errors import CatalogAddress, CatalogUnavailableError, catalog_error
 from sandkernel.kernels.durable.postgres import PostgresStore
-from sandkernel.kernels.durable.records import SandboxKind, SandboxState
 from sandkernel.kernels.durable.store import (
     MIGRATIONS,
     REMOTE_CATALOG_MARK,
@@ -41,16 +40,11 @@ from sandkernel.kernels.durable.store import (
 )
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.pool import WarmPool
-from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import (
-    OWNER_LABEL,
-    SESSION_LABEL,
-    RecordedElsewhere,
-    catalogued_session_ids,
-    owner_label,
-    reap_sync,
-)
+from sandkernel.kernels.lifecycle.reaper import RecordedElsewhere, catalogued_session_ids, reap_sync
+from sandkernel.kernels.model.profiles import resolve_profile
+from sandkernel.kernels.model.records import SandboxKind, SandboxState
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, SESSION_LABEL, owner_label
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, use_state_dir
 
 from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime

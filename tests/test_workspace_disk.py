@@ -19,7 +19,7 @@ from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartErro
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
-from sandkernel.kernels.lifecycle.profiles import Runtime, WorkspaceStorage
+from sandkernel.kernels.model.profiles import Runtime, WorkspaceStorage
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.exec_stream import SIGKILL_EXIT
 from sandkernel.kernels.sandbox.state_dir import use_state_dir

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 from sandkernel.gateway.managed import TooManySessionsError
 from sandkernel.kernels.durable.postgres import RECORD_COLUMNS, PostgresStore
-from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.durable.store import StoreError
+from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 
 if TYPE_CHECKING:
     from psycopg import AsyncConnection

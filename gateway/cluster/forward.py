@@ -48,7 +48,7 @@ from sandkernel.gateway.cluster.signing import (
 )
 from sandkernel.gateway.http_api import MAX_BODY_BYTES
 from sandkernel.gateway.managed import LostSession, PausedSession, recorded_model
-from sandkernel.kernels.durable.records import SandboxRecord, SandboxState
+from sandkernel.kernels.model.records import SandboxRecord, SandboxState
 from sandkernel.owner_hint import HOST_HEADER
 
 if TYPE_CHECKING:

@@ -29,7 +29,7 @@ from sandkernel.gateway.managed import PausedSession, seconds_since
 if TYPE_CHECKING:
     from sandkernel.gateway.cluster.forward import ClusterLink
     from sandkernel.gateway.registry import SessionRegistry
-    from sandkernel.kernels.durable.records import SandboxRecord
+    from sandkernel.kernels.model.records import SandboxRecord
 
 # Paused sessions of down hosts looked at per cull: the oldest first, the rest at the next cull.
 EXPIRE_BATCH = 100

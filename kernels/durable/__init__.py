@@ -9,7 +9,7 @@ one-gateway-per-host-id lock in ``pg_host_lock``, its address and errors in ``pg
 psycopg (the ``cluster`` extra) is needed only to open it.
 """
 
-from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.durable.store import SCHEMA_VERSION, SessionStore, StoreError, open_store
+from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 
 __all__ = ["SCHEMA_VERSION", "SandboxKind", "SandboxRecord", "SandboxState", "SessionStore", "StoreError", "open_store"]

@@ -74,8 +74,8 @@ from sandkernel.kernels.durable.pg_host_lock import (
     take_host_lock,
 )
 from sandkernel.kernels.durable.pg_schema import MIGRATIONS, SCHEMA_VERSION, migrate
-from sandkernel.kernels.durable.records import SandboxRecord
 from sandkernel.kernels.durable.store import _COLUMNS, StoreError, _row, records_from_rows, update_values
+from sandkernel.kernels.model.records import SandboxRecord
 
 try:  # the `cluster` extra: a single-host install imports this module without it
     import psycopg

@@ -58,7 +58,7 @@ from typing import Any, Protocol, TypeVar
 
 from sandkernel import __version__
 from sandkernel.errors import ConfigError
-from sandkernel.kernels.durable.records import UPDATABLE_FIELDS, SandboxRecord, SandboxState
+from sandkernel.kernels.model.records import UPDATABLE_FIELDS, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.state_dir import state_dir
 from sandkernel.pid_lock import LockHeldError, take_pid_lock
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sandkernel.kernels.execution.events import Observers, SessionObserver
-from sandkernel.kernels.lifecycle.profiles import Profile, WorkspaceStorage
+from sandkernel.kernels.model.profiles import Profile, WorkspaceStorage
 from sandkernel.kernels.sandbox import workspace_scan
 from sandkernel.kernels.sandbox.cgroup import Cgroup, CpuTimes, PeakWindow, locate
 from sandkernel.kernels.sandbox.fs_changes import ChangeWatch, Unavailable

@@ -20,11 +20,11 @@ from jupyter_client import AsyncKernelManager
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandkernel.errors import KernelStartError, SandkernelError, SessionClosedError
-from sandkernel.kernels.durable.adoption import reattach
+from sandkernel.kernels.execution.adoption import reattach
 from sandkernel.kernels.execution.drain import IdleDrain
 from sandkernel.kernels.execution.outputs import OutputCollector
 from sandkernel.kernels.execution.transport import new_client, new_kernel_manager, next_message
-from sandkernel.kernels.lifecycle.profiles import Profile
+from sandkernel.kernels.model.profiles import Profile
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
@@ -100,7 +100,7 @@ class SandboxedKernel:
     @classmethod
     async def adopt(cls, session_id: str, state: dict[str, Any]) -> SandboxedKernel:
         """The kernel of a sandbox a previous process started, checked and connected again (see
-        kernels/durable/adoption.py). It may be busy with code that process left running: only
+        kernels/execution/adoption.py). It may be busy with code that process left running: only
         the control channel is asked to answer, and iopub to carry that answer's status."""
         km = await reattach(session_id, state)
         provisioner = km.provisioner

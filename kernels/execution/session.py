@@ -31,9 +31,9 @@ from sandkernel.errors import (
     SessionClosedError,
     SessionDetachedError,
 )
-from sandkernel.kernels.durable.adoption import discard as discard_sandbox
-from sandkernel.kernels.durable.adoption import durable_state
 from sandkernel.kernels.execution.accounting import CellMeter
+from sandkernel.kernels.execution.adoption import discard as discard_sandbox
+from sandkernel.kernels.execution.adoption import durable_state
 from sandkernel.kernels.execution.deaths import DeathClassifier
 from sandkernel.kernels.execution.events import (
     ALLOW,
@@ -55,7 +55,7 @@ from sandkernel.kernels.execution.outputs import (
 from sandkernel.kernels.execution.replies import OrphanReply, OwnShellReplies, RelayedReply, ReplySource
 from sandkernel.kernels.execution.variables import list_variables
 from sandkernel.kernels.execution.watch import ExecutionWatch
-from sandkernel.kernels.lifecycle.profiles import NUMERIC_RANGES, Profile, resolve_profile
+from sandkernel.kernels.model.profiles import NUMERIC_RANGES, Profile, resolve_profile
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 
@@ -157,7 +157,7 @@ class KernelSession:
     async def adopt(cls, session_id: str, state: dict[str, Any]) -> KernelSession:
         """The session of a sandbox a previous process started, from its :meth:`durable_state`.
 
-        Connects after the checks of kernels/durable/adoption.py and emits nothing: attach the
+        Connects after the checks of kernels/execution/adoption.py and emits nothing: attach the
         observers, then call :meth:`resume`. Raises SandboxLostError (the container died or was
         removed; :meth:`discard` clears what is left) or AdoptionRefusedError (not what was
         recorded; left alone)."""

@@ -37,7 +37,7 @@ from typing import Any
 
 from sandkernel.errors import ConfigError, SettingNotPermittedError, UnknownProfileError
 from sandkernel.kernels.egress.policy import BadNetworkError, EgressNotPermitted, EgressPolicy
-from sandkernel.kernels.lifecycle.profiles import NUMERIC_RANGES, PROFILES, Profile, Runtime, check_setting
+from sandkernel.kernels.model.profiles import NUMERIC_RANGES, PROFILES, Profile, Runtime, check_setting
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 OPERATOR_SETTINGS = frozenset({"image", "wheelhouse", "env"})

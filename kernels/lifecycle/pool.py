@@ -36,11 +36,11 @@ import time
 from collections.abc import Callable, Sequence
 
 from sandkernel.errors import ConfigError, SandkernelError
-from sandkernel.kernels.durable.records import SandboxKind, SandboxRecord
 from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.prewarm import prewarm, validate_modules
-from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
+from sandkernel.kernels.model.profiles import Profile, resolve_profile
+from sandkernel.kernels.model.records import SandboxKind, SandboxRecord
 
 log = logging.getLogger(__name__)
 

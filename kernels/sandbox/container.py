@@ -32,8 +32,11 @@ from sandkernel.blocking import made_or_undone
 from sandkernel.errors import HelpersBusyError, KernelStartError
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.egress.proxy import CONTAINER_EGRESS_DIR, RELAY_PORT, SOCKET_NAME
-from sandkernel.kernels.lifecycle.profiles import Profile, Runtime, WorkspaceStorage
-from sandkernel.kernels.lifecycle.reaper import (
+from sandkernel.kernels.model.profiles import Profile, Runtime, WorkspaceStorage
+from sandkernel.kernels.sandbox.cgroup import container_oom_kills
+from sandkernel.kernels.sandbox.docker_engine import DockerEngine, translate_api_error
+from sandkernel.kernels.sandbox.exec_stream import SANDBOX_SHELL, Deadline, ExecStreamError, run_helper
+from sandkernel.kernels.sandbox.labels import (
     KERNEL_LABEL,
     OWNER_LABEL,
     RUNTIME_DIR_LABEL,
@@ -41,9 +44,6 @@ from sandkernel.kernels.lifecycle.reaper import (
     owner_label,
     process_start_time,
 )
-from sandkernel.kernels.sandbox.cgroup import container_oom_kills
-from sandkernel.kernels.sandbox.docker_engine import DockerEngine, translate_api_error
-from sandkernel.kernels.sandbox.exec_stream import SANDBOX_SHELL, Deadline, ExecStreamError, run_helper
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.sandbox.seccomp import seccomp_security_opt
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, state_dir

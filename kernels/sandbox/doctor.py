@@ -17,7 +17,7 @@ import subprocess
 import docker.errors
 
 from sandkernel.errors import SandkernelError
-from sandkernel.kernels.lifecycle.profiles import WorkspaceStorage, resolve_profile
+from sandkernel.kernels.model.profiles import WorkspaceStorage, resolve_profile
 from sandkernel.kernels.sandbox.container import SANDBOX_GID
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir

@@ -32,7 +32,7 @@ import docker.errors
 
 from sandkernel import __version__
 from sandkernel.errors import ImageBuildError
-from sandkernel.kernels.lifecycle.profiles import DEFAULT_IMAGE
+from sandkernel.kernels.model.profiles import DEFAULT_IMAGE
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 
 HUB_BASE = "python:3.11-slim"

@@ -31,11 +31,11 @@ from traitlets import Unicode
 from sandkernel.blocking import made_or_undone
 from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError
 from sandkernel.kernels.egress.proxy import EgressProxy
-from sandkernel.kernels.lifecycle.profiles import Profile, WorkspaceStorage, resolve_profile
-from sandkernel.kernels.lifecycle.reaper import owner_label
+from sandkernel.kernels.model.profiles import Profile, WorkspaceStorage, resolve_profile
 from sandkernel.kernels.sandbox.container import LAUNCHER, SANDBOX_GID, ContainerSpec, SandboxContainer
 from sandkernel.kernels.sandbox.cpu_groups import GROUP_NAME, cgroup_parent
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import owner_label
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
 from sandkernel.kernels.sandbox.uids import UidAllocator
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support

@@ -14,7 +14,7 @@ under an ``fcntl`` lock on ``<runtime base>/uids/.lock``, a uid is taken only if
 carries it in its ``sandkernel.uid`` label (Docker is the source of truth for what runs) and
 no live process holds a reservation file ``<runtime base>/uids/<uid>`` for it (which covers
 the moment between allocation and container creation). A reservation names its owner
-(:func:`~sandkernel.kernels.lifecycle.reaper.owner_label`); those of dead owners are dropped.
+(:func:`~sandkernel.kernels.sandbox.labels.owner_label`); those of dead owners are dropped.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from sandkernel.errors import SandkernelError
-from sandkernel.kernels.lifecycle.reaper import owner_alive, owner_label
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine
+from sandkernel.kernels.sandbox.labels import owner_alive, owner_label
 from sandkernel.kernels.sandbox.runtime_dir import default_base_dir
 
 SANDBOX_UID_RANGE = (0x7000_0000, 0x7FFE_0000)  # [low, high): 1879048192 to 2147352575

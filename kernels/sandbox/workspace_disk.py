@@ -12,7 +12,7 @@ Layout, under ``state_dir("workspaces")`` (root-only, 0700, see state_dir.py)::
 
     <session id>.img    the image (0600, sparse)
     <session id>.mnt/   its mount point; bind-mounted into the container at /workspace
-    <session id>.owner  the process that holds it (reaper.owner_label()), so a sweep of disks
+    <session id>.owner  the process that holds it (labels.owner_label()), so a sweep of disks
                         no container or catalog names spares those of live processes
 
 The filesystem is made with ``-m 0`` (the sandbox is not root, so root-reserved blocks would

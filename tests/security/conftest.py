@@ -25,8 +25,8 @@ from typing import Any
 import nbformat
 import pytest
 
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.runtime_dir import (
     CONNECTION_FILE,
     CONTAINER_DIR,

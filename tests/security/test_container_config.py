@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
+from sandkernel.kernels.model.profiles import Profile, resolve_profile
 from sandkernel.kernels.sandbox.container import SANDBOX_GID, SANDBOX_UID_RANGE, host_pids_limit
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.runtime_dir import CONTAINER_DIR

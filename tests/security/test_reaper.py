@@ -14,11 +14,12 @@ from pathlib import Path
 import docker.errors
 import pytest
 
-from sandkernel.kernels.durable.records import SandboxRecord
 from sandkernel.kernels.durable.store import CATALOG_NAME, open_store
-from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, RUNTIME_DIR_LABEL, SESSION_LABEL, reap_sync
+from sandkernel.kernels.lifecycle.reaper import reap_sync
+from sandkernel.kernels.model.profiles import resolve_profile
+from sandkernel.kernels.model.records import SandboxRecord
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, RUNTIME_DIR_LABEL, SESSION_LABEL
 from sandkernel.kernels.sandbox.runtime_dir import default_base_dir
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL
 

@@ -9,7 +9,7 @@ import statistics
 
 import pytest
 
-from sandkernel.kernels.lifecycle.profiles import Profile
+from sandkernel.kernels.model.profiles import Profile
 
 from ..gateway_fixtures import PeakRss
 from .conftest import ATTACKER_LIMITS, record_slowdown

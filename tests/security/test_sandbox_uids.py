@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.lifecycle.profiles import resolve_profile
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
+from sandkernel.kernels.model.profiles import resolve_profile
 from sandkernel.kernels.sandbox.container import SANDBOX_GID
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.uids import SANDBOX_UID_RANGE, UID_LABEL, UidAllocator, subid_ranges
 
 from ..conftest import RUNTIME_PARAMS, require_runtime

@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, owner_label
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 
 from ..conftest import require_runtime
 from ..gateway_fixtures import ALICE, start_gateway, stop_gateway

@@ -13,7 +13,7 @@ import pytest
 from sandkernel.errors import ConfigError, SettingNotPermittedError, UnknownProfileError
 from sandkernel.kernels.egress.policy import EgressNotPermitted, EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
-from sandkernel.kernels.lifecycle.profiles import Runtime
+from sandkernel.kernels.model.profiles import Runtime
 
 pytestmark = pytest.mark.security
 

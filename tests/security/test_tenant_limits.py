@@ -10,8 +10,9 @@ import json
 
 import pytest
 
-from sandkernel.kernels.lifecycle.reaper import OWNER_LABEL, listed_containers, owner_label
+from sandkernel.kernels.lifecycle.reaper import listed_containers
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.labels import OWNER_LABEL, owner_label
 
 from ..conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
 from ..gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway

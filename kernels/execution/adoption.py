@@ -30,17 +30,17 @@ from jupyter_client.provisioning import KernelProvisionerFactory
 from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError, TransportError
 from sandkernel.kernels.egress.proxy import EgressProxy
 from sandkernel.kernels.execution.transport import new_kernel_manager
-from sandkernel.kernels.lifecycle.profiles import Profile, resolve_profile
-from sandkernel.kernels.lifecycle.reaper import (
+from sandkernel.kernels.model.profiles import Profile, resolve_profile
+from sandkernel.kernels.sandbox.container import ContainerSpec, SandboxContainer
+from sandkernel.kernels.sandbox.cpu_groups import group_of
+from sandkernel.kernels.sandbox.docker_engine import default_engine, translate_api_error
+from sandkernel.kernels.sandbox.labels import (
     KERNEL_LABEL,
     RUNTIME_DIR_LABEL,
     SESSION_LABEL,
     own_runtime_dir,
     owner_label,
 )
-from sandkernel.kernels.sandbox.container import ContainerSpec, SandboxContainer
-from sandkernel.kernels.sandbox.cpu_groups import group_of
-from sandkernel.kernels.sandbox.docker_engine import default_engine, translate_api_error
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir, default_base_dir, remove_runtime_dir
 from sandkernel.kernels.sandbox.uids import UID_LABEL, UidAllocator
