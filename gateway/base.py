@@ -12,20 +12,20 @@ client waits for an engine that restarts, an open start breaker or a gateway tha
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import inspect
 import json
 import logging
 import math
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from tornado import web
 
-from sandkernel.errors import KernelNotFoundError, SandkernelError, SessionClosedError
+from sandkernel.errors import SandkernelError, SessionClosedError
 from sandkernel.gateway.auth import TokenAuth
 from sandkernel.gateway.http_api import MAX_BODY_BYTES, MAX_DRAINED_BYTES, ApiError, phrase_code
-from sandkernel.gateway.managed import LostSession, ManagedSession, TooManySessionsError
+from sandkernel.gateway.managed import ManagedSession, TooManySessionsError
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.service import SessionService
@@ -35,14 +35,13 @@ from sandkernel.owner_hint import HOST_HEADER
 if TYPE_CHECKING:
     from tornado.httputil import HTTPServerRequest
 
-    from sandkernel.kernels.model.records import SandboxRecord
 
 log = logging.getLogger(__name__)
 
 
 # The cluster as a handler sees it, when this gateway is one of several: the single-host core
 # names it by what it uses (gateway/cluster/ implements it on top of one host, and this module
-# imports nothing of gateway/cluster at load).
+# imports nothing of gateway/cluster: server.py hands the handlers its router).
 
 
 class ForwardedRequest(Protocol):
@@ -79,9 +78,37 @@ class ClusterSeam(Protocol):
         self, tenant: str, *, session_id: str | None = None, kernel_id: str | None = None
     ) -> OtherHost | None: ...
 
-    async def lost_with_its_host(self, tenant: str, session_id: str) -> SandboxRecord | None: ...
 
-    async def forget_lost(self, tenant: str, session_id: str) -> bool: ...
+class Route(Protocol):
+    """How a request this host does not serve itself is answered (gateway/cluster/router.py's
+    Forward: passed to the host that holds its session; AnswerLost: from a lost session's record)."""
+
+    async def serve(self, handler: BaseHandler) -> None: ...
+
+
+class Router(Protocol):
+    """The cluster's router (gateway/cluster/router.py's ClusterRouter), consulted once per
+    request: None from :meth:`route` means this host serves it."""
+
+    async def route(self, handler: BaseHandler, session_id: str | None, kernel_id: str | None) -> Route | None: ...
+
+    async def placed_elsewhere(self, handler: BaseHandler, profile: str | None, limits: Mapping[str, Any]) -> bool: ...
+
+    async def forward(self, handler: BaseHandler, host: OtherHost) -> None: ...
+
+
+HTTP_VERBS = ("get", "post", "put", "patch", "delete", "head", "options")
+
+
+def _dispatched(verb: Callable[..., Any]) -> Callable[..., Awaitable[None]]:
+    """A handler's verb, run through :meth:`BaseHandler._dispatch` (see there)."""
+
+    @functools.wraps(verb)
+    async def dispatched(self: BaseHandler, *args: Any, **kwargs: Any) -> None:
+        await self._dispatch(verb, args, kwargs)
+
+    dispatched.dispatches = True  # type: ignore[attr-defined]
+    return dispatched
 
 
 INTERNAL_ERROR = (500, "internal_error", "the gateway hit an unexpected error; it has been logged")
@@ -197,8 +224,8 @@ class BaseHandler(web.RequestHandler):
     served_while_stopping = False  # health, metrics and the API document answer to the end
     _counted = False
     forwarded_from: str | None = None  # the origin host of a request another gateway forwarded (verified)
-    forward_to: OtherHost | None = None  # the host this request is passed to (cluster mode)
-    lost_elsewhere: LostSession | None = None  # its session was lost with its host (cluster mode)
+    forwarded: ForwardedRequest | None = None  # that request: its body must be the one signed
+    route: Route | None = None  # the cluster router's answer for this request (None: served here)
     serves_session_model = False  # GET/DELETE /api/sessions/{id}: a lost session's model and delete
     forwarding: Any = None  # the exchange with that host, once started (gateway/cluster/forward.py)
     _refusal: ApiError | None = None  # answered; the rest of the body is dropped (refuse_then_drain)
@@ -210,9 +237,12 @@ class BaseHandler(web.RequestHandler):
         settings: GatewaySettings,
         service: SessionService,
         metrics: GatewayMetrics,
+        router: Router | None = None,
     ) -> None:
-        """Called by tornado with the route's dependencies (server.py's route table)."""
+        """Called by tornado with the route's dependencies (server.py's route table); ``router``
+        is the cluster's (None on a single host)."""
         self.registry = registry
+        self.router = router
         self.service = service  # every execute, shell, interrupt and restart goes through it
         self.auth = auth
         self.gateway_settings = settings  # (``self.settings`` is tornado's application settings)
@@ -244,59 +274,47 @@ class BaseHandler(web.RequestHandler):
         forwarded = cluster.forwarded_from(self.request)  # 401 on a bad signature
         if forwarded is not None:
             self.forwarded_from = forwarded.origin
-            self._check_body_once_in(forwarded)
+            self.forwarded = forwarded
         session_id = self.path_kwargs.get("session_id")
         kernel_id = self.path_kwargs.get("kernel_id")
-        if self.forwarded_from is not None or (session_id is None and kernel_id is None):
+        if self.forwarded_from is not None or (session_id is None and kernel_id is None) or self.router is None:
             return None  # forwarded once already (the loop guard), or no session in the path
-        return self._route(cluster, session_id, kernel_id)
+        return self._ask_router(self.router, session_id, kernel_id)
 
-    def _check_body_once_in(self, forwarded: ForwardedRequest) -> None:
-        """The verb runs only if the body that came is the one the forwarding gateway signed
-        (401 otherwise): tornado calls it by name once the body is in, so it is wrapped here."""
-        verb_name = (self.request.method or "get").lower()
-        verb = getattr(self, verb_name)
+    async def _ask_router(self, router: Router, session_id: str | None, kernel_id: str | None) -> None:
+        self.route = await router.route(self, session_id, kernel_id)
 
-        async def checked(*args: Any, **kwargs: Any) -> None:
-            forwarded.check_body(self.body)
-            answer = verb(*args, **kwargs)
-            if inspect.isawaitable(answer):
-                await answer
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Every verb a handler defines runs through :meth:`_dispatch` (wrapped once, here)."""
+        super().__init_subclass__(**kwargs)
+        for name in HTTP_VERBS:
+            verb = cls.__dict__.get(name)
+            if verb is not None and not getattr(verb, "dispatches", False):
+                setattr(cls, name, _dispatched(verb))
 
-        setattr(self, verb_name, checked)
+    async def _dispatch(self, verb: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Run the request's verb once its body is in, unless the request is answered otherwise:
+        already refused (a body over the limit: the answer is out, this only ends it), or routed
+        by the cluster to another host or to a lost session's record (:attr:`route`). A request
+        another gateway forwarded runs only if its body is the one that gateway signed (401)."""
+        if self._refusal is not None:
+            if not self._finished:
+                self.finish()
+            return
+        if self.route is not None:
+            if not self._finished:
+                await self.route.serve(self)
+            return
+        if self.forwarded is not None:
+            self.forwarded.check_body(self.body)
+        answer = verb(self, *args, **kwargs)
+        if inspect.isawaitable(answer):
+            await answer
 
     @property
     def cluster(self) -> ClusterSeam | None:
         """This gateway's cluster link; None on a single host."""
         return getattr(self.registry, "cluster", None)
-
-    async def _route(self, cluster: ClusterSeam, session_id: str | None, kernel_id: str | None) -> None:
-        """Cluster mode: when another host holds the caller's session or kernel (and this one does
-        not), the request is passed there once its body is in (:meth:`_forward` answers for the
-        verb). A session this host holds, or nobody does, or another tenant does, is served here."""
-        if session_id is not None:
-            if self.registry.holds(self.tenant, session_id):
-                return
-        elif kernel_id is not None:
-            with contextlib.suppress(KernelNotFoundError):
-                self.registry.by_kernel(self.tenant, kernel_id)
-                return
-        host = await cluster.owner_elsewhere(self.tenant, session_id=session_id, kernel_id=kernel_id)
-        if host is not None and host.status == "down" and session_id is not None:
-            lost = await cluster.lost_with_its_host(self.tenant, session_id)
-            if lost is not None:  # no gateway holds it: answered here, from its record
-                self.lost_elsewhere = LostSession(lost, lost.lost_reason or f"its host {host.host_id} is down")
-                setattr(self, (self.request.method or "get").lower(), self._answer_lost)
-                return
-            from sandkernel.gateway.cluster.takeover import take_over_paused
-
-            if await take_over_paused(self.registry, cluster, self.tenant, session_id):
-                return  # paused here now (its snapshot is in the dir the hosts share): served here
-        if host is not None:
-            self.forward_to = host
-            # tornado calls the verb by its name once the body is in: this request's is _forward
-            # (an instance attribute, so the handler class and its other requests are untouched).
-            setattr(self, (self.request.method or "get").lower(), self._forward)
 
     async def create_session(
         self, profile: str | None, limits: Mapping[str, Any], metadata: Mapping[str, Any], origin: str
@@ -305,40 +323,13 @@ class BaseHandler(web.RequestHandler):
         both do. In a cluster it is placed first (gateway/cluster/placement.py): None when it was
         placed on another host and that host's answer has been relayed (nothing left to write).
         A refusal at the tenant's limit (429, counted cluster-wide) is counted in the metrics."""
-        if self.cluster is not None:
-            from sandkernel.gateway.cluster.placement import placed_elsewhere
-
-            if await placed_elsewhere(self, profile, limits):
-                return None
+        if self.router is not None and await self.router.placed_elsewhere(self, profile, limits):
+            return None
         try:
             return await self.registry.create(self.tenant, profile, limits, metadata, origin=origin)
         except TooManySessionsError:
             self.metrics.limit_hits.labels("sessions").inc()
             raise
-
-    async def _answer_lost(self, *args: Any, **kwargs: Any) -> None:
-        """The verb of a request for a session lost with its host (see :meth:`_route`): the
-        session's own GET gives its model (state ``lost``, why) and its DELETE clears it, as on
-        the host that held it; anything else is the 410 that says to delete it."""
-        lost = self.lost_elsewhere
-        assert lost is not None and self.cluster is not None
-        if self.serves_session_model and self.request.method == "GET":
-            self.write_json(lost.session_model())
-            return
-        if self.serves_session_model and self.request.method == "DELETE":
-            await self.cluster.forget_lost(self.tenant, lost.id)
-            self.set_status(204)
-            self.finish()
-            return
-        raise lost.error()
-
-    async def _forward(self, *args: Any, **kwargs: Any) -> None:
-        """The verb of a request passed to the host that holds its session (see :meth:`_route`)."""
-        from sandkernel.gateway.cluster.forward import forward_http
-
-        if self._finished or self.forward_to is None:  # answered already (a body over the limit)
-            return
-        await forward_http(self, self.forward_to)
 
     def _too_large(self) -> ApiError:
         return ApiError(413, f"request body is over the limit of {self.max_body_bytes} bytes", "too_large")
@@ -383,12 +374,7 @@ class BaseHandler(web.RequestHandler):
         self.set_header("Content-Type", "application/json")
         self.set_header("Content-Length", str(len(payload)))
         self.write(payload)
-        self.flush()
-
-        async def end(*args: Any, **kwargs: Any) -> None:
-            self.finish()  # the answer is out: this only ends the request
-
-        setattr(self, self.request.method.lower(), end)  # tornado looks the verb up on the handler
+        self.flush()  # the verb, once the body is in, only ends the request (_dispatch)
 
     @property
     def body(self) -> bytes:

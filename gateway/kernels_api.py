@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 from sandkernel import __version__
 from sandkernel.doors import KERNEL_API
 from sandkernel.gateway.base import BaseHandler
-from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.http_api import ApiError
-from sandkernel.gateway.managed import ManagedSession
+from sandkernel.gateway.managed import ManagedSession, record_model
 from sandkernel.kernels.model.profiles import Runtime
 from sandkernel.kernels.model.records import SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
@@ -114,7 +113,7 @@ def is_live(record: SandboxRecord) -> bool:
 
 def recorded_kernel_model(record: SandboxRecord) -> dict[str, Any]:
     """The Jupyter kernel model of a live kernel another host holds: the ``kernel`` part of its
-    session model from the catalog record (forward.record_model says what the record tells:
+    session model from the catalog record (managed.record_model says what the record tells:
     its id, kernelspec name, last activity, busy or idle), so both APIs say the same of it."""
     return record_model(record)["kernel"]
 

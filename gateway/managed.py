@@ -279,6 +279,23 @@ def recorded_model(record: SandboxRecord, kernel_id: Any, execution_state: str) 
     }
 
 
+def record_model(record: SandboxRecord) -> dict[str, Any]:
+    """The session model of a session another host holds, from its catalog record (what GET
+    /api/sessions lists for it, and, its ``kernel`` part, GET /api/kernels: kernels_api.py; in
+    a cluster).
+    A live one says ``running``, its kernel ``busy`` while the catalog records an execution in
+    flight (the owner writes ``running`` when one starts and clears it when it ends), else
+    ``idle``; ``connections`` is the owner's alone (websockets are not recorded): 0."""
+    if record.state == SandboxState.LOST:
+        return LostSession(record, record.lost_reason or "its host stopped answering").session_model()
+    if record.state == SandboxState.PAUSED:
+        return PausedSession(record).session_model()
+    return {
+        **recorded_model(record, record.kernel.get("kernel_id"), "busy" if record.running else "idle"),
+        "state": SandboxState.RUNNING.value,
+    }
+
+
 def _public_profile(recorded: Any) -> dict[str, Any]:
     """The public view of a recorded profile ({} when the record's cannot be read back)."""
     from sandkernel.kernels.execution.adoption import profile_from_record

@@ -35,6 +35,7 @@ from sandkernel.gateway.cluster.catalog import ClusterCatalog
 from sandkernel.gateway.cluster.fast_lane import FastLane
 from sandkernel.gateway.cluster.forward import ClusterLink
 from sandkernel.gateway.cluster.membership import ClusterMembership
+from sandkernel.gateway.cluster.router import ClusterRouter
 from sandkernel.gateway.cluster.signing import load_cluster_secret
 from sandkernel.gateway.controls import SessionControls
 from sandkernel.gateway.files_api import EgressHandler, FilesHandler, VariablesHandler
@@ -148,10 +149,12 @@ def make_app(
     service: SessionService,
     metrics: GatewayMetrics | None = None,
     mcp: McpHttp | None = None,
+    router: ClusterRouter | None = None,
 ) -> web.Application:
-    """The route table: every handler gets its dependencies through ``initialize``."""
+    """The route table: every handler gets its dependencies through ``initialize`` (``router``:
+    the cluster's, which the HTTP handlers ask where each request is served)."""
     deps = {"registry": registry, "auth": auth, "settings": settings, "service": service}
-    api = {**deps, "metrics": metrics or GatewayMetrics()}
+    api = {**deps, "metrics": metrics or GatewayMetrics(), "router": router}
     kid = r"(?P<kernel_id>[^/]+)"
     sid = r"(?P<session_id>[^/]+)"
     routes: list[tuple[str, type[web.RequestHandler], dict[str, Any]]] = [
@@ -338,7 +341,15 @@ class Gateway:
             service = SessionService(settings.budget, metrics)  # every door runs code through it
             mcp = await McpHttp.start(registry, settings, service)  # None without the mcp extra
             server = httpserver.HTTPServer(
-                make_app(registry, settings, auth, service, registry.metrics, mcp),
+                make_app(
+                    registry,
+                    settings,
+                    auth,
+                    service,
+                    registry.metrics,
+                    mcp,
+                    ClusterRouter(registry.cluster) if registry.cluster is not None else None,
+                ),
                 max_body_size=MAX_DRAINED_BYTES,
                 idle_connection_timeout=settings.header_timeout,
                 body_timeout=settings.body_timeout,

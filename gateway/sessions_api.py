@@ -27,9 +27,8 @@ from sandkernel import doors
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.base import BaseHandler, error_reply
 from sandkernel.gateway.budget import OutputBudget, apply_budget
-from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.http_api import ApiError
-from sandkernel.gateway.managed import RESTART_UNDER_WAY, LostSession, ManagedSession, PausedSession
+from sandkernel.gateway.managed import RESTART_UNDER_WAY, LostSession, ManagedSession, PausedSession, record_model
 from sandkernel.gateway.service import checked_code, client_door
 from sandkernel.gateway.session_metadata import checked_metadata
 from sandkernel.kernels.execution.outputs import ExecutionResult

@@ -30,7 +30,6 @@ from tornado.netutil import bind_sockets
 from tornado.websocket import websocket_connect
 
 from sandkernel.errors import ConfigError
-from sandkernel.gateway.cluster.forward import record_model
 from sandkernel.gateway.cluster.peer_pool import Hop, PeerPool
 from sandkernel.gateway.cluster.signing import (
     FORWARDED_HEADER,
@@ -40,6 +39,7 @@ from sandkernel.gateway.cluster.signing import (
 )
 from sandkernel.gateway.http_api import MAX_BODY_BYTES
 from sandkernel.gateway.kernels_api import recorded_kernel_model
+from sandkernel.gateway.managed import record_model
 from sandkernel.kernels.model.records import SandboxRecord
 
 from .conftest import container_ids_of, require_runtime

@@ -47,8 +47,7 @@ from sandkernel.gateway.cluster.signing import (
     verify,
 )
 from sandkernel.gateway.http_api import MAX_BODY_BYTES
-from sandkernel.gateway.managed import LostSession, PausedSession, recorded_model
-from sandkernel.kernels.model.records import SandboxRecord, SandboxState
+from sandkernel.kernels.model.records import SandboxRecord
 from sandkernel.owner_hint import HOST_HEADER
 
 if TYPE_CHECKING:
@@ -400,22 +399,6 @@ async def forward_http(handler: BaseHandler, host: HostInfo, *, place_here: bool
         return
     if request.connection is not None:
         request.connection.close()  # a body cut short: the client must not take it for whole
-
-
-def record_model(record: SandboxRecord) -> dict[str, Any]:
-    """The session model of a session another host holds, from its catalog record (what GET
-    /api/sessions lists for it, and, its ``kernel`` part, GET /api/kernels: kernels_api.py).
-    A live one says ``running``, its kernel ``busy`` while the catalog records an execution in
-    flight (the owner writes ``running`` when one starts and clears it when it ends), else
-    ``idle``; ``connections`` is the owner's alone (websockets are not recorded): 0."""
-    if record.state == SandboxState.LOST:
-        return LostSession(record, record.lost_reason or "its host stopped answering").session_model()
-    if record.state == SandboxState.PAUSED:
-        return PausedSession(record).session_model()
-    return {
-        **recorded_model(record, record.kernel.get("kernel_id"), "busy" if record.running else "idle"),
-        "state": SandboxState.RUNNING.value,
-    }
 
 
 class ForwardedChannels:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tornado.iostream import StreamClosedError
 
-from sandkernel.gateway.base import BaseHandler
+from sandkernel.gateway.base import BaseHandler, Router
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.service import SessionService
@@ -218,8 +218,9 @@ class McpHandler(BaseHandler):
         service: SessionService,
         metrics: GatewayMetrics,
         mcp: McpHttp,
+        router: Router | None = None,
     ) -> None:
-        super().initialize(registry, auth, settings, service, metrics)
+        super().initialize(registry, auth, settings, service, metrics, router)
         self.mcp = mcp
         self._gone = asyncio.Event()  # the client went away, or the response is complete
         self._body_given = False
@@ -235,10 +236,8 @@ class McpHandler(BaseHandler):
 
     async def post(self) -> None:
         host = await self._held_elsewhere()
-        if host is not None:
-            from sandkernel.gateway.cluster.forward import forward_http
-
-            await forward_http(self, host)  # the owner's /mcp answers it, streamed back as it comes
+        if host is not None and self.router is not None:
+            await self.router.forward(self, host)  # the owner's /mcp answers it, streamed back as it comes
             return
         await self._bridge()
 

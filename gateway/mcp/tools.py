@@ -45,7 +45,7 @@ from pydantic import Field
 from sandkernel import __version__
 from sandkernel.doors import MCP
 from sandkernel.errors import ConfigError, KernelNotFoundError, SandkernelError
-from sandkernel.gateway.managed import RESTART_UNDER_WAY, ManagedSession, PausedSession
+from sandkernel.gateway.managed import RESTART_UNDER_WAY, ManagedSession, PausedSession, record_model
 from sandkernel.gateway.mcp.resolver import ResolverFor, SessionResolver
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.service import SessionService, checked_code
@@ -657,7 +657,6 @@ async def _held_elsewhere(scope: TenantScope, listed: set[str]) -> list[dict[str
     """In a cluster, the tenant's sessions other hosts hold, from the catalog (what GET
     /api/sessions lists for them): a modern MCP call naming one is forwarded to its host
     (gateway/mcp/http.py). A catalog that cannot answer is a tool error saying so."""
-    from sandkernel.gateway.cluster.forward import record_model
 
     cluster = getattr(scope.registry, "cluster", None)
     if cluster is None:
