@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sandkernel.errors import (
@@ -68,6 +68,8 @@ class Snapshots(Protocol):
 
     async def expire(self) -> list[str]: ...
 
+    async def checkpoint(self, managed: ManagedSession) -> Any: ...
+
 
 class ClusterCatalog(Protocol):
     """The shared catalog's session reservations (gateway/cluster/catalog.py)."""
@@ -100,12 +102,17 @@ class SessionRegistry:
         metrics: GatewayMetrics | None = None,
         store: SessionStore | None = None,
         controls: SessionControls | None = None,
+        cluster: Cluster | None = None,
+        snapshots: Callable[[SessionRegistry], Snapshots] | None = None,
     ) -> None:
         """``settings`` gives the limits (sessions per tenant and in all, idle timeout, lifetime)
         and the notebook directory; ``catalog`` what tenants may ask for (built-in profiles when
         None); ``pool`` the warm sandboxes, if any; ``metrics`` the gateway's counters; ``store``
         the session catalog every session is recorded in (None: sessions are not durable);
-        ``controls`` the operator's policy, breakers, accounting and audit (None: none)."""
+        ``controls`` the operator's policy, breakers, accounting and audit (None: none);
+        ``cluster`` the other hosts and the shared catalog, when this gateway is one of several;
+        ``snapshots`` makes the snapshot manager over this registry (it sits above the registry
+        and works on it: pause, resume, fork; None: no snapshots)."""
         self.settings = settings
         self.metrics = metrics or GatewayMetrics()
         self.pool = pool
@@ -113,11 +120,12 @@ class SessionRegistry:
         self.store = store
         self.writer = CatalogWriter(store) if store is not None else None
         self.controls = controls
-        self.wiring = SessionWiring(settings, self.metrics, controls, self.writer)  # observers and gates
+        self.snapshots = snapshots(self) if snapshots is not None else None
+        checkpoint = self.snapshots.checkpoint if self.snapshots is not None else None
+        self.wiring = SessionWiring(settings, self.metrics, controls, self.writer, checkpoint)  # observers and gates
         self._sessions: dict[str, ManagedSession] = {}
         self._lost: dict[str, LostSession] = {}
         self._paused: dict[str, PausedSession] = {}
-        self.snapshots: Snapshots | None = None  # set by gateway/snapshots.py's SnapshotManager
         self._pending: dict[str, int] = {}  # sandboxes being made, by tenant (see reserved)
         self._resuming = 0  # paused sessions being resumed (they count for their tenant already)
         self._idle_pauses: dict[str, asyncio.Task] = {}  # the culler's pauses under way, by session
@@ -131,7 +139,7 @@ class SessionRegistry:
         self._start_slots = asyncio.Semaphore(settings.cold_start_concurrency)
         self._tenant_starts: dict[str, asyncio.Semaphore] = {}  # each token's lane of cold starts
         self.cpu_groups: set[str] = set()  # the tenants' CPU groups used: removed when empty at the stop
-        self.cluster: Cluster | None = None  # the other hosts and the shared catalog, when one of several
+        self.cluster = cluster
         if pool is not None:  # the pool grows beyond its floor only into room the sessions leave
             pool.room = self._pool_room
 

@@ -79,6 +79,7 @@ from sandkernel.kernels.sandbox.cgroup import DEFAULT_ENGINE_PARENT, use_engine_
 from sandkernel.kernels.sandbox.cpu_groups import remove_empty_groups
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
+from sandkernel.kernels.snapshots.store import SnapshotStore
 from sandkernel.notebooks.recorder import default_notebook_dir
 
 log = logging.getLogger(__name__)
@@ -318,12 +319,24 @@ class Gateway:
             )
             metrics = GatewayMetrics()
             controls = await asyncio.to_thread(SessionControls.from_settings, settings, metrics)
-            registry = SessionRegistry(settings, catalog, pool, metrics, store, controls)
+            link = None
             if cluster is not None:
                 assert settings.cluster_secret_file is not None  # the settings require it with a catalog URL
                 secret = await asyncio.to_thread(load_cluster_secret, settings.cluster_secret_file)
-                registry.cluster = ClusterLink(cluster, secret, settings.cluster_host_id, settings.cluster_url)
-            snapshots = await asyncio.to_thread(SnapshotManager, registry, settings)
+                link = ClusterLink(cluster, secret, settings.cluster_host_id, settings.cluster_url)
+            snapshot_store = await asyncio.to_thread(SnapshotStore, settings.snapshot_dir)  # it reads the disk
+            registry = SessionRegistry(
+                settings,
+                catalog,
+                pool,
+                metrics,
+                store,
+                controls,
+                cluster=link,
+                snapshots=lambda registry: SnapshotManager(registry, settings, snapshot_store),
+            )
+            snapshots = registry.snapshots
+            assert isinstance(snapshots, SnapshotManager)
             records = await store.load()
             report = await adopt_all(registry, records)
             log.info("start-up adoption: %s", report.summary())

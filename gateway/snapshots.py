@@ -83,8 +83,6 @@ class SnapshotManager:
         # and what its per-cell checkpoints wrote in the last minute.
         self._tenant_bytes: dict[str, TenantSnapshotBytes] = {}
         self._checkpoint_bytes: dict[str, WrittenInWindow] = {}
-        registry.snapshots = self
-        registry.wiring.checkpoint = self.checkpoint  # per-cell checkpoints, with --checkpoint-every-cell
 
     def _lock(self, session_id: str, tenant: str) -> asyncio.Lock:
         """The session's lock; made only for a session already found to be ``tenant``'s."""

@@ -58,8 +58,8 @@ Checkpoint = Callable[[ManagedSession], Awaitable[Any]]
 class SessionWiring:
     """Registers the gateway's observers and gates on a session (see the module docstring).
 
-    ``checkpoint`` is the snapshot manager's ``checkpoint`` (gateway/snapshots.py gives it when
-    it is built, with ``--checkpoint-every-cell``; None: no per-cell checkpoints)."""
+    ``checkpoint`` is the snapshot manager's ``checkpoint`` (gateway/snapshots.py; used with
+    ``--checkpoint-every-cell``; None: a gateway without snapshots)."""
 
     def __init__(
         self,
@@ -67,12 +67,13 @@ class SessionWiring:
         metrics: GatewayMetrics,
         controls: SessionControls | None,
         writer: CatalogWriter | None,
+        checkpoint: Checkpoint | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.controls = controls
         self.writer = writer
-        self.checkpoint: Checkpoint | None = None
+        self.checkpoint = checkpoint
 
     async def transcript(self, session: KernelSession, recorder: TranscriptRecorder) -> None:
         """Start recording ``session`` (observer 1): before the registry takes it on."""
