@@ -29,6 +29,7 @@ from sandkernel import doors
 from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError
 from sandkernel.gateway.managed import LostSession, ManagedSession, PausedSession, seconds_since
 from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.traffic import Traffic
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
@@ -65,8 +66,9 @@ class AdoptionReport:
         )
 
 
-async def adopt_all(registry: SessionRegistry, records: list[SandboxRecord]) -> AdoptionReport:
-    """Adopt every record concurrently into ``registry`` (and its pool)."""
+async def adopt_all(registry: SessionRegistry, records: list[SandboxRecord], traffic: Traffic) -> AdoptionReport:
+    """Adopt every record concurrently into ``registry`` (and its pool); ``traffic`` holds the
+    kernel websockets a settled websocket execute is answered on (gateway/settled_replies.py)."""
     started = time.monotonic()
     report = AdoptionReport()
     limit = asyncio.Semaphore(MAX_CONCURRENT_ADOPTIONS)
@@ -77,7 +79,7 @@ async def adopt_all(registry: SessionRegistry, records: list[SandboxRecord]) -> 
                 if record.kind == SandboxKind.POOL:
                     await _adopt_pooled(registry, record, report)
                 else:
-                    await _adopt_session(registry, record, report)
+                    await _adopt_session(registry, record, report, traffic)
             except Exception as err:  # one record must not stop the others; keep it, say so
                 log.exception("adopting a recorded sandbox failed", extra={"session": record.session_id})
                 registry.add_lost(LostSession(record, f"the gateway could not adopt it ({err})", refused=True))
@@ -88,7 +90,9 @@ async def adopt_all(registry: SessionRegistry, records: list[SandboxRecord]) -> 
     return report
 
 
-async def _adopt_session(registry: SessionRegistry, record: SandboxRecord, report: AdoptionReport) -> None:
+async def _adopt_session(
+    registry: SessionRegistry, record: SandboxRecord, report: AdoptionReport, traffic: Traffic
+) -> None:
     sid, tenant = record.session_id, record.tenant
     if record.state == SandboxState.LOST:  # found lost by an earlier start: say so again
         registry.add_lost(LostSession(record, record.lost_reason or "its sandbox was lost"))
@@ -123,7 +127,7 @@ async def _adopt_session(registry: SessionRegistry, record: SandboxRecord, repor
     gateway = record.gateway
     running = record.running or {}
     if running.get("source") == doors.WEBSOCKET and not running.get("silent") and running.get("msg_id"):
-        registry.wiring.settle(managed, registry.websockets, str(running["msg_id"]))
+        registry.wiring.settle(managed, traffic.websockets, str(running["msg_id"]))
     await session.resume(running=record.running, detached_at=gateway.get("detached_at"))
     if registry.writer is not None:  # no longer detached
         registry.writer.update(sid, gateway=managed.gateway_record())

@@ -30,6 +30,7 @@ from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.service import SessionService
 from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.gateway.traffic import Traffic
 from sandkernel.owner_hint import HOST_HEADER
 
 if TYPE_CHECKING:
@@ -238,11 +239,13 @@ class BaseHandler(web.RequestHandler):
         service: SessionService,
         metrics: GatewayMetrics,
         router: Router | None = None,
+        traffic: Traffic | None = None,
     ) -> None:
         """Called by tornado with the route's dependencies (server.py's route table); ``router``
         is the cluster's (None on a single host)."""
         self.registry = registry
         self.router = router
+        self.traffic = traffic  # the server's count of requests in flight (None: not counted)
         self.service = service  # every execute, shell, interrupt and restart goes through it
         self.auth = auth
         self.gateway_settings = settings  # (``self.settings`` is tornado's application settings)
@@ -257,8 +260,9 @@ class BaseHandler(web.RequestHandler):
         if self.registry is not None and not self.served_while_stopping:
             if self.registry.stopping:
                 raise restarting_error()
-            self.registry.request_started()
-            self._counted = True
+            if self.traffic is not None:
+                self.traffic.request_started()
+                self._counted = True
         self.tenant = self.authenticate()
         declared = self.request.headers.get("Content-Length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -346,7 +350,8 @@ class BaseHandler(web.RequestHandler):
     def _uncount(self) -> None:
         if self._counted:
             self._counted = False
-            self.registry.request_ended()
+            if self.traffic is not None:
+                self.traffic.request_ended()
 
     def data_received(self, chunk: bytes) -> None:
         """Collect the body up to :attr:`max_body_bytes`; past it (a body sent without a

@@ -45,6 +45,7 @@ from sandkernel.gateway.managed import ManagedSession
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.service import SessionService
 from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.gateway.traffic import Traffic
 from sandkernel.gateway.wire import FrameError, from_frame, to_frame
 from sandkernel.gateway.ws_audit import debug_request_note, execute_request_notes
 from sandkernel.kernels.execution.outputs import REFUSED_ENAME, ExecutionResult, ExecutionStatus, TimeoutStep
@@ -86,10 +87,16 @@ def _aborts_queue(result: ExecutionResult, content: dict[str, Any]) -> bool:
 
 class ChannelsHandler(websocket.WebSocketHandler):
     def initialize(
-        self, registry: SessionRegistry, auth: TokenAuth | None, settings: GatewaySettings, service: SessionService
+        self,
+        registry: SessionRegistry,
+        auth: TokenAuth | None,
+        settings: GatewaySettings,
+        service: SessionService,
+        traffic: Traffic,
     ) -> None:
         self.registry = registry
         self.service = service
+        self.traffic = traffic  # this websocket registers there while open (closed 1012 on a restart)
         self.auth = auth
         self.gateway_settings = settings
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
@@ -219,7 +226,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.set_nodelay(True)
         if self.upstream is not None:
             self.upstream.start()
-            self.registry.websockets.add(self)  # closed with 1012 when this gateway restarts
+            self.traffic.websockets.add(self)  # closed with 1012 when this gateway restarts
             return
         assert self.managed is not None and self.tenant is not None
         km = self.managed.session.kernel_manager
@@ -240,7 +247,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.tasks.append(asyncio.create_task(self._nudge()))
         self.tasks.append(asyncio.create_task(self._watch_iopub(self.sockets["iopub"])))
         self.tasks.append(asyncio.create_task(self._send_shell()))
-        self.registry.websockets.add(self)  # closed with 1012 when the gateway restarts
+        self.traffic.websockets.add(self)  # closed with 1012 when the gateway restarts
         self.deliver_settled_replies()
 
     def deliver_settled_replies(self) -> None:
@@ -513,7 +520,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
     def on_close(self) -> None:
         if self.upstream is not None:
             self.upstream.close(self.close_code, self.close_reason)
-        self.registry.websockets.discard(self)
+        self.traffic.websockets.discard(self)
         if self.inflight is not None:
             self.inflight.forget_all()
         for reply in self.replies.values():

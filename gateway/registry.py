@@ -132,10 +132,6 @@ class SessionRegistry:
         self._idle_pause_slots = asyncio.Semaphore(CULL_PAUSES_AT_ONCE)
         self._closing: set[asyncio.Task] = set()
         self._stopping = False
-        self.requests_in_flight = 0  # HTTP requests being served (the shutdown lets them answer)
-        self._no_requests = asyncio.Event()
-        self._no_requests.set()
-        self.websockets: set[Any] = set()  # open kernel websockets (closed 1012 on a restart)
         self._start_slots = asyncio.Semaphore(settings.cold_start_concurrency)
         self._tenant_starts: dict[str, asyncio.Semaphore] = {}  # each token's lane of cold starts
         self.cpu_groups: set[str] = set()  # the tenants' CPU groups used: removed when empty at the stop
@@ -629,20 +625,6 @@ class SessionRegistry:
             for waiter in pending:
                 waiter.cancel()
         return []
-
-    def request_started(self) -> None:
-        self.requests_in_flight += 1
-        self._no_requests.clear()
-
-    def request_ended(self) -> None:
-        self.requests_in_flight -= 1
-        if self.requests_in_flight <= 0:
-            self._no_requests.set()
-
-    async def requests_done(self, timeout: float) -> None:
-        """Wait up to ``timeout`` seconds for the HTTP requests being served to answer."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._no_requests.wait(), timeout)
 
     async def _stop_idle_pauses(self) -> None:
         """A stopping gateway does not wait for the culler's pauses: each is cancelled (its

@@ -67,6 +67,7 @@ from sandkernel.gateway.snapshots import SnapshotManager
 from sandkernel.gateway.snapshots_api import SnapshotActionHandler
 from sandkernel.gateway.stop_watch import bounded_stop
 from sandkernel.gateway.tls import server_context
+from sandkernel.gateway.traffic import Traffic
 from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.store import SessionStore, mark_remote_catalog, open_store
 from sandkernel.kernels.egress.policy import EgressPolicy
@@ -148,13 +149,15 @@ def make_app(
     settings: GatewaySettings,
     auth: TokenAuth | None,
     service: SessionService,
+    traffic: Traffic,
     metrics: GatewayMetrics | None = None,
     mcp: McpHttp | None = None,
     router: ClusterRouter | None = None,
 ) -> web.Application:
     """The route table: every handler gets its dependencies through ``initialize`` (``router``:
-    the cluster's, which the HTTP handlers ask where each request is served)."""
-    deps = {"registry": registry, "auth": auth, "settings": settings, "service": service}
+    the cluster's, which the HTTP handlers ask where each request is served; ``traffic``: where
+    requests count themselves and kernel websockets register)."""
+    deps = {"registry": registry, "auth": auth, "settings": settings, "service": service, "traffic": traffic}
     api = {**deps, "metrics": metrics or GatewayMetrics(), "router": router}
     kid = r"(?P<kernel_id>[^/]+)"
     sid = r"(?P<session_id>[^/]+)"
@@ -241,6 +244,7 @@ class Gateway:
         settings: GatewaySettings,
         registry: SessionRegistry,
         service: SessionService,
+        traffic: Traffic,
         server: httpserver.HTTPServer,
         shown_token: str | None,
         default_runtime: str,
@@ -253,6 +257,7 @@ class Gateway:
         self.default_runtime = default_runtime  # what "auto" (or the operator) chose
         self.registry = registry
         self.service = service  # what every door runs code through (gateway/service.py)
+        self.traffic = traffic  # the requests in flight and the open kernel websockets
         self.shown_token = shown_token  # the single token to print (None with a tokens file)
         self.store = store
         self.adoption = adoption  # what start-up found in the catalog
@@ -338,7 +343,8 @@ class Gateway:
             snapshots = registry.snapshots
             assert isinstance(snapshots, SnapshotManager)
             records = await store.load()
-            report = await adopt_all(registry, records)
+            traffic = Traffic()  # the requests in flight and the kernel websockets
+            report = await adopt_all(registry, records, traffic)
             log.info("start-up adoption: %s", report.summary())
             orphans = await snapshots.sweep()
             if orphans:
@@ -359,6 +365,7 @@ class Gateway:
                     settings,
                     auth,
                     service,
+                    traffic,
                     registry.metrics,
                     mcp,
                     ClusterRouter(registry.cluster) if registry.cluster is not None else None,
@@ -370,7 +377,7 @@ class Gateway:
             )
             try:
                 if registry.cluster is not None and tls is None:  # relays what it can before tornado
-                    fast_lane = FastLane(server, registry, auth, registry.cluster, settings.header_timeout)
+                    fast_lane = FastLane(server, registry, auth, registry.cluster, settings.header_timeout, traffic)
                     fast_lane.listen(settings.port, settings.ip)
                 else:
                     server.listen(settings.port, address=settings.ip)
@@ -394,7 +401,7 @@ class Gateway:
             raise
         if pool is not None:
             pool.start()
-        gateway = cls(settings, registry, service, server, shown_token, runtime.value, store, report)
+        gateway = cls(settings, registry, service, traffic, server, shown_token, runtime.value, store, report)
         gateway._previous_state_dir = previous_state_dir  # put back on stop (in-process gateways)
         gateway._previous_engine_parent = previous_engine_parent
         gateway.mcp = mcp
@@ -450,8 +457,8 @@ class Gateway:
         for managed in still_running:
             log.info("cutting a running execution: the gateway is restarting", extra={"session": managed.id})
         await asyncio.gather(*(m.session.cut_running() for m in still_running), return_exceptions=True)
-        await self.registry.requests_done(ANSWER_SECONDS)  # the cut executions' callers get their result
-        for handler in list(self.registry.websockets):
+        await self.traffic.requests_done(ANSWER_SECONDS)  # the cut executions' callers get their result
+        for handler in list(self.traffic.websockets):
             with contextlib.suppress(Exception):
                 handler.close(CLOSE_SERVICE_RESTART, "service restart")
         count = len(self.registry)

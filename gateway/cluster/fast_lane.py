@@ -63,6 +63,7 @@ from sandkernel.errors import ClusterUnavailableError, SandkernelError
 from sandkernel.gateway.base import error_reply, retry_after_of
 from sandkernel.gateway.cluster.forward import HOP_HEADERS, ClusterLink, end_to_end, unreachable
 from sandkernel.gateway.cluster.peer_pool import Exchange, Hop
+from sandkernel.gateway.traffic import Traffic
 
 if TYPE_CHECKING:
     from sandkernel.gateway.auth import TokenAuth
@@ -255,8 +256,10 @@ class FastLane:
         auth: TokenAuth | None,
         link: ClusterLink,
         idle_seconds: float,
+        traffic: Traffic,
     ) -> None:
         self.server, self.registry, self.auth, self.link = server, registry, auth, link
+        self.traffic = traffic  # the server's count of requests in flight (a stop lets them answer)
         self.idle_seconds = idle_seconds
         self._listening: list[socket.socket] = []
         self._stop_accepting: list[Any] = []
@@ -481,7 +484,7 @@ class FastLane:
         sent = body if body or request.method in ("POST", "PUT") else None
         relay = _Relay(client, request, host, headers, sent, _Answer(client.conn), time.monotonic())
         client.hop = Hop()
-        self.registry.request_started()  # from here on every way ends in _done
+        self.traffic.request_started()  # from here on every way ends in _done
         self._relayed.inc()
         try:
             exchange = self.link.peers.send_now(host.url, request.method, request.target, headers, sent, client.hop)
@@ -581,7 +584,7 @@ class FastLane:
     def _done(self, relay: _Relay, status: int, keep: bool) -> None:
         """A relayed request ended: logged; its connection waits for the next one (or is closed)."""
         client = relay.client
-        self.registry.request_ended()
+        self.traffic.request_ended()
         _log_access(status, relay.request, client.address, relay.began)
         client.hop = None
         if keep and not self._stopped:

@@ -33,6 +33,7 @@ from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.service import SessionService
 from sandkernel.gateway.settings import GatewaySettings
+from sandkernel.gateway.traffic import Traffic
 
 if TYPE_CHECKING:
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
@@ -219,8 +220,9 @@ class McpHandler(BaseHandler):
         metrics: GatewayMetrics,
         mcp: McpHttp,
         router: Router | None = None,
+        traffic: Traffic | None = None,
     ) -> None:
-        super().initialize(registry, auth, settings, service, metrics, router)
+        super().initialize(registry, auth, settings, service, metrics, router, traffic)
         self.mcp = mcp
         self._gone = asyncio.Event()  # the client went away, or the response is complete
         self._body_given = False
@@ -231,7 +233,7 @@ class McpHandler(BaseHandler):
         super().prepare()  # 503 while stopping, 401/429 on the token, the body limit (max_body_bytes)
         if self.request.method == "GET":
             # A legacy session's GET stream stays open for the session's life and carries no
-            # execution's answer: a stopping gateway must not wait for it (registry.requests_done).
+            # execution's answer: a stopping gateway must not wait for it (Traffic.requests_done).
             self._uncount()
 
     async def post(self) -> None:
