@@ -35,6 +35,7 @@ from sandkernel.gateway.cluster.catalog import ClusterCatalog
 from sandkernel.gateway.cluster.fast_lane import FastLane
 from sandkernel.gateway.cluster.forward import ClusterLink
 from sandkernel.gateway.cluster.membership import ClusterMembership
+from sandkernel.gateway.cluster.postgres import PostgresStore
 from sandkernel.gateway.cluster.router import ClusterRouter
 from sandkernel.gateway.cluster.signing import load_cluster_secret
 from sandkernel.gateway.controls import SessionControls
@@ -68,7 +69,6 @@ from sandkernel.gateway.snapshots_api import SnapshotActionHandler
 from sandkernel.gateway.stop_watch import bounded_stop
 from sandkernel.gateway.tls import server_context
 from sandkernel.gateway.traffic import Traffic
-from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.store import SessionStore, mark_remote_catalog, open_store
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog, choose_default_runtime

@@ -17,13 +17,10 @@ import psycopg
 import pytest
 
 from sandkernel.errors import SandboxLostError
+from sandkernel.gateway.cluster import pg_host_lock
 from sandkernel.gateway.cluster.catalog import ClusterCatalog, HostInfo
 from sandkernel.gateway.cluster.membership import ClusterMembership
-from sandkernel.gateway.managed import TooManySessionsError
-from sandkernel.gateway.registry import SessionRegistry
-from sandkernel.gateway.settings import GatewaySettings
-from sandkernel.kernels.durable import pg_host_lock
-from sandkernel.kernels.durable.postgres import (
+from sandkernel.gateway.cluster.postgres import (
     CONNECT_TIMEOUT,
     MIGRATIONS,
     SCHEMA_VERSION,
@@ -33,6 +30,9 @@ from sandkernel.kernels.durable.postgres import (
     application_name,
     host_lock_key,
 )
+from sandkernel.gateway.managed import TooManySessionsError
+from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.durable.store import StoreError
 from sandkernel.kernels.model.records import SandboxRecord, SandboxState
 

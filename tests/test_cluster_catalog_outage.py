@@ -18,7 +18,7 @@ import pytest
 
 from sandkernel.gateway.cluster.catalog import ClusterCatalog
 from sandkernel.gateway.cluster.membership import ClusterMembership
-from sandkernel.kernels.durable.postgres import PostgresStore
+from sandkernel.gateway.cluster.postgres import PostgresStore
 from sandkernel.kernels.model.records import SandboxRecord
 
 pytestmark = pytest.mark.docker

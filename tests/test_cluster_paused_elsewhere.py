@@ -15,7 +15,7 @@ import json
 import pytest
 
 from sandkernel.gateway.cluster.catalog import ClusterCatalog
-from sandkernel.kernels.durable.postgres import PostgresStore
+from sandkernel.gateway.cluster.postgres import PostgresStore
 from sandkernel.kernels.model.records import SandboxRecord, SandboxState
 from sandkernel.kernels.snapshots.store import SnapshotStore
 

@@ -28,9 +28,9 @@ import docker.errors
 import psycopg
 import pytest
 
+from sandkernel.gateway.cluster.pg_errors import CatalogAddress, CatalogUnavailableError, catalog_error
+from sandkernel.gateway.cluster.postgres import PostgresStore
 from sandkernel.kernels.durable import SCHEMA_VERSION, SandboxRecord, StoreError, open_store
-from sandkernel.kernels.durable.pg_errors import CatalogAddress, CatalogUnavailableError, catalog_error
-from sandkernel.kernels.durable.postgres import PostgresStore
 from sandkernel.kernels.durable.store import (
     MIGRATIONS,
     REMOTE_CATALOG_MARK,
@@ -607,7 +607,7 @@ def test_a_cluster_gateways_state_dir_is_never_taken_for_an_empty_catalog(tmp_pa
 
 
 def test_postgresql_driver_errors_become_the_catalogs_own_without_the_password():
-    """One translation (kernels/durable/pg_errors.py's catalog_error) for the store's calls, the
+    """One translation (gateway/cluster/pg_errors.py's catalog_error) for the store's calls, the
     host-id lock and the migration: a connection-level error is 503 (try again), a refused
     statement a StoreError, and neither quotes the password libpq echoed."""
     address = CatalogAddress("postgresql://sk:s%3Ecret@db.example:5433/catalog")

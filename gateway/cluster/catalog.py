@@ -1,8 +1,8 @@
 """The cluster's shared catalog: which hosts are up, which host holds each session, and each
 tenant's sessions counted across all hosts. PostgreSQL is the only coordinator.
 
-:class:`ClusterCatalog` works on the tables that ``kernels/durable/pg_schema.py`` creates, through
-the same connection pool as this host's :class:`~sandkernel.kernels.durable.postgres.PostgresStore`
+:class:`ClusterCatalog` works on the tables that ``gateway/cluster/pg_schema.py`` creates, through
+the same connection pool as this host's :class:`~sandkernel.gateway.cluster.postgres.PostgresStore`
 (one pool per gateway). Every decision that two gateways could race on is one transaction:
 
 - **Hosts** (``hosts``): a gateway registers with its advertised URL, runtimes and capacity, then
@@ -38,8 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sandkernel.gateway.cluster.postgres import RECORD_COLUMNS, PostgresStore
 from sandkernel.gateway.managed import TooManySessionsError
-from sandkernel.kernels.durable.postgres import RECORD_COLUMNS, PostgresStore
 from sandkernel.kernels.durable.store import StoreError
 from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 

@@ -34,7 +34,7 @@ BEAT_TIMEOUT_SECONDS = 5.0
 
 
 class HostLock(Protocol):
-    """What membership needs of the store under the catalog (kernels/durable/postgres.py)."""
+    """What membership needs of the store under the catalog (gateway/cluster/postgres.py)."""
 
     async def check_host_lock(self) -> None: ...
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from sandkernel import __version__
-from sandkernel.kernels.durable.pg_errors import CatalogAddress, catalog_error
+from sandkernel.gateway.cluster.pg_errors import CatalogAddress, catalog_error
 from sandkernel.kernels.durable.store import StoreError
 
 try:  # the `cluster` extra; PostgresStore.open refuses before anything here runs without it

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sandkernel.kernels.durable.pg_errors import CatalogAddress, HostIdInUseError, catalog_error, unreachable
+from sandkernel.gateway.cluster.pg_errors import CatalogAddress, HostIdInUseError, catalog_error, unreachable
 
 try:  # the `cluster` extra; PostgresStore.open refuses before anything here runs without it
     import psycopg

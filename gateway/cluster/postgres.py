@@ -57,13 +57,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from sandkernel.kernels.durable.pg_errors import (
+from sandkernel.gateway.cluster.pg_errors import (
     CatalogAddress,
     CatalogUnavailableError,
     HostIdInUseError,
     catalog_error,
 )
-from sandkernel.kernels.durable.pg_host_lock import (
+from sandkernel.gateway.cluster.pg_host_lock import (
     HOST_LOCK_CLASS,
     acquire_host_lock,
     close_quietly,
@@ -73,7 +73,7 @@ from sandkernel.kernels.durable.pg_host_lock import (
     release_host_lock,
     take_host_lock,
 )
-from sandkernel.kernels.durable.pg_schema import MIGRATIONS, SCHEMA_VERSION, migrate
+from sandkernel.gateway.cluster.pg_schema import MIGRATIONS, SCHEMA_VERSION, migrate
 from sandkernel.kernels.durable.store import _COLUMNS, StoreError, _row, records_from_rows, update_values
 from sandkernel.kernels.model.records import SandboxRecord
 
