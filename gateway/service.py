@@ -5,8 +5,9 @@ kernel API's websocket and REST actions, and MCP's tools (over HTTP and stdio) a
 translation only: each turns its request into one call here and renders what comes back in its
 own shape. What every door must do the same way is done here, once:
 
-- **input checks**: the code is a string within :data:`MAX_CODE_BYTES`, the timeout is a positive
-  number within the session's ceiling, a shell command is a non-empty line within its size;
+- **input checks**: the code is a string within :data:`MAX_CODE_BYTES` (a websocket's within that
+  door's own bounds), the timeout is a positive number within the session's ceiling, a shell
+  command is a non-empty line within its size;
 - **activity**: the session's idle clock is touched when a call arrives, files and variables
   included (busy / idle then follow the execution itself: gateway/session_observers.py);
 - **the output budget**: a whole reply is cut to the gateway's budget here (:meth:`reply`), and
@@ -137,10 +138,13 @@ class SessionService:
     ) -> ExecutionResult:
         """Run an execute_request a Jupyter client sent (the kernel websocket): the kernel gets
         the client's own message (``send``), the session still classifies, budgets and records
-        it as any execute (kernels/execution/session.py ``execute_relayed``)."""
-        checked = checked_code(code)
+        it as any execute (kernels/execution/session.py ``execute_relayed``). Its size is the
+        websocket's to bound (its message size and in-flight bytes: gateway/inflight.py), as
+        Jupyter clients send cells of any size a notebook holds: not :data:`MAX_CODE_BYTES`."""
+        if not isinstance(code, str):
+            raise BadCodeError("execute_request content.code must be a string of source code")
         managed.touch()
-        return await managed.session.execute_relayed(checked, send, reply, silent=silent, source=door)
+        return await managed.session.execute_relayed(code, send, reply, silent=silent, source=door)
 
     async def shell(
         self, managed: ManagedSession, door: str, command: object, timeout: object = None, limit: object = None

@@ -36,10 +36,36 @@ runsc_problem() {  # runsc_problem MESSAGE
   log "WARNING: $1"
   log "WARNING: gVisor sessions will be refused and the runsc half of the tests skipped"
 }
-if ! command -v runsc >/dev/null 2>&1; then
+# The gVisor build: bookworm-backports' 2024 one, pinned. It checkpoints and restores a sandbox
+# (issue 33: memory snapshots) where the default suite's 2022 build does not, and runs everything
+# the older one ran. Debian's own archive carries it (the same mirror, another suite); where that
+# suite cannot be had, the default suite's build is installed instead, with a warning.
+RUNSC_VERSION="0.0~20240729.0-4~bpo12+2"
+RUNSC_SUITE="bookworm-backports"
+runsc_installed() { dpkg-query -W -f='${Version}' runsc 2>/dev/null || true; }
+backports_source() {  # the suite beside the distribution's own, from the same mirror
+  local mirror
+  mirror=$(sed -n 's/^URIs: *\(http[^ ]*\/debian\)\/\{0,1\}$/\1/p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -1)
+  printf 'Types: deb\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    "${mirror:-http://deb.debian.org/debian}" "$RUNSC_SUITE"
+}
+if [ "$(runsc_installed)" != "$RUNSC_VERSION" ]; then
   if [ "$(id -u)" -ne 0 ]; then
-    runsc_problem "runsc (gVisor) is not installed and this script is not root to install it"
-  else
+    if command -v runsc >/dev/null 2>&1; then
+      log "WARNING: runsc $(runsc_installed) is not the pinned $RUNSC_VERSION (run this script as root to install it)"
+    else
+      runsc_problem "runsc (gVisor) is not installed and this script is not root to install it"
+    fi
+  elif [ "$(. /etc/os-release && echo "${VERSION_CODENAME:-}")" = bookworm ]; then
+    backports_source > "/etc/apt/sources.list.d/sandkernel-$RUNSC_SUITE.sources"
+    apt_updated=0  # the new suite's package lists
+    log "installing runsc $RUNSC_VERSION (gVisor, from $RUNSC_SUITE)"
+    if ! apt_install -t "$RUNSC_SUITE" "runsc=$RUNSC_VERSION"; then
+      log "WARNING: runsc $RUNSC_VERSION could not be installed from $RUNSC_SUITE; memory snapshots need it"
+      command -v runsc >/dev/null 2>&1 || apt_install runsc \
+        || runsc_problem "installing runsc failed (apt-get install runsc, output above)"
+    fi
+  elif ! command -v runsc >/dev/null 2>&1; then
     log "installing runsc (gVisor)"
     apt_install runsc || runsc_problem "installing runsc failed (apt-get install runsc, output above)"
   fi
