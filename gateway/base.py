@@ -97,6 +97,8 @@ class Router(Protocol):
 
     async def forward(self, handler: BaseHandler, host: OtherHost) -> None: ...
 
+    async def runtimes(self) -> set[str] | None: ...
+
 
 HTTP_VERBS = ("get", "post", "put", "patch", "delete", "head", "options")
 

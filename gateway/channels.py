@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 import zmq
@@ -37,8 +37,14 @@ from tornado import websocket
 from sandkernel import doors
 from sandkernel.errors import SandkernelError
 from sandkernel.gateway.auth import TokenAuth
-from sandkernel.gateway.base import authenticate_request, error_reply, restarting_error, retry_after_of
-from sandkernel.gateway.cluster.forward import ForwardedChannels, cluster_of
+from sandkernel.gateway.base import (
+    ForwardedRequest,
+    OtherHost,
+    authenticate_request,
+    error_reply,
+    restarting_error,
+    retry_after_of,
+)
 from sandkernel.gateway.http_api import ApiError
 from sandkernel.gateway.inflight import InFlight, ledger_of
 from sandkernel.gateway.managed import ManagedSession
@@ -53,6 +59,9 @@ from sandkernel.kernels.execution.replies import RelayedReply
 from sandkernel.kernels.execution.transport import connect_iopub
 from sandkernel.logs import Throttle
 
+if TYPE_CHECKING:
+    from tornado.httputil import HTTPServerRequest
+
 log = logging.getLogger(__name__)
 
 CLIENT_CHANNELS = ("shell", "control", "stdin")
@@ -65,6 +74,28 @@ IOPUB_RECOVERY_SECONDS = 10.0
 CLOSE_POLICY_VIOLATION = 1008
 # Executions whose websocket closed while they ran: they finish (and are recorded) on their own.
 _ORPHANED: set[asyncio.Task] = set()
+
+
+class Upstream(Protocol):
+    """The owner host's websocket a client's is relayed to (gateway/cluster/forward.py's
+    ForwardedChannels): frames pass through both ways, a close closes the other side."""
+
+    def start(self) -> None: ...
+
+    async def to_owner(self, message: str | bytes) -> None: ...
+
+    def close(self, code: int | None, reason: str | None) -> None: ...
+
+
+class WebsocketRouter(Protocol):
+    """What a kernel websocket asks of the cluster's router at its handshake
+    (gateway/cluster/router.py's ClusterRouter; this module imports nothing of gateway/cluster)."""
+
+    def forwarded_from(self, request: HTTPServerRequest) -> ForwardedRequest | None: ...
+
+    async def websocket_owner(self, tenant: str, kernel_id: str) -> OtherHost | None: ...
+
+    async def relay_websocket(self, handler: Any, host: Any) -> Upstream | tuple[int, bytes]: ...
 
 
 def _orphan_done(task: asyncio.Task) -> None:
@@ -93,8 +124,10 @@ class ChannelsHandler(websocket.WebSocketHandler):
         settings: GatewaySettings,
         service: SessionService,
         traffic: Traffic,
+        router: WebsocketRouter | None = None,
     ) -> None:
         self.registry = registry
+        self.router = router  # the cluster's (None on a single host): where this kernel is served
         self.service = service
         self.traffic = traffic  # this websocket registers there while open (closed 1012 on a restart)
         self.auth = auth
@@ -111,7 +144,7 @@ class ChannelsHandler(websocket.WebSocketHandler):
         self.refused = False  # closed over a budget: frames still arriving are ignored
         self.shell_queue: asyncio.Queue[tuple[dict[str, Any], list[Any]]] = asyncio.Queue()
         self.replies: dict[str, RelayedReply] = {}  # execute replies the session layer waits for
-        self.upstream: ForwardedChannels | None = None  # cluster mode: the owner host's websocket
+        self.upstream: Upstream | None = None  # cluster mode: the owner host's websocket
         self.forwarded_from: str | None = None  # the origin host of a websocket another gateway forwarded
 
     def check_origin(self, origin: str) -> bool:
@@ -138,9 +171,9 @@ class ChannelsHandler(websocket.WebSocketHandler):
         if self.registry.stopping:  # the next gateway process will serve this kernel
             self._refuse(*error_reply(restarting_error()))
             return
-        cluster = cluster_of(self.registry)
+        router = self.router
         try:  # a request another gateway of the cluster forwarded: never forwarded again
-            forwarded = cluster.forwarded_from(self.request) if cluster is not None else None
+            forwarded = router.forwarded_from(self.request) if router is not None else None
             if forwarded is not None:
                 forwarded.check_body(b"")  # a websocket's request has none
                 self.forwarded_from = forwarded.origin
@@ -189,16 +222,16 @@ class ChannelsHandler(websocket.WebSocketHandler):
         """Cluster mode: relay the websocket to the host holding the tenant's kernel, when that
         is another host (True: this request is answered). A request another gateway forwarded
         is never forwarded again (a bad signature on it is a 401)."""
-        cluster = cluster_of(self.registry)
-        if cluster is None or self.forwarded_from is not None:
+        router = self.router
+        if router is None or self.forwarded_from is not None:
             return False
         try:
-            host = await cluster.owner_elsewhere(tenant, kernel_id=kernel_id)
+            host = await router.websocket_owner(tenant, kernel_id)
             if host is None:
                 return False
             if self._origin_refused():  # checked here: the owner would compare it with its own Host
                 return True
-            upstream = await ForwardedChannels.connect(self, cluster, host)
+            upstream = await router.relay_websocket(self, host)
         except (ApiError, SandkernelError) as err:
             retry = retry_after_of(err)
             if retry is not None:

@@ -16,7 +16,7 @@ from sandkernel.kernels.model.records import SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.kernelspec import KERNEL_NAMES, kernel_json, kernel_name_for
 
 if TYPE_CHECKING:
-    from sandkernel.gateway.cluster.forward import ClusterLink
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +41,9 @@ async def offered_kernel_names(handler: BaseHandler) -> list[str]:
     then says why it fails."""
     offered = handler.registry.catalog.ceilings["default"].runtimes
     names = [name for name, runtime in KERNEL_NAMES.items() if Runtime(runtime) in offered]
-    cluster = handler.cluster
-    runnable = await cluster_runtimes(cluster) if cluster is not None else None
+    router = handler.router
+    runnable = await router.runtimes() if router is not None else None
     return names if runnable is None else [name for name in names if KERNEL_NAMES[name] in runnable]
-
-
-async def cluster_runtimes(cluster: ClusterLink) -> set[str] | None:
-    """The runtimes some up host of the cluster runs (as each registered them); None when the
-    catalog cannot be read within the catalog timeout (logged)."""
-    from sandkernel.gateway.cluster.placement import up_hosts
-
-    hosts = await up_hosts(cluster)
-    if hosts is None:
-        log.warning("kernelspecs: the cluster's hosts could not be read, listing the profile's")
-        return None
-    return {runtime for host in hosts for runtime in host.runtimes}
 
 
 def default_kernel_name(handler: BaseHandler) -> str:

@@ -38,6 +38,7 @@ from sandkernel.gateway.cluster.membership import ClusterMembership
 from sandkernel.gateway.cluster.postgres import PostgresStore
 from sandkernel.gateway.cluster.router import ClusterRouter
 from sandkernel.gateway.cluster.signing import load_cluster_secret
+from sandkernel.gateway.cluster.takeover import expire_paused_of_down_hosts
 from sandkernel.gateway.controls import SessionControls
 from sandkernel.gateway.files_api import EgressHandler, FilesHandler, VariablesHandler
 from sandkernel.gateway.http_api import MAX_DRAINED_BYTES
@@ -157,8 +158,15 @@ def make_app(
     """The route table: every handler gets its dependencies through ``initialize`` (``router``:
     the cluster's, which the HTTP handlers ask where each request is served; ``traffic``: where
     requests count themselves and kernel websockets register)."""
-    deps = {"registry": registry, "auth": auth, "settings": settings, "service": service, "traffic": traffic}
-    api = {**deps, "metrics": metrics or GatewayMetrics(), "router": router}
+    deps = {
+        "registry": registry,
+        "auth": auth,
+        "settings": settings,
+        "service": service,
+        "traffic": traffic,
+        "router": router,
+    }
+    api = {**deps, "metrics": metrics or GatewayMetrics()}
     kid = r"(?P<kernel_id>[^/]+)"
     sid = r"(?P<session_id>[^/]+)"
     routes: list[tuple[str, type[web.RequestHandler], dict[str, Any]]] = [
@@ -338,7 +346,12 @@ class Gateway:
                 store,
                 controls,
                 cluster=link,
-                snapshots=lambda registry: SnapshotManager(registry, settings, snapshot_store),
+                snapshots=lambda registry: SnapshotManager(
+                    registry,
+                    settings,
+                    snapshot_store,
+                    (lambda ttl: expire_paused_of_down_hosts(registry, link, ttl)) if link is not None else None,
+                ),
             )
             snapshots = registry.snapshots
             assert isinstance(snapshots, SnapshotManager)

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +73,16 @@ class SnapshotManager:
     """Pause, resume, fork and rewind for one gateway's registry."""
 
     def __init__(
-        self, registry: SessionRegistry, settings: GatewaySettings, store: SnapshotStore | None = None
+        self,
+        registry: SessionRegistry,
+        settings: GatewaySettings,
+        store: SnapshotStore | None = None,
+        expire_elsewhere: Callable[[float], Awaitable[list[str]]] | None = None,
     ) -> None:
+        """``expire_elsewhere`` (a cluster's: gateway/cluster/takeover.py) expires the sessions
+        paused longer than the ttl given on hosts that are down and share this snapshot dir."""
         self.registry = registry
+        self.expire_elsewhere = expire_elsewhere
         self.settings = settings
         self.store = store or SnapshotStore(settings.snapshot_dir)
         self._locks: dict[str, asyncio.Lock] = {}
@@ -511,10 +519,8 @@ class SnapshotManager:
             log.info("paused session expired", extra={"session": paused.id, "tenant": paused.tenant})
             await self.registry.delete(paused.tenant, paused.id, reason="paused_ttl")
         gone = [p.id for p in expired]
-        if self.registry.cluster is not None:  # and those of down hosts sharing this snapshot dir
-            from sandkernel.gateway.cluster.takeover import expire_paused_of_down_hosts
-
-            gone += await expire_paused_of_down_hosts(self.registry, self.registry.cluster, ttl)
+        if self.expire_elsewhere is not None:  # and those of down hosts sharing this snapshot dir
+            gone += await self.expire_elsewhere(ttl)
         return gone
 
     async def sweep(self) -> list[str]:

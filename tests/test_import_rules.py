@@ -397,3 +397,39 @@ def test_the_sub_package_check_finds_a_planted_cycle():
     edges = subpackage_graph(module_graph(iter(sources)), "pkg")
     assert edges == {"low": {"high"}, "high": {"low"}, "(top)": {"low"}}
     assert cycles(edges) == [["high", "low"]]
+
+
+# -- the cluster on top of one host (issue 32, item 2) --------------------------------------------
+# The single-host gateway imports nothing of gateway/cluster, wherever the import sits (function
+# bodies and TYPE_CHECKING included): it names what it asks of the cluster by protocols (base.py's
+# Router, channels.py's WebsocketRouter, registry.py's Cluster). server.py, which builds a gateway
+# and its cluster when it is one of several, is the one module that joins them.
+CLUSTER = f"{PACKAGE}.gateway.cluster"
+JOINS_THE_CLUSTER = frozenset({f"{PACKAGE}.gateway.server"})
+
+
+def cluster_imports_of_the_core(sources: Iterator[tuple[str, str, bool]]) -> list[str]:
+    found = []
+    for module, source, is_package in sources:
+        if not module.startswith(f"{PACKAGE}.gateway") or module.startswith(CLUSTER) or module in JOINS_THE_CLUSTER:
+            continue
+        for line, target in imported_modules(ast.parse(source), module, is_package):
+            if target == CLUSTER or target.startswith(CLUSTER + "."):
+                found.append(f"{module}:{line} imports {target}")
+    return found
+
+
+def test_the_single_host_gateway_imports_nothing_of_the_cluster():
+    sources = ((name, path.read_text(), is_package) for name, path, is_package in package_sources())
+    assert cluster_imports_of_the_core(sources) == []
+
+
+def test_the_cluster_import_check_finds_a_planted_import():
+    sources = [
+        (f"{PACKAGE}.gateway.handlers", "def later():\n    from sandkernel.gateway.cluster import forward\n", False),
+        (f"{PACKAGE}.gateway.cluster.router", "from sandkernel.gateway.base import Router\n", False),
+        (f"{PACKAGE}.gateway.server", "from sandkernel.gateway.cluster.router import ClusterRouter\n", False),
+    ]
+    assert cluster_imports_of_the_core(iter(sources)) == [
+        f"{PACKAGE}.gateway.handlers:2 imports {PACKAGE}.gateway.cluster.forward"
+    ]

@@ -18,18 +18,24 @@ handlers. New sessions are placed here too (:meth:`ClusterRouter.placed_elsewher
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sandkernel.errors import KernelNotFoundError
-from sandkernel.gateway.cluster.forward import ClusterLink, forward_http
-from sandkernel.gateway.cluster.placement import placed_elsewhere
+from sandkernel.gateway.cluster.forward import ClusterLink, Forwarded, ForwardedChannels, forward_http
+from sandkernel.gateway.cluster.placement import placed_elsewhere, up_hosts
 from sandkernel.gateway.cluster.takeover import take_over_paused
 from sandkernel.gateway.managed import LostSession
 
 if TYPE_CHECKING:
+    from tornado import websocket
+    from tornado.httputil import HTTPServerRequest
+
     from sandkernel.gateway.base import BaseHandler
     from sandkernel.gateway.cluster.catalog import HostInfo
+
+log = logging.getLogger(__name__)
 
 
 class Forward:
@@ -101,3 +107,29 @@ class ClusterRouter:
         """Pass the handler's request to ``host`` (MCP's modern requests, which name their session
         in the body rather than the path, are routed by their door: gateway/mcp/http.py)."""
         await forward_http(handler, host)
+
+    async def runtimes(self) -> set[str] | None:
+        """The runtimes some up host of the cluster runs (as each registered them); None when the
+        catalog cannot be read within the catalog timeout (logged): the kernelspecs a tenant is
+        offered (gateway/kernels_api.py)."""
+        hosts = await up_hosts(self.link)
+        if hosts is None:
+            log.warning("kernelspecs: the cluster's hosts could not be read, listing the profile's")
+            return None
+        return {runtime for host in hosts for runtime in host.runtimes}
+
+    # -- the kernel websocket (gateway/channels.py: a websocket handler, routed at its handshake) --
+
+    def forwarded_from(self, request: HTTPServerRequest) -> Forwarded | None:
+        """The verified forwarding of a request another gateway sent here (401 on a bad one)."""
+        return self.link.forwarded_from(request)
+
+    async def websocket_owner(self, tenant: str, kernel_id: str) -> HostInfo | None:
+        """The other host that holds the tenant's kernel, if another one does."""
+        return await self.link.owner_elsewhere(tenant, kernel_id=kernel_id)
+
+    async def relay_websocket(
+        self, handler: websocket.WebSocketHandler, host: HostInfo
+    ) -> ForwardedChannels | tuple[int, bytes]:
+        """Open the websocket to the owner (its refusal, status and body, to pass on)."""
+        return await ForwardedChannels.connect(handler, self.link, host)

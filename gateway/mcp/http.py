@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from tornado.iostream import StreamClosedError
 
-from sandkernel.gateway.base import BaseHandler, Router
+from sandkernel.gateway.base import BaseHandler, OtherHost, Router
 from sandkernel.gateway.metrics import GatewayMetrics
 from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.service import SessionService
@@ -39,7 +39,6 @@ if TYPE_CHECKING:
     from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 
     from sandkernel.gateway.auth import TokenAuth
-    from sandkernel.gateway.cluster.catalog import HostInfo
     from sandkernel.gateway.mcp.http_sessions import HttpSessions
 
 log = logging.getLogger(__name__)
@@ -243,7 +242,7 @@ class McpHandler(BaseHandler):
             return
         await self._bridge()
 
-    async def _held_elsewhere(self) -> HostInfo | None:
+    async def _held_elsewhere(self) -> OtherHost | None:
         """In a cluster, the up host that holds the session a modern MCP request names, when that
         is not this one (None: this gateway answers). A modern request is self-contained, so the
         owner's SDK answers it as if the client had called there; a legacy one belongs to the
