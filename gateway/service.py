@@ -20,7 +20,7 @@ table: get, find, by kernel), which the doors still ask; the service acts on wha
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from sandkernel.doors import CLIENT_DOORS
@@ -28,7 +28,7 @@ from sandkernel.errors import ConfigError
 from sandkernel.gateway.budget import OutputBudget, apply_budget
 from sandkernel.gateway.managed import ManagedSession
 from sandkernel.gateway.metrics import GatewayMetrics
-from sandkernel.kernels.execution.outputs import ExecutionResult
+from sandkernel.kernels.execution.outputs import ExecutionResult, OutputCallback
 from sandkernel.kernels.execution.replies import RelayedReply
 from sandkernel.kernels.execution.session import MAX_EXECUTE_TIMEOUT, check_timeout
 from sandkernel.output_text import readable_text
@@ -36,8 +36,6 @@ from sandkernel.shell import execution_timeout, output_limit, shell_code, shell_
 
 MAX_CODE_BYTES = 1024 * 1024  # one cell's source; larger code is uploaded as a file and run
 MAX_COMMAND_BYTES = 256 * 1024  # one shell command line
-
-OutputCallback = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 class BadCodeError(ConfigError):
