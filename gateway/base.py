@@ -226,8 +226,7 @@ class BaseHandler(web.RequestHandler):
     tenant: str
     served_while_stopping = False  # health, metrics and the API document answer to the end
     _counted = False
-    forwarded_from: str | None = None  # the origin host of a request another gateway forwarded (verified)
-    forwarded: ForwardedRequest | None = None  # that request: its body must be the one signed
+    forwarded: ForwardedRequest | None = None  # forwarded by another gateway (verified; body checked)
     route: Route | None = None  # the cluster router's answer for this request (None: served here)
     serves_session_model = False  # GET/DELETE /api/sessions/{id}: a lost session's model and delete
     forwarding: Any = None  # the exchange with that host, once started (gateway/cluster/forward.py)
@@ -278,14 +277,17 @@ class BaseHandler(web.RequestHandler):
             return None  # a single host: nothing below runs
         self.set_header(HOST_HEADER, cluster.url)  # this host answers (a forwarded answer: the owner's)
         forwarded = cluster.forwarded_from(self.request)  # 401 on a bad signature
-        if forwarded is not None:
-            self.forwarded_from = forwarded.origin
-            self.forwarded = forwarded
+        self.forwarded = forwarded
         session_id = self.path_kwargs.get("session_id")
         kernel_id = self.path_kwargs.get("kernel_id")
         if self.forwarded_from is not None or (session_id is None and kernel_id is None) or self.router is None:
             return None  # forwarded once already (the loop guard), or no session in the path
         return self._ask_router(self.router, session_id, kernel_id)
+
+    @property
+    def forwarded_from(self) -> str | None:
+        """The origin host of a request another gateway forwarded (verified); None otherwise."""
+        return self.forwarded.origin if self.forwarded is not None else None
 
     async def _ask_router(self, router: Router, session_id: str | None, kernel_id: str | None) -> None:
         self.route = await router.route(self, session_id, kernel_id)
