@@ -42,6 +42,8 @@ def main() -> None:
     ]
     bound_iopub_queue()
     bound_iopub_bytes()
+    if os.getppid() == 1:  # started by a savable sandbox's PID 1 (kernel_supervisor.py)
+        take_new_key_on_signal()
     join_workspace_when_started()
     runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
 
@@ -79,6 +81,29 @@ def join_workspace_when_started() -> None:
         original(self)
 
     IPKernelApp.init_code = init_code
+
+
+def take_new_key_on_signal() -> None:
+    """Take the key in the host's connection file when the supervisor asks (kernel_supervisor.py).
+
+    A restored or forked copy of a saved kernel must answer only to its own session's new key:
+    the old one opens nothing once this ran. It acknowledges with the SHA-256 of the key taken,
+    and the supervisor attaches the host sockets only after that.
+    """
+    import hashlib
+    import signal
+
+    from ipykernel.kernelapp import IPKernelApp
+    from kernel_supervisor import HOST_CONNECTION_FILE, KEY_ACK_FILE, REKEY_SIGNAL
+
+    def rekey(signum, frame):  # type: ignore[no-untyped-def]
+        with open(HOST_CONNECTION_FILE) as f:
+            key = json.load(f)["key"]
+        IPKernelApp.instance().session.key = key.encode()  # Session recomputes its HMAC on change
+        with open(KEY_ACK_FILE, "w") as f:
+            f.write(hashlib.sha256(key.encode()).hexdigest())
+
+    signal.signal(REKEY_SIGNAL, rekey)
 
 
 # Messages the kernel queues for each iopub subscriber that reads slower than the code writes.

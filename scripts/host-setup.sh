@@ -94,6 +94,16 @@ elif [ "$daemon_changed" = changed ]; then
   log "reloading dockerd (daemon.json changed)"; pkill -HUP -x dockerd || true
   for _ in $(seq 1 20); do live_restore && break; sleep 0.5; done
 fi
+# Experimental mode (a start from a checkpoint: memory snapshots) is read only when dockerd
+# starts; live-restore (above) keeps the running sandboxes through the restart.
+if [ "$(id -u)" -eq 0 ] && [ "$(docker info --format '{{.ExperimentalBuild}}' 2>/dev/null)" != true ]; then
+  log "restarting dockerd (experimental mode is read at start; the sandboxes keep running)"
+  pkill -TERM -x dockerd || true
+  for _ in $(seq 1 60); do pgrep -x dockerd >/dev/null || break; sleep 0.5; done
+  nohup dockerd >>/var/log/dockerd.log 2>&1 &
+  for _ in $(seq 1 120); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  docker info >/dev/null 2>&1 || { log "dockerd did not restart:"; tail -20 /var/log/dockerd.log >&2; exit 1; }
+fi
 if live_restore; then
   log "Docker live-restore is on: restarting dockerd leaves the sandboxes running"
 else

@@ -29,7 +29,7 @@ import docker.errors
 from docker.types import LogConfig, Ulimit
 
 from sandkernel.blocking import made_or_undone
-from sandkernel.errors import HelpersBusyError, KernelStartError
+from sandkernel.errors import HelpersBusyError, KernelStartError, SnapshotError
 from sandkernel.kernels.egress.policy import EgressPolicy
 from sandkernel.kernels.egress.proxy import CONTAINER_EGRESS_DIR, RELAY_PORT, SOCKET_NAME
 from sandkernel.kernels.model.profiles import Profile, Runtime, WorkspaceStorage
@@ -44,6 +44,7 @@ from sandkernel.kernels.sandbox.labels import (
     owner_label,
     process_start_time,
 )
+from sandkernel.kernels.sandbox.memory_checkpoint import run_runsc_checkpoint, start_from_checkpoint, wait_detached
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.sandbox.seccomp import seccomp_security_opt
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, state_dir
@@ -56,6 +57,11 @@ SANDBOX_GID = 10001
 WORKSPACE = "/workspace"
 WHEELHOUSE = "/wheels"
 LAUNCHER = "/opt/sandkernel/launch-kernel"
+SUPERVISOR = "/opt/sandkernel/kernel_supervisor.py"  # PID 1 of a savable sandbox
+# What the supervisor does on each signal (kernel_supervisor.py's docstring): (re)start the
+# kernel, let go of the host sockets before a checkpoint, take the new key and listen again.
+SUPERVISOR_START, SUPERVISOR_DETACH, SUPERVISOR_ATTACH = signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP
+SUPERVISOR_PROBE_TIMEOUT = 2.0  # seconds for a savable sandbox's relay to accept a liveness probe
 # Every process the host starts in the sandbox names image-owned programs by absolute path: the
 # tenant writes /workspace, and a name looked up through PATH could resolve to a planted file.
 SANDBOX_PYTHON = "/opt/kernel/bin/python"
@@ -65,6 +71,15 @@ HELPER_ANSWER_SLACK = 2.0
 HELPERS_PER_LANE = 2  # helpers one sandbox runs at once in each lane (see SandboxContainer.run_helper)
 HELPERS_WAITING = 8  # more may wait in each lane; beyond that a call is refused at once (429)
 KILL = "/bin/kill"
+# gVisor lets a sandbox's processes signal its PID 1 to death (Linux shields an init): the
+# signals the supervisor does not handle stay ignored from the start, across its exec.
+IGNORED_BY_SUPERVISOR = "HUP INT QUIT PIPE ALRM TERM USR1 USR2 VTALRM PROF"
+SUPERVISOR_ENTRYPOINT = f"trap '' {IGNORED_BY_SUPERVISOR}; exec {SANDBOX_PYTHON} -I {SUPERVISOR}"
+SUPERVISOR_READY = "/tmp/.sandkernel/ready"  # the supervisor's handlers are in place (see its docstring)
+# Waits for the supervisor to be ready, then signals it (arguments: the signal number).
+SIGNAL_SUPERVISOR_SCRIPT = (
+    f"while [ ! -e {SUPERVISOR_READY} ]; do /bin/sleep 0.02; done; exec {KILL} \"-$1\" 1"
+)
 # Signals the kernel named by its pid file. The file is the sandbox's to write, so its first line
 # is only data here and must be a plain pid above 1 (not 0, -1, a list, or a leading zero).
 SIGNAL_KERNEL_SCRIPT = (
@@ -120,6 +135,9 @@ class ContainerSpec:
     workspace_mount: Path | None = None
     # The tenant's CPU group (cpu_groups.cgroup_parent); None: Docker's default place.
     cgroup_parent: str | None = None
+    # A sandbox whose memory can be saved (gVisor only): its PID 1 is the kernel supervisor,
+    # which starts the kernel and relays its sockets (kernel-image/kernel_supervisor.py).
+    savable: bool = False
 
     @property
     def user(self) -> str:
@@ -150,6 +168,10 @@ class ContainerSpec:
             if p.network.ca_bundle:
                 volumes[p.network.ca_bundle] = {"bind": CA_BUNDLE, "mode": "ro"}
         placement = {"cgroup_parent": self.cgroup_parent} if self.cgroup_parent else {}
+        if self.savable:
+            if p.runtime is not Runtime.RUNSC:
+                raise KernelStartError("only gVisor (runtime runsc) sandboxes can have their memory saved")
+            placement["entrypoint"] = [SANDBOX_SHELL, "-c", SUPERVISOR_ENTRYPOINT]
         return {
             **placement,
             "image": p.image,
@@ -262,6 +284,46 @@ class SandboxContainer:
         log.info("container started", extra={"session": spec.session_id, "container": container_id[:12]})
         return cls(engine, container_id, spec)
 
+    @classmethod
+    async def start_from_memory(cls, engine: DockerEngine, spec: ContainerSpec, image_dir: Path) -> SandboxContainer:
+        """Create a savable container from ``spec`` and start it from the memory checkpoint in
+        ``image_dir`` (see memory_checkpoint.py). Its kernel runs on, detached: prepare the
+        runtime dir with the new key, then :meth:`attach_kernel`. Removed if the start fails."""
+        if not spec.savable:
+            raise KernelStartError("only a savable sandbox can start from a memory checkpoint")
+        kwargs = spec.create_kwargs()
+
+        def create() -> str:
+            try:
+                return engine.client.containers.create(**kwargs).id
+            except docker.errors.APIError as err:
+                raise translate_api_error(err, "cannot create the container for a memory checkpoint") from err
+
+        async def remove(container_id: str) -> None:
+            await engine.run(engine.client.api.remove_container, container_id, force=True)
+
+        container_id = await engine.run(create)
+        await made_or_undone(start_from_checkpoint(engine, container_id, image_dir), lambda _: remove(container_id))
+        log.info("container restored", extra={"session": spec.session_id, "container": container_id[:12]})
+        return cls(engine, container_id, spec)
+
+    async def save_memory(self, image_dir: Path) -> None:
+        """Write the sandbox's memory to ``image_dir`` (which must not exist yet). The container
+        ends with it: its kernel goes on only in a container started from the image."""
+        if not self.spec.savable:
+            raise SnapshotError("this sandbox was not started savable; its memory cannot be saved")
+        runsc = await self.engine.run(lambda: self.engine.client.info()["Runtimes"]["runsc"]["path"])
+        await self.signal_supervisor(SUPERVISOR_DETACH)
+        await wait_detached(self.spec.runtime_dir.socket_paths())
+        await run_runsc_checkpoint(runsc, self.id, image_dir)
+        self.exec_id = None
+
+    async def attach_kernel(self) -> None:
+        """Have a restored kernel take the key of the runtime dir's connection file and listen
+        on its sockets again (prepare the dir first; then wait for the sockets as at a start)."""
+        await self.signal_supervisor(SUPERVISOR_ATTACH)
+        self.exec_id = SUPERVISOR
+
     @property
     def host_process(self) -> tuple[int, str] | None:
         """The kernel exec's host pid and start time (recorded so a later process can check it)."""
@@ -278,7 +340,13 @@ class SandboxContainer:
     # -- kernel process -------------------------------------------------------------------
 
     async def exec_kernel(self) -> None:
-        """Start the kernel (the image's launcher) as the sandbox user, detached."""
+        """Start the kernel (the image's launcher) as the sandbox user, detached. In a savable
+        sandbox the kernel must descend from PID 1 (gVisor's restore kills exec'd processes):
+        the supervisor starts it."""
+        if self.spec.savable:
+            await self.signal_supervisor(SUPERVISOR_START)
+            self.exec_id = SUPERVISOR
+            return
         api = self.engine.client.api
 
         def start() -> str:
@@ -302,10 +370,18 @@ class SandboxContainer:
         start_time = process_start_time(pid) if pid else None
         self._host_process = (pid, start_time) if start_time else None
 
+    async def signal_supervisor(self, signum: int) -> None:
+        """Send ``signum`` to a savable sandbox's PID 1 (what each means: SUPERVISOR_*)."""
+        code, text = await self.run_as_sandbox([SANDBOX_SHELL, "-c", SIGNAL_SUPERVISOR_SCRIPT, "sh", str(int(signum))])
+        if code != 0:
+            raise KernelStartError(f"cannot signal the sandbox's kernel supervisor: {text.strip() or code}")
+
     async def kernel_exit_code(self) -> int | None:
         """None while the kernel process runs, else its exit code (-1 if the container is gone)."""
         if self.exec_id is None:
             return -1
+        if self.spec.savable:
+            return await self._supervised_kernel_exit_code()
         if self._host_process and process_start_time(self._host_process[0]) == self._host_process[1]:
             return None
         try:
@@ -319,6 +395,21 @@ class SandboxContainer:
             return -1 if self._host_process else None
         code = state.get("ExitCode")
         return -1 if code is None else int(code)
+
+    async def _supervised_kernel_exit_code(self) -> int | None:
+        """A savable sandbox's kernel is not a process the host can see (a gVisor guest, not an
+        exec): the supervisor listens on the heartbeat socket while the kernel lives and stops
+        when it dies. Before the first listen (a start in progress) it counts as alive; the
+        start's own deadline bounds that."""
+        heartbeat = self.spec.runtime_dir.socket_paths()[-1]
+        if not heartbeat.exists():
+            return None
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(heartbeat)), SUPERVISOR_PROBE_TIMEOUT)
+        except (OSError, asyncio.TimeoutError):
+            return -1
+        writer.close()
+        return None
 
     async def run_as_sandbox(
         self, argv: list[str], timeout: float = CONTROL_TIMEOUT, *, hold: bool = True

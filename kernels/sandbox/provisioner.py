@@ -10,8 +10,11 @@ Extra keyword arguments a caller may pass to ``KernelManager.start_kernel``:
 ``sandkernel_profile`` (profile name), ``sandkernel_overrides`` (mapping of profile settings),
 ``sandkernel_session_id`` (label value; defaults to the kernel id), ``sandkernel_workspace``
 (what :meth:`DockerProvisioner.hand_over_workspace` returned: the session's disk and uid, kept
-when the whole kernel manager is replaced) and ``sandkernel_cpu_group`` (the tenant's CPU group,
-from cpu_groups.group_for).
+when the whole kernel manager is replaced), ``sandkernel_cpu_group`` (the tenant's CPU group,
+from cpu_groups.group_for), ``sandkernel_savable`` (gVisor only: a sandbox whose memory
+:meth:`DockerProvisioner.save_memory` can write out) and ``sandkernel_restore_from`` (a directory
+that method wrote: the first launch starts a savable sandbox from it, the kernel running on with
+this manager's new key, instead of a fresh kernel).
 The host environment is never forwarded into the container: only ``Profile.env`` is.
 """
 
@@ -22,6 +25,7 @@ import errno
 import logging
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 from jupyter_client.connect import KernelConnectionInfo
@@ -29,9 +33,9 @@ from jupyter_client.provisioning import KernelProvisionerBase
 from traitlets import Unicode
 
 from sandkernel.blocking import made_or_undone
-from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError
+from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError, SnapshotError
 from sandkernel.kernels.egress.proxy import EgressProxy
-from sandkernel.kernels.model.profiles import Profile, WorkspaceStorage, resolve_profile
+from sandkernel.kernels.model.profiles import Profile, Runtime, WorkspaceStorage, resolve_profile
 from sandkernel.kernels.sandbox.container import LAUNCHER, SANDBOX_GID, ContainerSpec, SandboxContainer
 from sandkernel.kernels.sandbox.cpu_groups import GROUP_NAME, cgroup_parent
 from sandkernel.kernels.sandbox.docker_engine import default_engine
@@ -62,6 +66,8 @@ class DockerProvisioner(KernelProvisionerBase):
     workspace_disk: WorkspaceDisk | None = None
     # The tenant's CPU group (cpu_groups.py), given at the first launch and kept for replacements.
     cpu_group: str | None = None
+    savable: bool = False  # the sandbox's PID 1 is the kernel supervisor (memory snapshots)
+    restore_from: Path | None = None  # the memory checkpoint the first launch starts from
     # Set when the last (re)launch had to replace the whole container.
     container_replaced: bool = False
     # Set when /workspace went with the replaced container (a tmpfs workspace); a disk workspace
@@ -82,6 +88,8 @@ class DockerProvisioner(KernelProvisionerBase):
         session_id = kwargs.pop("sandkernel_session_id", None)
         handed_over = kwargs.pop("sandkernel_workspace", None)
         cpu_group = kwargs.pop("sandkernel_cpu_group", None)
+        restore_from = kwargs.pop("sandkernel_restore_from", None)
+        savable = bool(kwargs.pop("sandkernel_savable", False) or restore_from)
         if self.profile is None:
             if self.runtime:
                 overrides.setdefault("runtime", self.runtime)
@@ -98,6 +106,12 @@ class DockerProvisioner(KernelProvisionerBase):
             if cpu_group is not None and not GROUP_NAME.fullmatch(str(cpu_group)):
                 raise ConfigError(f"sandkernel_cpu_group must be a name cpu_groups.group_for made, not {cpu_group!r}")
             self.cpu_group = cpu_group
+            if savable and profile.runtime is not Runtime.RUNSC:
+                raise ConfigError("memory snapshots need gVisor: a savable sandbox must use runtime 'runsc'")
+            if savable and profile.network is not None:
+                raise ConfigError("a sandbox with network egress cannot be savable yet (its relay holds a host socket)")
+            self.savable = savable
+            self.restore_from = Path(restore_from) if restore_from else None
             if handed_over is not None:
                 await self._take_over_workspace(handed_over)
             self.runtime_dir = await asyncio.to_thread(RuntimeDir.create)
@@ -126,6 +140,7 @@ class DockerProvisioner(KernelProvisionerBase):
                 await self.container.remove()
                 self.container = None
                 self._note_replacement()
+            restoring = self.container is None and self.restore_from is not None
             if self.container is None:
                 await self._start_container()
             key = self.connection_info["key"]
@@ -143,7 +158,11 @@ class DockerProvisioner(KernelProvisionerBase):
                 self._note_replacement()
                 await self._start_container()
                 await asyncio.to_thread(self.runtime_dir.prepare, info, SANDBOX_GID)
-            await self.container.exec_kernel()
+            if restoring:
+                self.restore_from = None  # a later restart starts a fresh kernel
+                await self.container.attach_kernel()
+            else:
+                await self.container.exec_kernel()
             await self._wait_for_sockets()
             await asyncio.to_thread(self.runtime_dir.lock)
         except BaseException:
@@ -189,8 +208,12 @@ class DockerProvisioner(KernelProvisionerBase):
             egress_dir,
             mount,
             cgroup_parent(self.cpu_group, driver),
+            savable=self.savable,
         )
-        self.container = await SandboxContainer.start(engine, spec)
+        if self.restore_from is not None:
+            self.container = await SandboxContainer.start_from_memory(engine, spec, self.restore_from)
+        else:
+            self.container = await SandboxContainer.start(engine, spec)
 
     async def _take_over_workspace(self, handed_over: Any) -> None:
         """Adopt the disk and uid a previous provisioner of this session handed over (see
@@ -239,6 +262,15 @@ class DockerProvisioner(KernelProvisionerBase):
                         f"kernel log: {await self.container.kernel_log() or '(empty)'}"
                     )
             await asyncio.sleep(0.005)
+
+    async def save_memory(self, image_dir: Path) -> None:
+        """Write the savable sandbox's memory to ``image_dir`` (a new directory). The container
+        ends with it; the workspace disk and runtime dir stay until cleanup. Start another
+        provisioner with ``sandkernel_restore_from=image_dir`` (and the handed-over workspace)
+        to carry on."""
+        if self.container is None:
+            raise SnapshotError("this kernel has no sandbox to save")
+        await self.container.save_memory(image_dir)
 
     # -- process control ------------------------------------------------------------------
 
