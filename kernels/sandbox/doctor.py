@@ -144,6 +144,24 @@ def _runtime_versions(engine: DockerEngine) -> tuple[str | None, str | None]:
     return lines[0], lines[1]
 
 
+# The first gVisor build that saves and restores a sandbox here (Debian bookworm-backports').
+MEMORY_SNAPSHOT_RUNSC = 20240729
+
+
+def memory_snapshot_check(runsc: str | None, experimental: bool) -> Check:
+    """Whether savable gVisor sandboxes can work here: a runsc of MEMORY_SNAPSHOT_RUNSC or later
+    and Docker in experimental mode (a start from a checkpoint needs it). Pure, unit-tested."""
+    name, fix = "memory snapshots", "bash scripts/host-setup.sh (as root: runsc from bookworm-backports, experimental)"
+    stamp = re.search(r"(\d{8})", runsc or "")
+    if stamp is None or int(stamp.group(1)) < MEMORY_SNAPSHOT_RUNSC:
+        found = runsc.strip() if runsc else "no runsc"
+        return Check(name, False, f"need gVisor {MEMORY_SNAPSHOT_RUNSC} or later, found {found}", fix, required=False)
+    if not experimental:
+        why = "Docker is not in experimental mode (it starts no container from a checkpoint)"
+        return Check(name, False, why, fix, required=False)
+    return Check(name, True, f"gVisor {stamp.group(1)}, Docker experimental mode", required=False)
+
+
 def _check_workspace_disk() -> Check:
     """Disk workspaces for real: make, mount and remove a small image under the state dir.
     Required when the default profile uses them (else sessions could not start by default)."""
@@ -168,7 +186,9 @@ def run_checks(engine: DockerEngine | None = None) -> list[Check]:
     except SandkernelError as err:
         return [Check("docker engine", False, str(err), "bash scripts/host-setup.sh")]
     checks.append(Check("docker engine", True, f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"))
-    checks.extend(version_advisories(*_runtime_versions(engine), version.get("Version")))
+    runc_version, runsc_version = _runtime_versions(engine)
+    checks.extend(version_advisories(runc_version, runsc_version, version.get("Version")))
+    checks.append(memory_snapshot_check(runsc_version, bool(engine.client.info().get("ExperimentalBuild"))))
     image = resolve_profile().image
     try:
         image_id = engine.image_id_sync(image)
