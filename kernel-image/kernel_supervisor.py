@@ -12,7 +12,8 @@ sockets reconnect by themselves.
 Signals, sent by the host as ``kill -SIG 1`` (as the sandbox user):
   SIGUSR1  (re)start: kill the kernel (the host's restart has killed the rest), start a fresh
            one, and attach once it has bound its five sockets.
-  SIGUSR2  detach: close the host listeners and every relayed connection (before a checkpoint).
+  SIGUSR2  detach: close the host listeners and every relayed connection (before a checkpoint),
+           then make DETACHED_FILE (the host's signal helper waits for it).
   SIGHUP   attach: have the kernel take the key in the host's connection file (a restored or
            forked copy gets a fresh one), then listen on the host sockets again.
 Being PID 1 it survives the restart's ``kill -KILL -1`` and reaps orphans. gVisor does not shield
@@ -39,6 +40,7 @@ PRIVATE_CONNECTION_FILE = f"{PRIVATE_DIR}/connection.json"
 KEY_ACK_FILE = f"{PRIVATE_DIR}/key-ack"  # the kernel writes the SHA-256 of the key it took
 EXIT_FILE = f"{PRIVATE_DIR}/exit-code"
 READY_FILE = f"{PRIVATE_DIR}/ready"  # made once the signal handlers are in place
+DETACHED_FILE = f"{PRIVATE_DIR}/detached"  # made once a detach has closed every host socket
 REKEY_SIGNAL = signal.SIGUSR2  # to the kernel: read the host connection file's key (start_kernel.py)
 SOCKETS = ("k-1", "k-2", "k-3", "k-4", "k-5")
 LAUNCHER = "/opt/sandkernel/launch-kernel"
@@ -66,7 +68,7 @@ def spawn_kernel() -> int:
     """Clear the private dir, write the kernel's connection file (the host's key, private
     sockets) and start the launcher: the kernel's pid (the launcher execs into it)."""
     os.makedirs(PRIVATE_DIR, mode=0o700, exist_ok=True)
-    for entry in set(os.listdir(PRIVATE_DIR)) - {os.path.basename(READY_FILE)}:
+    for entry in set(os.listdir(PRIVATE_DIR)) - {os.path.basename(READY_FILE), os.path.basename(DETACHED_FILE)}:
         with contextlib.suppress(OSError):
             os.unlink(f"{PRIVATE_DIR}/{entry}")
     with open(HOST_CONNECTION_FILE) as f:
@@ -109,7 +111,11 @@ def key_acknowledged(digest: str) -> bool:
 
 def mark_ready() -> None:
     os.makedirs(PRIVATE_DIR, mode=0o700, exist_ok=True)
-    with open(READY_FILE, "w"):
+    touch(READY_FILE)
+
+
+def touch(path: str) -> None:
+    with open(path, "w"):
         pass
 
 
@@ -150,7 +156,13 @@ class Supervisor:
 
         return join
 
+    async def detach_and_say_so(self) -> None:
+        await self.detach()
+        touch(DETACHED_FILE)
+
     async def detach(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(DETACHED_FILE)
         for server in self.servers:
             server.close()
         for writer in list(self.writers):
@@ -224,7 +236,7 @@ async def main() -> None:
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGUSR1, supervisor.run_alone, supervisor.start)
     loop.add_signal_handler(signal.SIGHUP, supervisor.run_alone, supervisor.rekey_and_attach)
-    loop.add_signal_handler(signal.SIGUSR2, supervisor.run_alone, supervisor.detach)
+    loop.add_signal_handler(signal.SIGUSR2, supervisor.run_alone, supervisor.detach_and_say_so)
     loop.add_signal_handler(signal.SIGCHLD, supervisor.reap)
     mark_ready()
     print("kernel supervisor ready", file=sys.stderr, flush=True)

@@ -44,7 +44,7 @@ from sandkernel.kernels.sandbox.labels import (
     owner_label,
     process_start_time,
 )
-from sandkernel.kernels.sandbox.memory_checkpoint import run_runsc_checkpoint, start_from_checkpoint, wait_detached
+from sandkernel.kernels.sandbox.memory_checkpoint import run_runsc_checkpoint, start_from_checkpoint
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, RuntimeDir
 from sandkernel.kernels.sandbox.seccomp import seccomp_security_opt
 from sandkernel.kernels.sandbox.state_dir import STATE_DIR_LABEL, state_dir
@@ -76,9 +76,13 @@ KILL = "/bin/kill"
 IGNORED_BY_SUPERVISOR = "HUP INT QUIT PIPE ALRM TERM USR1 USR2 VTALRM PROF"
 SUPERVISOR_ENTRYPOINT = f"trap '' {IGNORED_BY_SUPERVISOR}; exec {SANDBOX_PYTHON} -I {SUPERVISOR}"
 SUPERVISOR_READY = "/tmp/.sandkernel/ready"  # the supervisor's handlers are in place (see its docstring)
-# Waits for the supervisor to be ready, then signals it (arguments: the signal number).
+SUPERVISOR_DETACHED = "/tmp/.sandkernel/detached"  # it has closed every host socket
+# Waits for the supervisor to be ready, then signals it (arguments: the signal number). A detach
+# also waits for its acknowledgement: a connect to a host socket whose gVisor listener has closed
+# hangs rather than being refused, so the host cannot check that from outside.
 SIGNAL_SUPERVISOR_SCRIPT = (
-    f"while [ ! -e {SUPERVISOR_READY} ]; do /bin/sleep 0.02; done; exec {KILL} \"-$1\" 1"
+    f"while [ ! -e {SUPERVISOR_READY} ]; do /bin/sleep 0.02; done; {KILL} \"-$1\" 1 || exit; "
+    f'[ "$1" != {int(signal.SIGUSR2)} ] || while [ ! -e {SUPERVISOR_DETACHED} ]; do /bin/sleep 0.02; done'
 )
 # Signals the kernel named by its pid file. The file is the sandbox's to write, so its first line
 # is only data here and must be a plain pid above 1 (not 0, -1, a list, or a leading zero).
@@ -314,7 +318,6 @@ class SandboxContainer:
             raise SnapshotError("this sandbox was not started savable; its memory cannot be saved")
         runsc = await self.engine.run(lambda: self.engine.client.info()["Runtimes"]["runsc"]["path"])
         await self.signal_supervisor(SUPERVISOR_DETACH)
-        await wait_detached(self.spec.runtime_dir.socket_paths())
         await run_runsc_checkpoint(runsc, self.id, image_dir)
         self.exec_id = None
 

@@ -5,7 +5,8 @@ How, and why this way (measured on Docker 20.10 with gVisor 20240729, docs/snaps
 - **Save** drives ``runsc checkpoint`` itself, uncompressed: Docker's ``docker checkpoint create``
   compresses the image and took 3.9 s for a 200 MB kernel where runsc alone took 0.6 s. The
   sandbox's PID 1 (kernel-image/kernel_supervisor.py) first lets go of its host sockets, which
-  gVisor cannot save. The checkpoint ends the container (Docker sees it exit).
+  gVisor cannot save (SandboxContainer.save_memory waits for it to say so). The checkpoint
+  ends the container (Docker sees it exit).
 - **Restore into a new container** goes through Docker, so the new sandbox is an ordinary
   container of Docker's (exec, inspect, stats, removal all work): the image directory is placed in
   the new container's ``checkpoints/`` folder and the container is started with
@@ -25,8 +26,6 @@ import glob
 import logging
 import os
 import shutil
-import socket
-import time
 from pathlib import Path
 
 import docker.errors
@@ -41,7 +40,6 @@ log = logging.getLogger(__name__)
 RUNTIME_ROOTS = "/var/run/docker/runtime-*/moby"
 CHECKPOINT_NAME = "sandkernel"
 CHECKPOINT_TIMEOUT = 120.0  # seconds for runsc to write the image
-DETACH_TIMEOUT = 10.0  # seconds for the supervisor to close the host sockets
 
 
 def runtime_root(container_id: str) -> str:
@@ -50,27 +48,6 @@ def runtime_root(container_id: str) -> str:
         if glob.glob(os.path.join(root, f"{container_id}_sandbox:*.state")):
             return root
     raise SnapshotError(f"no runtime state for container {container_id[:12]}: is it a running gVisor sandbox?")
-
-
-def host_sockets_closed(paths: list[Path]) -> bool:
-    """Whether no listener answers on any of ``paths`` (the supervisor has detached)."""
-    for path in paths:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.settimeout(1.0)
-            try:
-                probe.connect(str(path))
-            except OSError:
-                continue
-            return False
-    return True
-
-
-async def wait_detached(paths: list[Path], timeout: float = DETACH_TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not await asyncio.to_thread(host_sockets_closed, paths):
-        if time.monotonic() >= deadline:
-            raise SnapshotError(f"the sandbox kept its kernel's host sockets open for {timeout:g} s; not saved")
-        await asyncio.sleep(0.01)
 
 
 async def run_runsc_checkpoint(runsc: str, container_id: str, image_dir: Path) -> None:
