@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -42,10 +43,11 @@ from sandkernel.kernels.durable.store import SessionStore
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.lifecycle.catalog import ProfileCatalog
 from sandkernel.kernels.lifecycle.pool import WarmPool
-from sandkernel.kernels.model.profiles import Profile
+from sandkernel.kernels.model.profiles import Profile, Runtime
 from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.cpu_groups import group_for
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
+from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
 if TYPE_CHECKING:
@@ -89,6 +91,12 @@ class Cluster(Protocol):
 
 # Idle sessions the culler pauses at once (each pause archives a workspace: disk and CPU).
 CULL_PAUSES_AT_ONCE = 4
+
+
+def starts_savable(settings: GatewaySettings, profile: Profile) -> bool:
+    """Whether a sandbox of ``profile`` starts savable (``--memory-snapshots on``): gVisor, no
+    network egress (its relay holds a host socket, which gVisor cannot save)."""
+    return settings.memory_snapshots == "on" and profile.runtime is Runtime.RUNSC and profile.network is None
 
 
 class SessionRegistry:
@@ -293,7 +301,9 @@ class SessionRegistry:
         except Exception as err:
             log.warning("could not release a session reservation (it expires by itself): %s", err)
 
-    async def cold_start(self, profile: Profile, session_id: str, tenant: str) -> KernelSession:
+    async def cold_start(
+        self, profile: Profile, session_id: str, tenant: str, restore: SavedMemory | None = None
+    ) -> KernelSession:
         """Start a sandbox for ``tenant`` (none was waiting in the pool), through the start
         breaker if any, in the tenant's CPU group (kernels/sandbox/cpu_groups.py: tenants share a
         busy host's CPU by tenant, whatever the number of sandboxes each holds).
@@ -304,18 +314,28 @@ class SessionRegistry:
         the end of the burst; taken in turn, the first ones end early and the last no later.
         The time queued here is not a start's (the breaker times the start only). Surplus pooled
         sandboxes that gave their room to sessions are gone first (for every caller: create,
-        resume, fork), so the gateway never holds more containers than ``max_sessions_total``."""
+        resume, fork), so the gateway never holds more containers than ``max_sessions_total``.
+        ``restore``: a saved kernel (kernels/snapshots/memory.py) that carries on in the sandbox."""
         if self.pool is not None:
             await self.pool.removals_done()
         cpu_group = await asyncio.to_thread(group_for, tenant)  # it checks the state dir on disk
         self.cpu_groups.add(cpu_group)
         lane = self._tenant_starts.setdefault(tenant, asyncio.Semaphore(self.settings.tenant_cold_start_concurrency))
         async with lane, self._start_slots:  # its own lane first: a tenant's queue holds no global slot
-            if self.controls is None:
-                return await KernelSession.start(profile=profile, session_id=session_id, cpu_group=cpu_group)
-            return await self.controls.start_breaker.guard(
-                lambda: KernelSession.start(profile=profile, session_id=session_id, cpu_group=cpu_group)
+            start = functools.partial(
+                KernelSession.start,
+                profile=profile,
+                session_id=session_id,
+                cpu_group=cpu_group,
+                savable=self.savable(profile),
+                restore=restore,
             )
+            if self.controls is None:
+                return await start()
+            return await self.controls.start_breaker.guard(start)
+
+    def savable(self, profile: Profile) -> bool:
+        return starts_savable(self.settings, profile)
 
     async def record(self, managed: ManagedSession) -> None:
         """Write a new session to the catalog (replacing its pool record, if it was pooled);

@@ -52,7 +52,7 @@ from sandkernel.gateway.kernels_api import (
 )
 from sandkernel.gateway.mcp.http import McpHandler, McpHttp
 from sandkernel.gateway.metrics import GatewayMetrics
-from sandkernel.gateway.registry import SessionRegistry
+from sandkernel.gateway.registry import SessionRegistry, starts_savable
 from sandkernel.gateway.service import SessionService
 from sandkernel.gateway.sessions_api import (
     ExecuteHandler,
@@ -326,6 +326,7 @@ class Gateway:
                     max_size=settings.pool_ceiling,
                     concurrency=settings.pool_refill_concurrency,
                     demand_window=settings.pool_demand_window,
+                    savable=starts_savable(settings, default),
                 )
                 if settings.pool_size > 0
                 else None

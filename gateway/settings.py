@@ -52,6 +52,7 @@ CONFIG_ENV = "SANDKERNEL_CONFIG"
 RUNTIME_CHOICES = ("auto", "runc", "runsc")
 IDLE_ACTIONS = ("pause", "delete")
 ON_EXIT_CHOICES = ("keep", "delete")
+MEMORY_SNAPSHOT_CHOICES = ("off", "on")
 BREAKER_ACTIONS = ("quarantine", "restart")
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
@@ -247,6 +248,13 @@ class GatewaySettings:
         "until the minute has passed): a burst of cells over large files cannot keep the disk busy",
         metavar="MB",
         positive=True,
+    )
+    memory_snapshots: str = _setting(
+        "off",
+        "on: gVisor sessions without network egress start savable, and a pause, resume or fork keeps their "
+        "kernel's memory (restored_by checkpoint, no cell re-run; needs gVisor 20240729+ and Docker's experimental "
+        "mode: sandkernel doctor) instead of replaying cells; off: replay for every runtime",
+        choices=MEMORY_SNAPSHOT_CHOICES,
     )
     snapshot_quota_mb: int = _setting(
         10240, "disk each token's snapshots may use, MiB (a pause beyond it is refused)", metavar="MB", positive=True

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -36,6 +37,7 @@ import nbformat
 from sandkernel.atomic import write_atomic
 from sandkernel.errors import (
     ConfigError,
+    SandkernelError,
     SessionBusyError,
     SnapshotError,
     SnapshotQuotaError,
@@ -47,15 +49,22 @@ from sandkernel.gateway.registry import SessionRegistry
 from sandkernel.gateway.settings import GatewaySettings
 from sandkernel.kernels.execution.adoption import profile_from_record, profile_record
 from sandkernel.kernels.execution.session import KernelSession
-from sandkernel.kernels.model.profiles import Profile
+from sandkernel.kernels.model.profiles import Profile, Runtime
 from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
-from sandkernel.kernels.snapshots.archive import capture_files
-from sandkernel.kernels.snapshots.quota import CHECKPOINT_WINDOW_SECONDS, TenantSnapshotBytes, WrittenInWindow
-from sandkernel.kernels.snapshots.store import SnapshotManifest, SnapshotStore
+from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
+from sandkernel.kernels.snapshots.archive import ArchivePart, capture_files
+from sandkernel.kernels.snapshots.memory import has_memory, image_bound, scratch_dir, seal_image, unseal_image
+from sandkernel.kernels.snapshots.quota import (
+    CHECKPOINT_WINDOW_SECONDS,
+    Allowance,
+    TenantSnapshotBytes,
+    WrittenInWindow,
+)
+from sandkernel.kernels.snapshots.store import SnapshotDraft, SnapshotManifest, SnapshotStore
 from sandkernel.notebooks.compare import code_cells
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
-from sandkernel.notebooks.resume import Restored, cells_in_memory, rebuild
+from sandkernel.notebooks.resume import CHECKPOINT, Restored, carry_on, cells_in_memory, rebuild
 from sandkernel.notebooks.transcript import build_notebook
 
 log = logging.getLogger(__name__)
@@ -197,6 +206,12 @@ class SnapshotManager:
                     )
                 parts[TRANSCRIPT] = await asyncio.to_thread(self.store.write_part, draft, TRANSCRIPT, text)
             in_memory = cells_in_memory(notebook, lost_since=session.state_lost_pending)
+            extra: dict[str, Any] = {"cells_in_memory": in_memory}
+            if kind == PAUSE and session.savable:
+                saved = await self._save_memory(session, draft, allowance)
+                if saved is not None:
+                    parts.update(saved[0])
+                    extra["memory_uid"] = saved[1]  # signed with the rest: the restore runs as it
             manifest = SnapshotManifest(
                 snapshot_id=draft.snapshot_id,
                 session_id=managed.id,
@@ -208,7 +223,7 @@ class SnapshotManager:
                 replay_from=0,
                 cell=len(code_cells(notebook)) if kind == CELL else None,
                 parts=parts,
-                extra={"cells_in_memory": in_memory},
+                extra=extra,
             )
             if not allowance.claim():
                 raise SnapshotQuotaError(
@@ -223,6 +238,47 @@ class SnapshotManager:
             raise
         finally:
             allowance.settle(kept)
+
+    async def _save_memory(
+        self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance
+    ) -> tuple[dict[str, ArchivePart], int] | None:
+        """The kernel's memory as snapshot parts (kernels/snapshots/memory.py) and the uid it runs
+        as, its bound taken
+        from the quota first; None when it cannot be saved (no room, or gVisor failed): the
+        pause goes on, and its resume replays the cells as for runc. The sandbox ends either way."""
+        bound = image_bound(session.profile.memory_mb)
+        if not allowance.take(bound):
+            log.warning("memory not saved: no room in the snapshot quota", extra={"session": session.id})
+            return None
+        try:
+            saved = await session.save_memory(scratch_dir(draft))
+            parts = await asyncio.to_thread(seal_image, draft)
+        except (SandkernelError, OSError) as err:
+            allowance.give_back(bound)
+            await asyncio.to_thread(shutil.rmtree, scratch_dir(draft), True)
+            log.warning("memory not saved (the resume replays): %s", err, extra={"session": session.id})
+            return None
+        allowance.give_back(bound - sum(part.bytes for part in parts.values()))
+        return parts, saved.uid
+
+    async def _start_from_memory(
+        self, profile: Profile, session_id: str, tenant: str, manifest: SnapshotManifest
+    ) -> KernelSession | None:
+        """A sandbox whose kernel carries on from the snapshot's memory image, or None when it
+        has none or it does not start here (then the caller replays). An altered image is
+        refused (SnapshotRejectedError): nothing of it is loaded."""
+        uid = manifest.extra.get("memory_uid")
+        if not has_memory(manifest) or not isinstance(uid, int) or profile.runtime is not Runtime.RUNSC:
+            return None
+        target = self.store.root / f"restore-{uuid.uuid4().hex}"  # not a session id: sweeps leave it
+        image = await asyncio.to_thread(unseal_image, self.store, manifest, target)
+        try:
+            return await self.registry.cold_start(profile, session_id, tenant, restore=SavedMemory(image, uid))
+        except SandkernelError as err:
+            log.warning("the memory image did not start (the resume replays): %s", err, extra={"session": session_id})
+            return None
+        finally:
+            await asyncio.to_thread(shutil.rmtree, target, True)
 
     async def _used(self, tenant: str, tenant_bytes: TenantSnapshotBytes) -> int:
         """The tenant's snapshot bytes: committed (walked again) and being written."""
@@ -265,10 +321,18 @@ class SnapshotManager:
         else:
             cells, files, files_from = await self._state_after(paused.id, paused.tenant, notebook, rewind_to)
         profile = self._profile_now(profile_from_record(manifest.profile), paused.id, "stays paused")
-        session = await self.registry.cold_start(profile, paused.id, paused.tenant)
+        session = None
+        if rewind_to is None:
+            session = await self._start_from_memory(profile, paused.id, paused.tenant, manifest)
+        from_memory = session is not None
+        if session is None:
+            session = await self.registry.cold_start(profile, paused.id, paused.tenant)
         try:
             with self._gated(session, paused.tenant):
-                restored = await rebuild(session, notebook, cells=cells, files=files, files_from=files_from)
+                if from_memory:
+                    restored = await carry_on(session, files)
+                else:
+                    restored = await rebuild(session, notebook, cells=cells, files=files, files_from=files_from)
         except BaseException as err:
             await self.registry.finish(session.shutdown())
             if isinstance(err, SnapshotError):
@@ -558,6 +622,8 @@ def _summary(manifest: SnapshotManifest) -> dict[str, Any]:
 
 
 def _said(restored: Restored) -> str:
+    if restored.restored_by == CHECKPOINT:
+        return f"restored from a memory checkpoint: no cell re-run; files from the {restored.files}"
     ran = sum(1 for v in restored.verdicts if v.verdict.value != "not run")
     agreed = "every one as recorded" if restored.reproduced else "some differ from the record: see the reply"
     return f"restored by replay: {ran} cell(s) re-run, {agreed}; files from the {restored.files}"

@@ -1,9 +1,9 @@
 """Rebuild a session's state in a fresh sandbox from its transcript: the **replay** resume.
 
-Why replay: a memory checkpoint is not possible on this project's hosts (see docs/snapshots.md:
-Debian's gVisor cannot save the kernel's host-connected ipc sockets, and Debian's CRIU does not
-run on current kernels), so a paused, forked or rewound session gets its memory back by
-re-running the code cells that built it, through the one execute path, and every cell is judged
+Why replay: a memory checkpoint is possible here only for a savable gVisor sandbox (see
+docs/snapshots.md; :func:`carry_on` is that path: ``restored_by: "checkpoint"``); Debian's CRIU
+does not run on current kernels, so any other paused, forked or rewound session gets its memory
+back by re-running the code cells that built it, through the one execute path, and every cell is judged
 against what the transcript recorded (the same verdicts as ``sandkernel replay``). The result
 always says ``restored_by: "replay"`` with those verdicts: a resume that was not exact is never
 passed off as one.
@@ -39,6 +39,7 @@ from sandkernel.notebooks.replay import DEFAULT_CELL_TIMEOUT, _recorded, _run_ce
 log = logging.getLogger(__name__)
 
 REPLAY = "replay"
+CHECKPOINT = "checkpoint"  # the kernel's memory came back from a gVisor checkpoint: nothing re-ran
 # What a cell's recorded status or rung means for the memory: the cell's kernel ended under it
 # (it died, or a restart a client asked for ended it).
 DIED = frozenset({ExecutionStatus.KERNEL_DIED.value, ExecutionStatus.OOM.value, ExecutionStatus.RESTARTED.value})
@@ -170,6 +171,21 @@ async def rebuild(
             "files": files_from,
         },
     )
+    return restored
+
+
+async def carry_on(session: KernelSession, files: tuple[Path, ArchivePart] | None) -> Restored:
+    """The state of a ``session`` started from a memory checkpoint: its kernel already holds
+    the memory (no cell runs); the saved files archive is put back, /workspace being a fresh
+    disk. ``restored_by: "checkpoint"``, with no cell verdicts."""
+    started = time.monotonic()
+    if files is not None:
+        await restore_files(session.container, *files)
+    if session.meter is not None:  # putting the files back is nobody's cell
+        session.meter.forget_files()
+    unpacked = 0 if files is None else 1
+    restored = Restored(CHECKPOINT, [], "snapshot", time.monotonic() - started, [], True, unpacked)
+    log.info("session state restored from a memory checkpoint", extra={"session": session.id})
     return restored
 
 

@@ -31,7 +31,7 @@ from sandkernel.errors import AdoptionRefusedError, SandboxLostError, Sandkernel
 from sandkernel.kernels.egress.proxy import EgressProxy
 from sandkernel.kernels.execution.transport import new_kernel_manager
 from sandkernel.kernels.model.profiles import Profile, resolve_profile
-from sandkernel.kernels.sandbox.container import ContainerSpec, SandboxContainer
+from sandkernel.kernels.sandbox.container import SUPERVISOR_ENTRYPOINT, ContainerSpec, SandboxContainer
 from sandkernel.kernels.sandbox.cpu_groups import group_of
 from sandkernel.kernels.sandbox.docker_engine import default_engine, translate_api_error
 from sandkernel.kernels.sandbox.labels import (
@@ -199,8 +199,11 @@ async def reattach(session_id: str, state: dict[str, Any]) -> AsyncKernelManager
     if not isinstance(provisioner, DockerProvisioner):
         raise AdoptionRefusedError(f"kernel {state['kernel_name']!r} is not a sandkernel kernel")
     engine = default_engine()
+    # Savable: its PID 1 is the kernel supervisor, as Docker recorded the entrypoint (the
+    # sandbox cannot change that record).
+    savable = SUPERVISOR_ENTRYPOINT in ((attrs.get("Config") or {}).get("Entrypoint") or [])
     spec = ContainerSpec(
-        profile, session_id, km.kernel_id, runtime_dir, state["uid"], _egress_dir(profile, runtime_dir)
+        profile, session_id, km.kernel_id, runtime_dir, state["uid"], _egress_dir(profile, runtime_dir), savable=savable
     )
     container = SandboxContainer(engine, state["container_id"], spec)
     container.exec_id = state.get("exec_id") if isinstance(state.get("exec_id"), str) else None
@@ -210,6 +213,7 @@ async def reattach(session_id: str, state: dict[str, Any]) -> AsyncKernelManager
     provisioner.image_id = state["image_id"]
     provisioner.runtime_dir = runtime_dir
     provisioner.uid = state["uid"]
+    provisioner.savable = savable
     # Where Docker put it (not the sandbox's to change): a replacement container joins it.
     provisioner.cpu_group = group_of((attrs.get("HostConfig") or {}).get("CgroupParent"))
     provisioner.container = container

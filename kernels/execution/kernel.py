@@ -27,6 +27,7 @@ from sandkernel.kernels.execution.transport import new_client, new_kernel_manage
 from sandkernel.kernels.model.profiles import Profile
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
+from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class SandboxedKernel:
         overrides: Mapping[str, Any],
         km: AsyncKernelManager | None = None,
         cpu_group: str | None = None,
+        savable: bool = False,
     ) -> None:
         """``km``: a kernel manager already connected to a running sandbox (re-adoption);
         ``cpu_group``: the tenant's CPU group, kept by every container of the session."""
@@ -58,6 +60,7 @@ class SandboxedKernel:
             "sandkernel_overrides": dict(overrides),
             "sandkernel_session_id": session_id,
             "sandkernel_cpu_group": cpu_group,
+            "sandkernel_savable": savable,
         }
         self.km: AsyncKernelManager = km or new_kernel_manager(kernel_name_for(profile.runtime))
         self.client: AsyncKernelClient | None = None
@@ -82,10 +85,13 @@ class SandboxedKernel:
             raise SessionClosedError(f"session {self.session_id} has no container; start a new session")
         return container
 
-    async def start(self, workspace: dict[str, Any] | None = None) -> None:
+    async def start(self, workspace: dict[str, Any] | None = None, restore: SavedMemory | None = None) -> None:
         """Start the kernel and wait until it answers; on failure nothing is left running.
-        ``workspace``: a disk workspace handed over by the previous provisioner (see replace)."""
+        ``workspace``: a disk workspace handed over by the previous provisioner (see replace);
+        ``restore``: a saved kernel this start (only) carries on from."""
         launch = {**self._launch, "sandkernel_workspace": workspace} if workspace else self._launch
+        if restore is not None:
+            launch = {**launch, **restore.launch_kwargs()}
         try:
             await self.km.start_kernel(**launch)
             self.client = new_client(self.km)

@@ -20,6 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from jupyter_client import AsyncKernelManager
@@ -57,6 +58,7 @@ from sandkernel.kernels.execution.variables import list_variables
 from sandkernel.kernels.execution.watch import ExecutionWatch
 from sandkernel.kernels.model.profiles import NUMERIC_RANGES, Profile, resolve_profile
 from sandkernel.kernels.sandbox.container import SandboxContainer
+from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
 
 log = logging.getLogger(__name__)
@@ -110,13 +112,17 @@ class KernelSession:
         session_id: str | None = None,
         kernel: SandboxedKernel | None = None,
         cpu_group: str | None = None,
+        savable: bool = False,
     ) -> None:
         """``kernel``: an adopted kernel (see :meth:`adopt`); otherwise one is started by
-        :meth:`start`, its sandbox in ``cpu_group`` (the tenant's, kernels/sandbox/cpu_groups.py)."""
+        :meth:`start`, its sandbox in ``cpu_group`` (the tenant's, kernels/sandbox/cpu_groups.py),
+        savable (gVisor memory snapshots: :meth:`save_memory`) when asked."""
         # Validate everything that can be validated before a container exists.
         self.profile: Profile = kernel.profile if kernel else resolve_profile(profile, overrides)
         self.id = kernel.session_id if kernel else session_id or uuid.uuid4().hex
-        self._kernel = kernel or SandboxedKernel(self.id, self.profile, profile, overrides or {}, cpu_group=cpu_group)
+        self._kernel = kernel or SandboxedKernel(
+            self.id, self.profile, profile, overrides or {}, cpu_group=cpu_group, savable=savable
+        )
         self._lock = asyncio.Lock()
         self._pending_state_lost: str | None = None
         self._interrupt_requested = False
@@ -146,12 +152,30 @@ class KernelSession:
         session_id: str | None = None,
         observers: tuple[SessionObserver, ...] = (),
         cpu_group: str | None = None,
+        savable: bool = False,
+        restore: SavedMemory | None = None,
     ) -> KernelSession:
-        session = cls(profile, overrides, session_id, cpu_group=cpu_group)
+        """A started session. ``savable``: gVisor only, its memory can be saved
+        (:meth:`save_memory`); ``restore``: what that method saved, whose kernel carries on here
+        (with this session's new key) instead of a fresh one."""
+        session = cls(profile, overrides, session_id, cpu_group=cpu_group, savable=savable or restore is not None)
         for observer in observers:
             session.add_observer(observer)
-        await session._kernel.start()
+        await session._kernel.start(restore=restore)
         return session
+
+    @property
+    def savable(self) -> bool:
+        """Whether :meth:`save_memory` can save this session's kernel (a gVisor savable sandbox)."""
+        return self._kernel.provisioner.savable
+
+    async def save_memory(self, image_dir: Path) -> SavedMemory:
+        """Write the kernel's memory to ``image_dir`` (a new directory); the sandbox ends with it.
+        Call with no execution running (hold :meth:`exclusive`), then :meth:`shutdown`."""
+        provisioner = self._kernel.provisioner
+        await provisioner.save_memory(image_dir)
+        assert provisioner.uid is not None
+        return SavedMemory(image_dir, provisioner.uid)
 
     @classmethod
     async def adopt(cls, session_id: str, state: dict[str, Any]) -> KernelSession:

@@ -60,12 +60,14 @@ class WarmPool:
         max_size: int | None = None,
         concurrency: int = 1,
         demand_window: float = DEMAND_WINDOW,
+        savable: bool = False,
     ) -> None:
         """``size``: sandboxes kept ready (the floor); ``max_size``: the most it grows to under
         demand (None: ``size``, a fixed pool); ``concurrency``: sandboxes started at once when
         refilling; ``demand_window``: seconds an acquire counts as demand; ``store``: the session
         catalog pooled sandboxes are recorded in (None: not recorded); ``preload``: modules each
-        pooled kernel imports before it is ready (see prewarm.py)."""
+        pooled kernel imports before it is ready (see prewarm.py); ``savable``: its sandboxes start
+        savable (gVisor memory snapshots), as the gateway's sessions of its profile do."""
         max_size = size if max_size is None else max_size
         if size < 0 or max_size < size:
             raise ConfigError(f"a warm pool's ceiling ({max_size}) must be at least its size ({size})")
@@ -77,6 +79,7 @@ class WarmPool:
         self.demand_window = demand_window
         self.preload = validate_modules(preload)
         self.profile = profile or resolve_profile()
+        self.savable = savable
         self.store = store
         # How many more sandboxes the gateway has room for beyond what the pool holds (the
         # registry sets it: max_sessions_total); only growth beyond the floor asks.
@@ -211,7 +214,7 @@ class WarmPool:
     async def _start_one(self) -> KernelSession:
         """Start one sandbox and record it in the catalog; a sandbox that cannot be recorded is
         removed (a restart would not know it)."""
-        session = await KernelSession.start(profile=self.profile)
+        session = await KernelSession.start(profile=self.profile, savable=self.savable)
         if self.preload:
             try:
                 await prewarm(session, self.preload)

@@ -22,6 +22,7 @@ The image is sandbox memory: tenant data, and hostile. The caller seals it (HMAC
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import glob
 import logging
 import os
@@ -40,6 +41,19 @@ log = logging.getLogger(__name__)
 RUNTIME_ROOTS = "/var/run/docker/runtime-*/moby"
 CHECKPOINT_NAME = "sandkernel"
 CHECKPOINT_TIMEOUT = 120.0  # seconds for runsc to write the image
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedMemory:
+    """A kernel's saved memory to start a new sandbox from: runsc's image directory and the uid
+    its processes run as (they keep their credentials through the restore)."""
+
+    image_dir: Path
+    uid: int
+
+    def launch_kwargs(self) -> dict[str, object]:
+        """What the provisioner's first launch takes for it (see provisioner.py)."""
+        return {"sandkernel_restore_from": str(self.image_dir), "sandkernel_restore_uid": self.uid}
 
 
 def runtime_root(container_id: str) -> str:

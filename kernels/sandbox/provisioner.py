@@ -14,7 +14,8 @@ when the whole kernel manager is replaced), ``sandkernel_cpu_group`` (the tenant
 from cpu_groups.group_for), ``sandkernel_savable`` (gVisor only: a sandbox whose memory
 :meth:`DockerProvisioner.save_memory` can write out) and ``sandkernel_restore_from`` (a directory
 that method wrote: the first launch starts a savable sandbox from it, the kernel running on with
-this manager's new key, instead of a fresh kernel).
+this manager's new key, instead of a fresh kernel) with ``sandkernel_restore_uid`` (the uid the
+saved kernel runs as: its processes keep their credentials through the restore).
 The host environment is never forwarded into the container: only ``Profile.env`` is.
 """
 
@@ -41,7 +42,7 @@ from sandkernel.kernels.sandbox.cpu_groups import GROUP_NAME, cgroup_parent
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.labels import owner_label
 from sandkernel.kernels.sandbox.runtime_dir import CONNECTION_FILE, CONTAINER_DIR, PORTS, RuntimeDir
-from sandkernel.kernels.sandbox.uids import UidAllocator
+from sandkernel.kernels.sandbox.uids import SANDBOX_UID_RANGE, UidAllocator
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support
 
 EXEC_POLL_INTERVAL = 0.25
@@ -68,6 +69,7 @@ class DockerProvisioner(KernelProvisionerBase):
     cpu_group: str | None = None
     savable: bool = False  # the sandbox's PID 1 is the kernel supervisor (memory snapshots)
     restore_from: Path | None = None  # the memory checkpoint the first launch starts from
+    restore_uid: int | None = None  # the uid that checkpoint's kernel runs as
     # Set when the last (re)launch had to replace the whole container.
     container_replaced: bool = False
     # Set when /workspace went with the replaced container (a tmpfs workspace); a disk workspace
@@ -89,6 +91,7 @@ class DockerProvisioner(KernelProvisionerBase):
         handed_over = kwargs.pop("sandkernel_workspace", None)
         cpu_group = kwargs.pop("sandkernel_cpu_group", None)
         restore_from = kwargs.pop("sandkernel_restore_from", None)
+        restore_uid = kwargs.pop("sandkernel_restore_uid", None)
         savable = bool(kwargs.pop("sandkernel_savable", False) or restore_from)
         if self.profile is None:
             if self.runtime:
@@ -112,6 +115,12 @@ class DockerProvisioner(KernelProvisionerBase):
                 raise ConfigError("a sandbox with network egress cannot be savable yet (its relay holds a host socket)")
             self.savable = savable
             self.restore_from = Path(restore_from) if restore_from else None
+            if restore_uid is not None:
+                low, high = SANDBOX_UID_RANGE
+                if isinstance(restore_uid, bool) or not isinstance(restore_uid, int) or not low <= restore_uid < high:
+                    raise ConfigError(f"sandkernel_restore_uid must be a sandbox uid ({low} to {high - 1})")
+                if handed_over is None:
+                    self.restore_uid = restore_uid
             if handed_over is not None:
                 await self._take_over_workspace(handed_over)
             self.runtime_dir = await asyncio.to_thread(RuntimeDir.create)
@@ -181,6 +190,13 @@ class DockerProvisioner(KernelProvisionerBase):
         so the bind mount finds it (mounts made later would not propagate into the sandbox)."""
         assert self.profile is not None and self.runtime_dir is not None
         egress_dir = self.egress.directory if self.egress else None
+        if self.uid is None and self.restore_uid is not None:
+            # A saved kernel keeps its uid through the restore. Under gVisor a uid is no host
+            # process's (the kernel's accounting it buys under runc does not apply), so another
+            # sandbox that took it meanwhile, or a fork's siblings, share it harmlessly.
+            allocator = UidAllocator(default_engine())
+            await asyncio.to_thread(allocator.claim, self.restore_uid)
+            self.uid = self.restore_uid
         if self.uid is None:  # kept when the container is replaced: one uid per session
             allocator = UidAllocator(default_engine())
             self.uid = await made_or_undone(

@@ -77,6 +77,7 @@ KERNEL_TMP_FILES: tuple[str, ...] = (
     "/tmp/.ipython",
     "/tmp/.jupyter-runtime",
     "/tmp/.matplotlib",
+    "/tmp/.sandkernel",  # a savable sandbox's supervisor and kernel sockets (kernel_supervisor.py)
 )
 DEFAULT_TIMEOUT = 600.0  # seconds for one capture or restore, whatever its size
 STDERR_KEPT = 2000  # characters of tar's stderr carried in an error message

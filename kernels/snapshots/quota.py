@@ -111,6 +111,11 @@ class Allowance:
         """Room for ``size`` more bytes, taken now; False (nothing taken) when there is none."""
         return self.tenant._take(self, size)
 
+    def give_back(self, size: int) -> None:
+        """Return ``size`` of what was taken (a reservation larger than what was written)."""
+        with self.tenant._lock:
+            self.taken -= min(size, self.taken)
+
     def claim(self) -> bool:
         """Count what was written as committed, if it still fits (older captures first)."""
         return self.tenant._claim(self)

@@ -1,0 +1,110 @@
+"""Memory snapshots through the session API (issue 33, step 4): under gVisor with
+``--memory-snapshots on``, a pause keeps the kernel's memory and a resume carries on from it
+(``restored_by: "checkpoint"``) with no cell re-run, across a gateway restart; an altered image
+is refused and another tenant gets 404.
+
+Real parts: the gateway over HTTP, runsc's checkpoint, Docker's start from a checkpoint, the
+snapshot store on disk. runsc only (runc has no memory checkpoint here: docs/snapshots.md).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sandkernel.kernels.snapshots.memory import MEMORY_PARTS
+from sandkernel.kernels.snapshots.store import SnapshotStore
+
+from .conftest import RUNSC, container_ids_of, require_runtime
+from .gateway_fixtures import BOB, start_gateway, stop_gateway
+from .test_execute import _make_wheel
+from .test_snapshots import CHECK, EXPECTED, STATE, _execute, _text
+
+# A seeded generator mid-stream, and what its next draw must be (read from a copy, so the
+# original is not advanced).
+GENERATOR = "import copy\nrng = np.random.default_rng(11); rng.random(3)\nprint(repr(copy.deepcopy(rng).random()))"
+NEXT_DRAW = "print(repr(rng.random()))"
+
+
+@pytest.mark.parametrize("runtime", [RUNSC])
+async def test_a_paused_gvisor_session_resumes_from_its_memory_after_a_gateway_restart(tmp_path, runtime):
+    require_runtime(runtime)
+    state_dir = tmp_path / "state"
+    options = {"default_runtime": runtime, "memory_snapshots": "on", "state_dir": state_dir}
+    gw = await start_gateway(tmp_path, on_exit="keep", **options)
+    stopped = False
+    try:
+        _, session = await gw.request("POST", "/api/sessions", {"limits": {"memory_mb": 2048}})
+        sid = session["id"]
+        wheel = _make_wheel(tmp_path)
+        assert (await gw.request("PUT", f"/api/sessions/{sid}/files/{wheel.name}", raw=wheel.read_bytes()))[0] == 201
+        install = await _execute(gw, sid, f"%pip install -q --no-index /workspace/{wheel.name}")
+        assert install["status"] == "ok", install
+        assert _text(await _execute(gw, sid, STATE)) == "built\n"
+        expected_draw = _text(await _execute(gw, sid, GENERATOR))
+        before = container_ids_of(sid)
+
+        code, paused = await gw.request("POST", f"/api/sessions/{sid}/pause")
+        assert code == 200, paused
+        assert container_ids_of(sid) == []
+        store = SnapshotStore(state_dir / "snapshots")
+        [manifest] = store.list(sid)
+        assert set(MEMORY_PARTS) <= set(manifest.parts), manifest.parts
+        assert all(store.part_path(manifest, name).stat().st_mode & 0o777 == 0o600 for name in MEMORY_PARTS)
+
+        await stop_gateway(gw)
+        stopped = True
+        gw = await start_gateway(tmp_path, on_exit="delete", **options)
+        stopped = False
+        for action in ("resume", "fork"):  # another tenant: not found, and nothing is started
+            code, reply = await gw.request("POST", f"/api/sessions/{sid}/{action}", {"count": 1}, token=BOB)
+            assert code == 404, (action, reply)
+        assert container_ids_of(sid) == []
+
+        code, resumed = await gw.request("POST", f"/api/sessions/{sid}/resume")
+        assert code == 200, resumed
+        assert resumed["restored_by"] == "checkpoint" and resumed["cells"] == [], resumed
+        assert resumed["files"] == "snapshot" and resumed["unpacked"] == 1
+        assert container_ids_of(sid) and container_ids_of(sid) != before
+        draw = await _execute(gw, sid, NEXT_DRAW)
+        assert _text(draw) == expected_draw, "the generator did not carry on where it was"
+        assert draw["execution_count"] == 4, "a cell ran again: the kernel's count moved past the recorded 3"
+        assert _text(await _execute(gw, sid, CHECK)) == EXPECTED
+        code, notebook = await gw.request("GET", f"/api/sessions/{sid}/notebook")
+        code_cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
+        assert len(code_cells) == 5  # the three before the pause and the two after: none re-run
+        assert any("memory checkpoint" in "".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+    finally:
+        if not stopped:
+            await stop_gateway(gw)
+
+
+@pytest.mark.parametrize("runtime", [RUNSC])
+async def test_an_altered_memory_image_is_refused_and_the_session_stays_paused(tmp_path, runtime):
+    require_runtime(runtime)
+    state_dir = tmp_path / "state"
+    gw = await start_gateway(tmp_path, default_runtime=runtime, memory_snapshots="on", state_dir=state_dir)
+    try:
+        _, session = await gw.request("POST", "/api/sessions", {})
+        sid = session["id"]
+        await _execute(gw, sid, "secret = 'kept'")
+        assert (await gw.request("POST", f"/api/sessions/{sid}/pause"))[0] == 200
+        store = SnapshotStore(state_dir / "snapshots")
+        [manifest] = store.list(sid)
+        pages = store.part_path(manifest, "memory_pages")
+        with open(pages, "r+b") as f:  # one byte flipped, the size kept
+            f.seek(pages.stat().st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+        code, reply = await gw.request("POST", f"/api/sessions/{sid}/resume")
+        assert code == 409 and reply["error"] == "snapshot_rejected", reply
+        assert "memory part" in reply["message"]
+        assert container_ids_of(sid) == []  # nothing was started from the altered image
+        code, model = await gw.request("GET", f"/api/sessions/{sid}")
+        assert model["state"] == "paused"
+        assert not [p for p in (state_dir / "snapshots").iterdir() if p.name.startswith("restore-")]
+        _, other = await gw.request("POST", "/api/sessions", {})  # the tenant's other work goes on
+        assert _text(await _execute(gw, other["id"], "print(1 + 1)")) == "2\n"
+    finally:
+        await stop_gateway(gw)
