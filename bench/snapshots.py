@@ -20,8 +20,10 @@ only the rebuild (files put back and cells re-run, not the new sandbox's start).
 bench/results/snapshots.json, one entry per runtime. Targets (issue 16, with a memory checkpoint):
 pause <= 1 s and resume <= 0.5 s for 200 MB, fork of 10 <= 3 s; where the gateway restores by
 replay, a resume costs about what the baseline does, which the ratios show.
+With ``--memory-snapshots on`` the gateway keeps gVisor kernels' memory (``restored_by:
+"checkpoint"``, docs/snapshots.md); its results are saved under the runtime name ``runsc+memory``.
 Usage: python bench/snapshots.py [--repeats 3] [--sizes 50,200] [--large] [--forks 3]
-                                 [--runtime runc] [--runtime runsc]
+                                 [--runtime runc] [--runtime runsc] [--memory-snapshots on]
 """
 
 from __future__ import annotations
@@ -161,11 +163,15 @@ async def main() -> None:
     parser.add_argument("--large", action="store_true", help=f"also {LARGE_MB} MB (~{3 * LARGE_MB} MB per session)")
     parser.add_argument("--forks", type=int, default=3, help="sessions per fork (1..10)")
     parser.add_argument("--runtime", action="append", choices=["runc", "runsc"], help="repeatable; default runc")
+    parser.add_argument(
+        "--memory-snapshots", choices=["off", "on"], default="off", help="the gateway's --memory-snapshots (gVisor)"
+    )
     args = parser.parse_args()
     sizes = [int(size) for size in args.sizes.split(",") if size] + ([LARGE_MB] if args.large else [])
     runtimes = args.runtime or ["runc"]
     sessions = str(2 * args.forks + 2)
     flags = ["--default-runtime", "runc", "--max-sessions", sessions, "--max-sessions-total", sessions]
+    flags += ["--memory-snapshots", args.memory_snapshots]
     async with served_gateway(flags, request_timeout=600) as client:
         for runtime in runtimes:
             results: dict[str, Any] = {}
@@ -173,7 +179,8 @@ async def main() -> None:
                 result = await measure(client, runtime, size_mb, args.forks, args.repeats)
                 report(runtime, size_mb, args.forks, result)
                 results[f"{size_mb} MB"] = result
-            save_for_runtime("snapshots.json", runtime, results)
+            memory = args.memory_snapshots == "on" and runtime == "runsc"
+            save_for_runtime("snapshots.json", f"{runtime}+memory" if memory else runtime, results)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,11 @@ of the same tenant, whose transcripts start with the parent's cells marked inher
 **rewind** pauses the session and resumes it as it was right after an earlier cell, and records
 that in the transcript.
 
-Why replay and not a memory checkpoint: see docs/snapshots.md (this host's gVisor cannot save the
-kernel's host-connected sockets; its CRIU does not run on this kernel).
+With ``--memory-snapshots on`` a gVisor session starts savable, and a pause or a fork also keeps
+its kernel's memory (kernels/snapshots/memory.py): the resume or each fork carries on from it,
+``restored_by: "checkpoint"``, no cell re-run (a fork's parent goes on running). Replay stays for
+runc (its CRIU does not run on this kernel), for rewinds, and whenever the image could not be
+saved or does not start, and says so: see docs/snapshots.md.
 
 Each session has one lock here: a pause, resume, fork or rewind of a session waits for the one
 before it, and the calls that resume by themselves (:meth:`SessionRegistry.live`) wait too.
@@ -75,7 +78,9 @@ FORKS_AT_ONCE = 4  # started concurrently: the engine and 2 cores do not gain fr
 FILES = "files"  # the archive part of a snapshot
 TRANSCRIPT = "transcript"  # a pause's copy of the session's transcript (the cells to replay elsewhere)
 PAUSE = "pause"  # the kind of a pause's snapshot
+FORK = "fork"  # the kind of a fork's (removed once the forks are made)
 CELL = "cell"  # the kind of a per-cell checkpoint
+RESTORE_PREFIX = "restore-"  # a memory image linked for runsc, in the store's root while it starts
 
 
 class SnapshotManager:
@@ -207,8 +212,8 @@ class SnapshotManager:
                 parts[TRANSCRIPT] = await asyncio.to_thread(self.store.write_part, draft, TRANSCRIPT, text)
             in_memory = cells_in_memory(notebook, lost_since=session.state_lost_pending)
             extra: dict[str, Any] = {"cells_in_memory": in_memory}
-            if kind == PAUSE and session.savable:
-                saved = await self._save_memory(session, draft, allowance)
+            if kind in (PAUSE, FORK) and session.savable:  # a fork's parent goes on running
+                saved = await self._save_memory(session, draft, allowance, leave_running=kind == FORK)
                 if saved is not None:
                     parts.update(saved[0])
                     extra["memory_uid"] = saved[1]  # signed with the rest: the restore runs as it
@@ -240,18 +245,19 @@ class SnapshotManager:
             allowance.settle(kept)
 
     async def _save_memory(
-        self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance
+        self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance, *, leave_running: bool
     ) -> tuple[dict[str, ArchivePart], int] | None:
         """The kernel's memory as snapshot parts (kernels/snapshots/memory.py) and the uid it runs
         as, its bound taken
         from the quota first; None when it cannot be saved (no room, or gVisor failed): the
-        pause goes on, and its resume replays the cells as for runc. The sandbox ends either way."""
+        pause goes on, and its resume replays the cells as for runc. The sandbox ends either way
+        unless ``leave_running`` (a fork's parent)."""
         bound = image_bound(session.profile.memory_mb)
         if not allowance.take(bound):
             log.warning("memory not saved: no room in the snapshot quota", extra={"session": session.id})
             return None
         try:
-            saved = await session.save_memory(scratch_dir(draft))
+            saved = await session.save_memory(scratch_dir(draft), leave_running=leave_running)
             parts = await asyncio.to_thread(seal_image, draft)
         except (SandkernelError, OSError) as err:
             allowance.give_back(bound)
@@ -261,24 +267,32 @@ class SnapshotManager:
         allowance.give_back(bound - sum(part.bytes for part in parts.values()))
         return parts, saved.uid
 
-    async def _start_from_memory(
-        self, profile: Profile, session_id: str, tenant: str, manifest: SnapshotManifest
-    ) -> KernelSession | None:
-        """A sandbox whose kernel carries on from the snapshot's memory image, or None when it
-        has none or it does not start here (then the caller replays). An altered image is
-        refused (SnapshotRejectedError): nothing of it is loaded."""
+    async def _unsealed(self, manifest: SnapshotManifest, profile: Profile) -> SavedMemory | None:
+        """The snapshot's memory image, checked and linked into a directory of its own for runsc
+        (remove it with :meth:`_done_with`), or None when it has none or ``profile`` cannot take
+        it. An altered image is refused (SnapshotRejectedError): nothing of it is loaded."""
         uid = manifest.extra.get("memory_uid")
         if not has_memory(manifest) or not isinstance(uid, int) or profile.runtime is not Runtime.RUNSC:
             return None
-        target = self.store.root / f"restore-{uuid.uuid4().hex}"  # not a session id: sweeps leave it
-        image = await asyncio.to_thread(unseal_image, self.store, manifest, target)
-        try:
-            return await self.registry.cold_start(profile, session_id, tenant, restore=SavedMemory(image, uid))
-        except SandkernelError as err:
-            log.warning("the memory image did not start (the resume replays): %s", err, extra={"session": session_id})
-            return None
-        finally:
-            await asyncio.to_thread(shutil.rmtree, target, True)
+        target = self.store.root / f"{RESTORE_PREFIX}{uuid.uuid4().hex}"  # not a session id: sweeps skip it
+        return SavedMemory(await asyncio.to_thread(unseal_image, self.store, manifest, target), uid)
+
+    @staticmethod
+    async def _done_with(memory: SavedMemory | None) -> None:
+        if memory is not None:
+            await asyncio.to_thread(shutil.rmtree, memory.image_dir, True)
+
+    async def _start_session(
+        self, profile: Profile, session_id: str, tenant: str, memory: SavedMemory | None
+    ) -> tuple[KernelSession, bool]:
+        """A sandbox for a resume or a fork: carrying on from ``memory`` when there is one and it
+        starts, else a fresh one to replay into. Whether it came from memory."""
+        if memory is not None:
+            try:
+                return await self.registry.cold_start(profile, session_id, tenant, restore=memory), True
+            except SandkernelError as err:
+                log.warning("memory image did not start (replaying instead): %s", err, extra={"session": session_id})
+        return await self.registry.cold_start(profile, session_id, tenant), False
 
     async def _used(self, tenant: str, tenant_bytes: TenantSnapshotBytes) -> int:
         """The tenant's snapshot bytes: committed (walked again) and being written."""
@@ -321,12 +335,11 @@ class SnapshotManager:
         else:
             cells, files, files_from = await self._state_after(paused.id, paused.tenant, notebook, rewind_to)
         profile = self._profile_now(profile_from_record(manifest.profile), paused.id, "stays paused")
-        session = None
-        if rewind_to is None:
-            session = await self._start_from_memory(profile, paused.id, paused.tenant, manifest)
-        from_memory = session is not None
-        if session is None:
-            session = await self.registry.cold_start(profile, paused.id, paused.tenant)
+        memory = await self._unsealed(manifest, profile) if rewind_to is None else None
+        try:
+            session, from_memory = await self._start_session(profile, paused.id, paused.tenant, memory)
+        finally:
+            await self._done_with(memory)
         try:
             with self._gated(session, paused.tenant):
                 if from_memory:
@@ -495,7 +508,7 @@ class SnapshotManager:
             if cell is None:
                 _check_idle(managed)
                 async with managed.session.exclusive():
-                    manifest = await self._snapshot(managed, "fork")
+                    manifest = await self._snapshot(managed, FORK)
                 cells, files, upto = list(manifest.extra["cells_in_memory"]), self._files(manifest), total
                 files_from = "snapshot"
             else:
@@ -504,14 +517,18 @@ class SnapshotManager:
                 upto = cell
             profile = self._profile_now(managed.session.profile, managed.id, "was not forked")
         limit = asyncio.Semaphore(FORKS_AT_ONCE)
+        memory = None
 
         async def one() -> tuple[ManagedSession, Restored]:
             async with limit:
-                return await self._child(managed, profile, notebook, cells, (files, files_from), upto)
+                return await self._child(managed, profile, notebook, cells, (files, files_from), upto, memory)
 
         try:
+            if manifest is not None:  # every fork starts from the one image, checked once
+                memory = await self._unsealed(manifest, profile)
             outcomes = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
         finally:
+            await self._done_with(memory)
             if manifest is not None:
                 await asyncio.to_thread(self.store.remove, managed.id, manifest.snapshot_id)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
@@ -532,12 +549,16 @@ class SnapshotManager:
         cells: list[int],
         files: tuple[tuple[Path, Any] | None, str],
         upto: int,
+        memory: SavedMemory | None,
     ) -> tuple[ManagedSession, Restored]:
         session_id = uuid.uuid4().hex
-        session = await self.registry.cold_start(profile, session_id, parent.tenant)
+        session, from_memory = await self._start_session(profile, session_id, parent.tenant, memory)
         try:
             with self._gated(session, parent.tenant):
-                restored = await rebuild(session, notebook, cells=cells, files=files[0], files_from=files[1])
+                if from_memory:
+                    restored = await carry_on(session, files[0])
+                else:
+                    restored = await rebuild(session, notebook, cells=cells, files=files[0], files_from=files[1])
             metadata = {**parent.metadata, "forked_from": parent.id}
             recorder = TranscriptRecorder(
                 notebook_path_for(session_id, self.settings.notebook_dir),
@@ -590,6 +611,7 @@ class SnapshotManager:
     async def sweep(self) -> list[str]:
         """Remove snapshots of sessions the registry does not know (a crash mid-pause, a record
         deleted by hand): run at start-up, after adoption."""
+        await asyncio.to_thread(self._remove_restore_dirs)
         known = {p.id for p in self.registry.paused_sessions()} | self.registry.live_ids()
         orphans = [sid for sid in await asyncio.to_thread(self.store.sessions) if sid not in known]
         cluster = self.registry.cluster
@@ -605,6 +627,12 @@ class SnapshotManager:
         for session_id in orphans:
             await asyncio.to_thread(self.store.remove, session_id)
         return orphans
+
+    def _remove_restore_dirs(self) -> None:
+        """Memory images linked for a start that a crash interrupted (links: the parts stay)."""
+        for entry in self.store.root.glob(f"{RESTORE_PREFIX}*"):
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
 
     async def _put(self, record: SandboxRecord) -> None:
         if self.registry.store is not None:

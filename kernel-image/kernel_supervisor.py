@@ -20,8 +20,9 @@ Being PID 1 it survives the restart's ``kill -KILL -1`` and reaps orphans. gViso
 an init from its own namespace's signals as Linux does, so the entrypoint starts it with every
 other catchable signal ignored (the host's signals before READY_FILE exists are lost: it waits). It runs as the sandbox
 user and holds nothing the tenant's code lacks; it is not dumpable, so that code cannot write its
-memory through /proc either. When the kernel dies unasked, the listeners close: the host reads a
-refused connection as a dead kernel, and the exit code is in EXIT_FILE.
+memory through /proc either. The host tells a live kernel from a dead one by connecting to the
+heartbeat socket: a live kernel's ZMQ greets it, a dead one's connection is closed at once (the
+kernel's own socket refuses the relay); the exit code is in EXIT_FILE.
 """
 
 import asyncio
@@ -217,11 +218,10 @@ class Supervisor:
                 return
             if pid == 0:
                 return
-            if pid == self.kernel:
+            if pid == self.kernel:  # the listeners stay: each connection now ends at once
                 self.kernel = None
                 with contextlib.suppress(OSError), open(EXIT_FILE, "w") as f:
                     f.write(str(os.waitstatus_to_exitcode(status)))
-                asyncio.get_running_loop().create_task(self.detach())
 
     def run_alone(self, work) -> None:  # type: ignore[no-untyped-def]
         """One start or attach at a time: a new request replaces the one in progress."""

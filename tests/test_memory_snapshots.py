@@ -108,3 +108,35 @@ async def test_an_altered_memory_image_is_refused_and_the_session_stays_paused(t
         assert _text(await _execute(gw, other["id"], "print(1 + 1)")) == "2\n"
     finally:
         await stop_gateway(gw)
+
+
+@pytest.mark.parametrize("runtime", [RUNSC])
+async def test_forks_carry_on_from_the_parents_memory_each_with_its_own_key(tmp_path, runtime):
+    """Fork into 3: each child continues the parent's generator independently from the same
+    point, the parent goes on untouched, no cell re-runs, and every child has a key of its own
+    that the parent's does not open."""
+    require_runtime(runtime)
+    gw = await start_gateway(tmp_path, default_runtime=runtime, memory_snapshots="on", max_sessions=6)
+    try:
+        _, session = await gw.request("POST", "/api/sessions", {})
+        sid = session["id"]
+        await _execute(gw, sid, "import numpy as np")
+        expected_draw = _text(await _execute(gw, sid, GENERATOR))
+        code, forked = await gw.request("POST", f"/api/sessions/{sid}/fork", {"count": 3})
+        assert code == 201, forked
+        forks = [f["session"]["id"] for f in forked["forks"]]
+        assert [f["restored_by"] for f in forked["forks"]] == ["checkpoint"] * 3, forked
+        assert all(f["cells"] == [] for f in forked["forks"])
+        for fork in forks:
+            reply = await _execute(gw, fork, NEXT_DRAW)
+            assert _text(reply) == expected_draw and reply["execution_count"] == 3, reply
+        assert _text(await _execute(gw, sid, NEXT_DRAW)) == expected_draw  # the parent: its own next draw
+        keys = {key_of(gw, s) for s in [sid, *forks]}
+        assert len(keys) == 4, "a fork shares a kernel key"
+    finally:
+        await stop_gateway(gw)
+
+
+def key_of(gw, session_id: str) -> bytes:
+    """The kernel key the gateway holds for a live session (behind the API, as only a test may)."""
+    return gw.server.registry.get("alice", session_id).session.kernel_manager.session.key

@@ -123,6 +123,18 @@ class SandboxedKernel:
         log.info("session re-adopted", extra={"session": session_id, "kernel": kernel.kernel_id})
         return kernel
 
+    async def wait_reconnected(self) -> None:
+        """Until the kernel's iopub reaches us again after its sockets were detached and bound
+        anew (a fork's parent, kernels/sandbox/memory_checkpoint.py): the shell channel queues
+        what is sent meanwhile, but output published before the subscription is back is lost."""
+        deadline = time.monotonic() + self.profile.start_timeout
+        with self.drain.reading():
+            while time.monotonic() < deadline:
+                if await self.iopub_answers(0.5):
+                    return
+        limit = self.profile.start_timeout
+        raise KernelStartError(f"the kernel's output did not reach the gateway again within {limit:g}s")
+
     async def _wait_attached(self) -> None:
         """Until the adopted kernel answers on control and its iopub reaches us."""
         deadline = time.monotonic() + min(self.profile.start_timeout, ADOPT_TIMEOUT)

@@ -169,11 +169,16 @@ class KernelSession:
         """Whether :meth:`save_memory` can save this session's kernel (a gVisor savable sandbox)."""
         return self._kernel.provisioner.savable
 
-    async def save_memory(self, image_dir: Path) -> SavedMemory:
-        """Write the kernel's memory to ``image_dir`` (a new directory); the sandbox ends with it.
-        Call with no execution running (hold :meth:`exclusive`), then :meth:`shutdown`."""
+    async def save_memory(self, image_dir: Path, *, leave_running: bool = False) -> SavedMemory:
+        """Write the kernel's memory to ``image_dir`` (a new directory). Call with no execution
+        running (hold :meth:`exclusive`). The sandbox ends with it (then :meth:`shutdown`) unless
+        ``leave_running``: a fork's parent goes on, listening again once the image is written."""
         provisioner = self._kernel.provisioner
-        await provisioner.save_memory(image_dir)
+        try:
+            await provisioner.save_memory(image_dir, leave_running=leave_running)
+        finally:
+            if leave_running:
+                await self._kernel.wait_reconnected()
         assert provisioner.uid is not None
         return SavedMemory(image_dir, provisioner.uid)
 

@@ -311,15 +311,17 @@ class SandboxContainer:
         log.info("container restored", extra={"session": spec.session_id, "container": container_id[:12]})
         return cls(engine, container_id, spec)
 
-    async def save_memory(self, image_dir: Path) -> None:
+    async def save_memory(self, image_dir: Path, *, leave_running: bool = False) -> None:
         """Write the sandbox's memory to ``image_dir`` (which must not exist yet). The container
-        ends with it: its kernel goes on only in a container started from the image."""
+        ends with it (its kernel goes on only in a container started from the image) unless
+        ``leave_running``: then its kernel goes on, detached until :meth:`attach_kernel`."""
         if not self.spec.savable:
             raise SnapshotError("this sandbox was not started savable; its memory cannot be saved")
         runsc = await self.engine.run(lambda: self.engine.client.info()["Runtimes"]["runsc"]["path"])
         await self.signal_supervisor(SUPERVISOR_DETACH)
-        await run_runsc_checkpoint(runsc, self.id, image_dir)
-        self.exec_id = None
+        await run_runsc_checkpoint(runsc, self.id, image_dir, leave_running=leave_running)
+        if not leave_running:
+            self.exec_id = None
 
     async def attach_kernel(self) -> None:
         """Have a restored kernel take the key of the runtime dir's connection file and listen
@@ -401,18 +403,30 @@ class SandboxContainer:
 
     async def _supervised_kernel_exit_code(self) -> int | None:
         """A savable sandbox's kernel is not a process the host can see (a gVisor guest, not an
-        exec): the supervisor listens on the heartbeat socket while the kernel lives and stops
-        when it dies. Before the first listen (a start in progress) it counts as alive; the
-        start's own deadline bounds that."""
+        exec). Its heartbeat socket tells: the supervisor relays a connection to the kernel, whose
+        ZMQ greets first, or closes it at once when the kernel is gone. No answer in time (a
+        loaded host, a stopped kernel) counts as alive, as a process that exists is; before the
+        first listen (a start in progress) too: the start's own deadline bounds that."""
         heartbeat = self.spec.runtime_dir.socket_paths()[-1]
         if not heartbeat.exists():
             return None
         try:
-            _, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(heartbeat)), SUPERVISOR_PROBE_TIMEOUT)
-        except (OSError, asyncio.TimeoutError):
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_unix_connection(str(heartbeat)), SUPERVISOR_PROBE_TIMEOUT
+            )
+        except asyncio.TimeoutError:
+            return None
+        except OSError:
             return -1
-        writer.close()
-        return None
+        try:
+            greeting = await asyncio.wait_for(reader.read(1), SUPERVISOR_PROBE_TIMEOUT)
+        except asyncio.TimeoutError:
+            return None
+        except OSError:
+            return -1
+        finally:
+            writer.close()
+        return None if greeting else -1
 
     async def run_as_sandbox(
         self, argv: list[str], timeout: float = CONTROL_TIMEOUT, *, hold: bool = True

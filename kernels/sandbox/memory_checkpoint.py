@@ -64,11 +64,13 @@ def runtime_root(container_id: str) -> str:
     raise SnapshotError(f"no runtime state for container {container_id[:12]}: is it a running gVisor sandbox?")
 
 
-async def run_runsc_checkpoint(runsc: str, container_id: str, image_dir: Path) -> None:
-    """``runsc checkpoint`` of a detached sandbox into ``image_dir`` (made empty, 0700)."""
+async def run_runsc_checkpoint(runsc: str, container_id: str, image_dir: Path, *, leave_running: bool = False) -> None:
+    """``runsc checkpoint`` of a detached sandbox into ``image_dir`` (made empty, 0700);
+    ``leave_running``: the sandbox goes on afterwards (a fork's parent), else it ends."""
     root = await asyncio.to_thread(runtime_root, container_id)
     await asyncio.to_thread(image_dir.mkdir, mode=0o700, parents=True, exist_ok=False)
-    argv = [runsc, f"--root={root}", "checkpoint", f"--image-path={image_dir}", "--compression=none", container_id]
+    argv = [runsc, f"--root={root}", "checkpoint", f"--image-path={image_dir}", "--compression=none"]
+    argv += ["--leave-running", container_id] if leave_running else [container_id]
     process = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
     )

@@ -279,14 +279,29 @@ class DockerProvisioner(KernelProvisionerBase):
                     )
             await asyncio.sleep(0.005)
 
-    async def save_memory(self, image_dir: Path) -> None:
+    async def save_memory(self, image_dir: Path, *, leave_running: bool = False) -> None:
         """Write the savable sandbox's memory to ``image_dir`` (a new directory). The container
-        ends with it; the workspace disk and runtime dir stay until cleanup. Start another
-        provisioner with ``sandkernel_restore_from=image_dir`` (and the handed-over workspace)
-        to carry on."""
-        if self.container is None:
+        ends with it (the workspace disk and runtime dir stay until cleanup) unless
+        ``leave_running`` (a fork's parent): then its kernel listens again, with the same key,
+        once the image is written. Start another provisioner with ``sandkernel_restore_from``
+        to carry on from the image."""
+        if self.container is None or self.runtime_dir is None:
             raise SnapshotError("this kernel has no sandbox to save")
-        await self.container.save_memory(image_dir)
+        try:
+            await self.container.save_memory(image_dir, leave_running=leave_running)
+        finally:
+            if leave_running:
+                await self._reattach_kernel()
+
+    async def _reattach_kernel(self) -> None:
+        """Listen again after a detach: the runtime dir opened and checked as at a start."""
+        assert self.container is not None and self.runtime_dir is not None
+        key = self.connection_info["key"]
+        info = dict(self.connection_info, key=key.decode() if isinstance(key, bytes) else key)
+        await asyncio.to_thread(self.runtime_dir.prepare, info, SANDBOX_GID)
+        await self.container.attach_kernel()
+        await self._wait_for_sockets()
+        await asyncio.to_thread(self.runtime_dir.lock)
 
     # -- process control ------------------------------------------------------------------
 

@@ -15,6 +15,12 @@ carries it in its ``sandkernel.uid`` label (Docker is the source of truth for wh
 no live process holds a reservation file ``<runtime base>/uids/<uid>`` for it (which covers
 the moment between allocation and container creation). A reservation names its owner
 (:func:`~sandkernel.kernels.sandbox.labels.owner_label`); those of dead owners are dropped.
+
+One exception, under gVisor only: a kernel restored from a memory checkpoint keeps the uid it was
+saved with (its processes' credentials are part of the image), so a fork's children share their
+parent's uid, and a resumed session takes its old uid back even if another sandbox took it
+meanwhile. A gVisor sandbox's processes are the sentry's, not the host's: the per-user accounting
+above does not apply to them, and the uid only names the owner of its own workspace disk's files.
 """
 
 from __future__ import annotations
