@@ -53,6 +53,7 @@ RUNTIME_CHOICES = ("auto", "runc", "runsc")
 IDLE_ACTIONS = ("pause", "delete")
 ON_EXIT_CHOICES = ("keep", "delete")
 MEMORY_SNAPSHOT_CHOICES = ("off", "on")
+REPLAY_SIDE_EFFECT_CHOICES = ("allow", "refuse")
 BREAKER_ACTIONS = ("quarantine", "restart")
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
@@ -255,6 +256,13 @@ class GatewaySettings:
         "kernel's memory (restored_by checkpoint, no cell re-run; needs gVisor 20240729+ and Docker's experimental "
         "mode: sandkernel doctor) instead of replaying cells; off: replay for every runtime",
         choices=MEMORY_SNAPSHOT_CHOICES,
+    )
+    replay_side_effects: str = _setting(
+        "allow",
+        "what a replay resume, fork or rewind does with cells that reached beyond the sandbox when they first ran "
+        "(the network through the egress proxy, a shell command, a package install): allow (re-run them; the reply "
+        "lists each cell's side_effects) or refuse (the call fails with replay_refused and nothing is re-run)",
+        choices=REPLAY_SIDE_EFFECT_CHOICES,
     )
     snapshot_quota_mb: int = _setting(
         10240, "disk each token's snapshots may use, MiB (a pause beyond it is refused)", metavar="MB", positive=True

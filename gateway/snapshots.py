@@ -345,7 +345,9 @@ class SnapshotManager:
                 if from_memory:
                     restored = await carry_on(session, files)
                 else:
-                    restored = await rebuild(session, notebook, cells=cells, files=files, files_from=files_from)
+                    restored = await rebuild(
+                        session, notebook, cells=cells, files=files, files_from=files_from, **self._replay_rules()
+                    )
         except BaseException as err:
             await self.registry.finish(session.shutdown())
             if isinstance(err, SnapshotError):
@@ -558,7 +560,9 @@ class SnapshotManager:
                 if from_memory:
                     restored = await carry_on(session, files[0])
                 else:
-                    restored = await rebuild(session, notebook, cells=cells, files=files[0], files_from=files[1])
+                    restored = await rebuild(
+                        session, notebook, cells=cells, files=files[0], files_from=files[1], **self._replay_rules()
+                    )
             metadata = {**parent.metadata, "forked_from": parent.id}
             recorder = TranscriptRecorder(
                 notebook_path_for(session_id, self.settings.notebook_dir),
@@ -627,6 +631,10 @@ class SnapshotManager:
         for session_id in orphans:
             await asyncio.to_thread(self.store.remove, session_id)
         return orphans
+
+    def _replay_rules(self) -> dict[str, Any]:
+        """What the operator's settings say a replay may do (notebooks/resume.py's rebuild)."""
+        return {"refuse_side_effects": self.settings.replay_side_effects == "refuse"}
 
     def _remove_restore_dirs(self) -> None:
         """Memory images linked for a start that a crash interrupted (links: the parts stay)."""

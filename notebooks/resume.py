@@ -29,12 +29,13 @@ from typing import Any
 
 import nbformat
 
-from sandkernel.errors import ConfigError
+from sandkernel.errors import ConfigError, ReplayRefusedError
 from sandkernel.kernels.execution.outputs import ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.snapshots.archive import ArchivePart, files_fingerprint, restore_files
 from sandkernel.notebooks.compare import CellVerdict, Verdict, load_rules
 from sandkernel.notebooks.replay import DEFAULT_CELL_TIMEOUT, _recorded, _run_cells, _uploads_of
+from sandkernel.notebooks.side_effects import side_effects_of
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class Restored:
     notes: list[str]
     complete: bool = True  # every cell that built the memory was in the transcript to re-run
     unpacked: int = 0  # times the saved files were put back: 2 when the re-run cells changed any
+    # What the re-run cells did beyond the sandbox when they first ran, done again by the replay
+    # (notebooks/side_effects.py): code cell -> ["network", "shell", "packages"].
+    side_effects: dict[int, list[str]] = dataclasses.field(default_factory=dict)
 
     @property
     def reproduced(self) -> bool:
@@ -68,7 +72,15 @@ class Restored:
         return {
             "restored_by": self.restored_by,
             "reproduced": self.reproduced,
-            "cells": [{"cell": v.index, "verdict": v.verdict.value, "note": v.note or None} for v in self.verdicts],
+            "cells": [
+                {
+                    "cell": v.index,
+                    "verdict": v.verdict.value,
+                    "note": v.note or None,
+                    "side_effects": self.side_effects.get(v.index, []) if v.verdict is not Verdict.NOT_RUN else [],
+                }
+                for v in self.verdicts
+            ],
             "files": self.files,
             "seconds": round(self.seconds, 3),
             "notes": list(self.notes),
@@ -134,13 +146,23 @@ async def rebuild(
     files: tuple[Path, ArchivePart] | None = None,
     files_from: str = "snapshot",
     timeout: float = DEFAULT_CELL_TIMEOUT,
+    refuse_side_effects: bool = False,
 ) -> Restored:
     """Bring the fresh ``session`` to a recorded state: put back the saved ``files`` archive, if
     any, re-run the code ``cells`` (:func:`cells_in_memory`), and put the files back again.
-    Raises SnapshotRejectedError for an altered archive (before any cell runs) and
-    SandkernelError when the sandbox fails; what the cells do is in the verdicts."""
+    Raises SnapshotRejectedError for an altered archive (before any cell runs),
+    ReplayRefusedError when ``refuse_side_effects`` and a cell to re-run reached beyond the
+    sandbox (before anything is done), and SandkernelError when the sandbox fails; what the
+    cells do is in the verdicts, what they did beyond the sandbox in ``side_effects``."""
     started = time.monotonic()
     notes: list[str] = []
+    side_effects = side_effects_of(notebook, cells)
+    if refuse_side_effects and side_effects:
+        said = "; ".join(f"cell {index}: {', '.join(effects)}" for index, effects in sorted(side_effects.items()))
+        raise ReplayRefusedError(
+            f"the state can only come back by re-running cells that reached beyond the sandbox ({said}), and this "
+            "gateway refuses such replays (--replay-side-effects refuse); nothing was re-run"
+        )
     complete = _all_recorded(notebook, cells, notes)
     fingerprint, unpacked = None, 0
     if files is not None:
@@ -162,7 +184,9 @@ async def rebuild(
         unpacked += 1
     if session.meter is not None:  # the rebuild is nobody's cell
         session.meter.forget_files()
-    restored = Restored(REPLAY, verdicts, files_from, time.monotonic() - started, notes, complete, unpacked)
+    restored = Restored(
+        REPLAY, verdicts, files_from, time.monotonic() - started, notes, complete, unpacked, side_effects
+    )
     log.info(
         "session state rebuilt by replay",
         extra={

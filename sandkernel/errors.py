@@ -193,6 +193,13 @@ class SnapshotRejectedError(SnapshotError):
     code = "snapshot_rejected"
 
 
+class ReplayRefusedError(SnapshotError):
+    """A replay would re-run cells that reached beyond the sandbox (the network, a shell), and
+    the operator refuses such replays (``--replay-side-effects refuse``)."""
+
+    code = "replay_refused"
+
+
 class SnapshotQuotaError(SnapshotError):
     """A new snapshot would take a tenant past its snapshot disk quota."""
 
