@@ -1,7 +1,8 @@
 """Memory snapshots through the session API (issue 33, step 4): under gVisor with
 ``--memory-snapshots on``, a pause keeps the kernel's memory and a resume carries on from it
-(``restored_by: "checkpoint"``) with no cell re-run, across a gateway restart; an altered image
-is refused and another tenant gets 404.
+(``restored_by: "checkpoint"``) with no cell re-run, across a gateway restart (which adopts a
+live savable sandbox as any other); a fork's children carry on from the parent's memory; an
+altered image is refused and another tenant gets 404.
 
 Real parts: the gateway over HTTP, runsc's checkpoint, Docker's start from a checkpoint, the
 snapshot store on disk. runsc only (runc has no memory checkpoint here: docs/snapshots.md).
@@ -42,6 +43,8 @@ async def test_a_paused_gvisor_session_resumes_from_its_memory_after_a_gateway_r
         assert _text(await _execute(gw, sid, STATE)) == "built\n"
         expected_draw = _text(await _execute(gw, sid, GENERATOR))
         before = container_ids_of(sid)
+        _, live = await gw.request("POST", "/api/sessions", {})  # stays live: adopted after the restart
+        await _execute(gw, live["id"], "y = 7")
 
         code, paused = await gw.request("POST", f"/api/sessions/{sid}/pause")
         assert code == 200, paused
@@ -69,6 +72,7 @@ async def test_a_paused_gvisor_session_resumes_from_its_memory_after_a_gateway_r
         assert _text(draw) == expected_draw, "the generator did not carry on where it was"
         assert draw["execution_count"] == 4, "a cell ran again: the kernel's count moved past the recorded 3"
         assert _text(await _execute(gw, sid, CHECK)) == EXPECTED
+        assert _text(await _execute(gw, live["id"], "print(y)")) == "7\n"  # a live savable sandbox, adopted
         code, notebook = await gw.request("GET", f"/api/sessions/{sid}/notebook")
         code_cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
         assert len(code_cells) == 5  # the three before the pause and the two after: none re-run
