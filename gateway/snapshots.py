@@ -33,6 +33,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from stat import S_ISDIR
 from typing import Any
 
 import nbformat
@@ -81,6 +82,7 @@ PAUSE = "pause"  # the kind of a pause's snapshot
 FORK = "fork"  # the kind of a fork's (removed once the forks are made)
 CELL = "cell"  # the kind of a per-cell checkpoint
 RESTORE_PREFIX = "restore-"  # a memory image linked for runsc, in the store's root while it starts
+RESTORE_STALE_SECONDS = 3600.0  # such a dir this old was left by a crash (a start takes seconds)
 
 
 class SnapshotManager:
@@ -248,10 +250,9 @@ class SnapshotManager:
         self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance, *, leave_running: bool
     ) -> tuple[dict[str, ArchivePart], int] | None:
         """The kernel's memory as snapshot parts (kernels/snapshots/memory.py) and the uid it runs
-        as, its bound taken
-        from the quota first; None when it cannot be saved (no room, or gVisor failed): the
-        pause goes on, and its resume replays the cells as for runc. The sandbox ends either way
-        unless ``leave_running`` (a fork's parent)."""
+        as, its bound taken from the quota first; None when it cannot be saved (no room, or gVisor
+        failed): the pause goes on, and its resume replays the cells as for runc. The sandbox ends
+        either way unless ``leave_running`` (a fork's parent)."""
         bound = image_bound(session.profile.memory_mb)
         if not allowance.take(bound):
             log.warning("memory not saved: no room in the snapshot quota", extra={"session": session.id})
@@ -637,9 +638,12 @@ class SnapshotManager:
         return {"refuse_side_effects": self.settings.replay_side_effects == "refuse"}
 
     def _remove_restore_dirs(self) -> None:
-        """Memory images linked for a start that a crash interrupted (links: the parts stay)."""
+        """Memory images linked for a start that a crash interrupted (links: the parts stay).
+        Only stale ones: in a cluster the snapshot dir is shared, and another host may be
+        starting from one now."""
         for entry in self.store.root.glob(f"{RESTORE_PREFIX}*"):
-            if entry.is_dir() and not entry.is_symlink():
+            stat = entry.lstat()
+            if S_ISDIR(stat.st_mode) and time.time() - stat.st_mtime > RESTORE_STALE_SECONDS:
                 shutil.rmtree(entry, ignore_errors=True)
 
     async def _put(self, record: SandboxRecord) -> None:
