@@ -18,8 +18,8 @@ Signals, sent by the host as ``kill -SIG 1`` (as the sandbox user):
            forked copy gets a fresh one), then listen on the host sockets again.
 Being PID 1 it survives the restart's ``kill -KILL -1`` and reaps orphans. gVisor does not shield
 an init from its own namespace's signals as Linux does, so the entrypoint starts it with every
-other catchable signal ignored (the host's signals before READY_FILE exists are lost: it waits). It runs as the sandbox
-user and holds nothing the tenant's code lacks; it is not dumpable, so that code cannot write its
+other catchable signal ignored (the host's signals before READY_FILE exists are lost: it waits).
+It runs as the sandbox user and holds nothing the tenant's code lacks; it is not dumpable, so that code cannot write its
 memory through /proc either. The host tells a live kernel from a dead one by connecting to the
 heartbeat socket: a live kernel's ZMQ greets it, a dead one's connection is closed at once (the
 kernel's own socket refuses the relay); the exit code is in EXIT_FILE.
@@ -182,7 +182,7 @@ class Supervisor:
         if self.kernel is not None:  # the host's restart has killed the rest (`kill -KILL -1`)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.kernel, signal.SIGKILL)
-        self.kernel = None  # from here on the old kernel's end is reaped as nobody's
+        self.kernel = None  # the old kernel's end is reaped as nobody's, even if the spawn fails
         self.kernel = spawn_kernel()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + BIND_TIMEOUT
@@ -210,7 +210,8 @@ class Supervisor:
         await self.attach()
 
     def reap(self) -> None:
-        """Collect every exited child; the kernel's end closes the host sockets (unless asked)."""
+        """Collect every exited child. The kernel's end keeps the listeners: each connection then
+        ends at once (the host's liveness probe reads that as a dead kernel)."""
         while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -218,7 +219,7 @@ class Supervisor:
                 return
             if pid == 0:
                 return
-            if pid == self.kernel:  # the listeners stay: each connection now ends at once
+            if pid == self.kernel:
                 self.kernel = None
                 with contextlib.suppress(OSError), open(EXIT_FILE, "w") as f:
                     f.write(str(os.waitstatus_to_exitcode(status)))
