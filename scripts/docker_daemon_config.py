@@ -2,12 +2,11 @@
 
 Called by host-setup.sh as root: ``docker_daemon_config.py PATH [RUNSC]``. Sets
 ``"live-restore": true`` (restarting or upgrading dockerd leaves running containers, the
-sandboxes, alone: durable sessions, issue 13), ``"experimental": true`` (Docker 20.10 starts a
-container from a checkpoint only in experimental mode: memory snapshots under gVisor, see
-docs/snapshots.md) and, given the runsc binary, registers gVisor as the ``runsc`` runtime.
-Prints whether the file changed, so the caller knows a running dockerd needs a reload (SIGHUP
-re-reads runtimes and live-restore; experimental mode takes a restart, which live-restore
-makes harmless to the running sandboxes).
+sandboxes, alone: durable sessions, issue 13) and, given a runsc to run (sandkernel's
+``scripts/sandkernel-runsc`` as installed, which can also restore a memory image: see
+docs/snapshots.md), registers gVisor as the ``runsc`` runtime. Prints whether the file changed,
+so the caller knows a running dockerd needs a reload (SIGHUP re-reads runtimes and live-restore,
+and leaves running containers alone).
 """
 
 import json
@@ -23,7 +22,6 @@ def merged(config: dict, runsc: str | None) -> dict:
     """``config`` with sandkernel's settings in it (a new dict; everything else kept as it was)."""
     config = json.loads(json.dumps(config))
     config["live-restore"] = True
-    config["experimental"] = True
     if runsc:
         config.setdefault("runtimes", {})["runsc"] = {"path": runsc, "runtimeArgs": RUNSC_ARGS}
     return config

@@ -77,10 +77,20 @@ fi
 # runtime dir (create) and an allowlist session can reach its egress proxy socket (open).
 runsc_registered() { docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; }
 live_restore() { [ "$(docker info --format '{{.LiveRestoreEnabled}}' 2>/dev/null)" = true ]; }
+# Docker runs runsc through sandkernel's wrapper (scripts/sandkernel-runsc): runsc itself, except
+# that it restores a sandbox's memory image in place where the gateway asks for it (memory
+# snapshots, docs/snapshots.md). Installed root-owned, outside this checkout.
+RUNSC_WRAPPER=/usr/local/libexec/sandkernel/runsc
 daemon_changed=unchanged
 if [ "$(id -u)" -eq 0 ]; then
-  daemon_changed=$(python3 "$here/scripts/docker_daemon_config.py" /etc/docker/daemon.json \
-    "$(command -v runsc || true)")
+  runtime=""
+  if command -v runsc >/dev/null 2>&1; then
+    install -d -m 0755 "$(dirname "$RUNSC_WRAPPER")"
+    sed "s|@RUNSC@|$(command -v runsc)|" "$here/scripts/sandkernel-runsc" > "$RUNSC_WRAPPER.new"
+    chmod 0755 "$RUNSC_WRAPPER.new" && mv "$RUNSC_WRAPPER.new" "$RUNSC_WRAPPER"
+    runtime=$RUNSC_WRAPPER
+  fi
+  daemon_changed=$(python3 "$here/scripts/docker_daemon_config.py" /etc/docker/daemon.json "$runtime")
 fi
 
 if ! docker info >/dev/null 2>&1; then
@@ -93,16 +103,6 @@ elif [ "$daemon_changed" = changed ]; then
   # SIGHUP re-reads daemon.json (runtimes and live-restore): the running containers are untouched.
   log "reloading dockerd (daemon.json changed)"; pkill -HUP -x dockerd || true
   for _ in $(seq 1 20); do live_restore && break; sleep 0.5; done
-fi
-# Experimental mode (a start from a checkpoint: memory snapshots) is read only when dockerd
-# starts; live-restore (above) keeps the running sandboxes through the restart.
-if [ "$(id -u)" -eq 0 ] && [ "$(docker info --format '{{.ExperimentalBuild}}' 2>/dev/null)" != true ]; then
-  log "restarting dockerd (experimental mode is read at start; the sandboxes keep running)"
-  pkill -TERM -x dockerd || true
-  for _ in $(seq 1 60); do pgrep -x dockerd >/dev/null || break; sleep 0.5; done
-  nohup dockerd >>/var/log/dockerd.log 2>&1 &
-  for _ in $(seq 1 120); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
-  docker info >/dev/null 2>&1 || { log "dockerd did not restart:"; tail -20 /var/log/dockerd.log >&2; exit 1; }
 fi
 if live_restore; then
   log "Docker live-restore is on: restarting dockerd leaves the sandboxes running"

@@ -55,7 +55,7 @@ def test_only_gvisor_sandboxes_are_savable_and_doctor_says_why():
     assert memory_snapshot_check("runsc version 0.0~20240729.0", True).ok
     old = memory_snapshot_check("runsc version 0.0~20221219.0", True)
     assert not old.ok and "20240729" in old.detail and "bookworm-backports" in old.fix
-    assert "experimental" in memory_snapshot_check("runsc version 0.0~20240729.0", False).detail
+    assert "wrapper" in memory_snapshot_check("runsc version 0.0~20240729.0", False).detail
     assert not memory_snapshot_check(None, True).ok
 
 

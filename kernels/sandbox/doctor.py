@@ -13,6 +13,7 @@ import re
 import secrets
 import shutil
 import subprocess
+from pathlib import Path
 
 import docker.errors
 
@@ -20,6 +21,7 @@ from sandkernel.errors import SandkernelError
 from sandkernel.kernels.model.profiles import WorkspaceStorage, resolve_profile
 from sandkernel.kernels.sandbox.container import SANDBOX_GID
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
+from sandkernel.kernels.sandbox.memory_checkpoint import RESTORE_DIR
 from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support
 
@@ -148,18 +150,30 @@ def _runtime_versions(engine: DockerEngine) -> tuple[str | None, str | None]:
 MEMORY_SNAPSHOT_RUNSC = 20240729
 
 
-def memory_snapshot_check(runsc: str | None, experimental: bool) -> Check:
-    """Whether savable gVisor sandboxes can work here: a runsc of MEMORY_SNAPSHOT_RUNSC or later
-    and Docker in experimental mode (a start from a checkpoint needs it). Pure, unit-tested."""
-    name, fix = "memory snapshots", "bash scripts/host-setup.sh (as root: runsc from bookworm-backports, experimental)"
+def memory_snapshot_check(runsc: str | None, restores_in_place: bool) -> Check:
+    """Whether savable gVisor sandboxes can work here: a runsc of MEMORY_SNAPSHOT_RUNSC or later,
+    run by Docker through sandkernel's wrapper (scripts/sandkernel-runsc), which restores a memory
+    image where it lies. Pure, unit-tested."""
+    name, fix = "memory snapshots", "bash scripts/host-setup.sh (as root: runsc from bookworm-backports, its wrapper)"
     stamp = re.search(r"(\d{8})", runsc or "")
     if stamp is None or int(stamp.group(1)) < MEMORY_SNAPSHOT_RUNSC:
         found = runsc.strip() if runsc else "no runsc"
         return Check(name, False, f"need gVisor {MEMORY_SNAPSHOT_RUNSC} or later, found {found}", fix, required=False)
-    if not experimental:
-        why = "Docker is not in experimental mode (it starts no container from a checkpoint)"
+    if not restores_in_place:
+        why = "Docker's runsc runtime is not sandkernel's wrapper (it cannot start a sandbox from a memory image)"
         return Check(name, False, why, fix, required=False)
-    return Check(name, True, f"gVisor {stamp.group(1)}, Docker experimental mode", required=False)
+    return Check(name, True, f"gVisor {stamp.group(1)}, through sandkernel's wrapper", required=False)
+
+
+def runsc_restores_in_place(engine: DockerEngine) -> bool:
+    """Whether the runtime Docker runs as ``runsc`` is sandkernel's wrapper: it names the same
+    RESTORE_DIR as memory_checkpoint.py (the wrapper is a root-owned shell script)."""
+    path = ((engine.client.info().get("Runtimes") or {}).get("runsc") or {}).get("path")
+    binary = shutil.which(path) if path else None
+    try:
+        return binary is not None and f"RESTORE_DIR={RESTORE_DIR}\n" in Path(binary).read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _check_workspace_disk() -> Check:
@@ -188,7 +202,7 @@ def run_checks(engine: DockerEngine | None = None) -> list[Check]:
     checks.append(Check("docker engine", True, f"Docker {version.get('Version')} (API {version.get('ApiVersion')})"))
     runc_version, runsc_version = _runtime_versions(engine)
     checks.extend(version_advisories(runc_version, runsc_version, version.get("Version")))
-    checks.append(memory_snapshot_check(runsc_version, bool(engine.client.info().get("ExperimentalBuild"))))
+    checks.append(memory_snapshot_check(runsc_version, runsc_restores_in_place(engine)))
     image = resolve_profile().image
     try:
         image_id = engine.image_id_sync(image)
