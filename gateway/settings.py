@@ -253,8 +253,8 @@ class GatewaySettings:
     memory_snapshots: str = _setting(
         "off",
         "on: gVisor sessions without network egress start savable, and a pause, resume or fork keeps their "
-        "kernel's memory (restored_by checkpoint, no cell re-run; needs gVisor 20240729+ and Docker's experimental "
-        "mode: sandkernel doctor) instead of replaying cells; off: replay for every runtime",
+        "kernel's memory (restored_by checkpoint, no cell re-run; needs gVisor 20240729+ run through sandkernel's "
+        "runsc wrapper: sandkernel doctor) instead of replaying cells; off: replay for every runtime",
         choices=MEMORY_SNAPSHOT_CHOICES,
     )
     replay_side_effects: str = _setting(

@@ -38,6 +38,8 @@ def test_doctor_reports_a_ready_machine():
     assert "[ok  ] kernel image" in proc.stdout
     assert "[ok  ] runtime runc: registered and runs a container" in proc.stdout
     assert "runtime runsc" in proc.stdout
+    if os.environ.get("SANDKERNEL_REQUIRE_RUNSC") == "1":  # CI: host-setup put runsc's wrapper in place
+        assert "[ok  ] memory snapshots: gVisor 20240729, through sandkernel's wrapper" in proc.stdout
 
 
 @pytest.mark.smoke  # the quick tier's check of this door (scripts/test.sh --quick)

@@ -9,6 +9,7 @@ refused with a clear error (the pure test below).
 
 from __future__ import annotations
 
+import glob
 import secrets
 import shutil
 from pathlib import Path
@@ -19,10 +20,13 @@ from sandkernel.errors import ConfigError
 from sandkernel.kernels.execution.transport import new_kernel_manager
 from sandkernel.kernels.sandbox.docker_engine import default_engine
 from sandkernel.kernels.sandbox.doctor import memory_snapshot_check
+from sandkernel.kernels.sandbox.memory_checkpoint import RESTORE_DIR
 
 from .conftest import RUNSC, require_runtime
 
 SAVABLE_KERNEL = "sandkernel-python-gvisor"
+# Where Docker's own start from a checkpoint had containerd unpack the image, and leave it.
+CONTAINERD_UNPACKED = "/tmp/ctrd-checkpoint*"
 # Seen by a restored sandbox just as by a fresh one (issue 33: "passes the same hardening
 # checks"): the kernel's own seccomp filter, no capability, its uid, no network but loopback.
 HARDENING = (
@@ -99,11 +103,16 @@ async def test_a_saved_kernel_carries_on_in_a_new_container_with_a_fresh_key(run
         await parent.shutdown_kernel(now=True)
         assert not default_engine().client.containers.list(all=True, filters={"id": container_id})
 
+        unpacked_before = set(glob.glob(CONTAINERD_UNPACKED))
         child = new_kernel_manager(SAVABLE_KERNEL)
         await child.start_kernel(
             sandkernel_restore_from=str(image), sandkernel_session_id=session_id, sandkernel_workspace=workspace
         )
         assert child.provisioner.container.id != container_id
+        # Restored in place by Docker's runsc (the wrapper): no copy of the tenant's memory left
+        # by containerd, nothing left in the hand-over directory.
+        assert set(glob.glob(CONTAINERD_UNPACKED)) == unpacked_before
+        assert not [p for p in RESTORE_DIR.iterdir() if p.name.startswith(child.provisioner.container.id)]
         assert child.session.key != old_key
 
         # The parent's key opens nothing: a cell signed with it, sent first on the same socket,
