@@ -240,7 +240,8 @@ class GatewaySettings:
     checkpoint_every_cell: bool = _setting(
         False,
         "keep the files of each session after each cell (the newest --checkpoints-kept), so a rewind or a fork at a "
-        "cell restores them exactly; costs an archive of /workspace and /tmp after every cell",
+        "cell restores them exactly, and with --memory-snapshots on a gVisor session's memory too (no cell re-run); "
+        "costs an archive of /workspace and /tmp (and a save of the kernel) after every cell",
     )
     checkpoints_kept: int = _setting(10, "per-cell checkpoints kept per session", metavar="N", positive=True)
     checkpoint_mb_per_minute: int = _setting(

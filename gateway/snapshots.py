@@ -214,8 +214,8 @@ class SnapshotManager:
                 parts[TRANSCRIPT] = await asyncio.to_thread(self.store.write_part, draft, TRANSCRIPT, text)
             in_memory = cells_in_memory(notebook, lost_since=session.state_lost_pending)
             extra: dict[str, Any] = {"cells_in_memory": in_memory}
-            if kind in (PAUSE, FORK) and session.savable:  # a fork's parent goes on running
-                saved = await self._save_memory(session, draft, allowance, leave_running=kind == FORK)
+            if session.savable:  # a fork's parent and a cell's session go on running
+                saved = await self._save_memory(session, draft, allowance, leave_running=kind != PAUSE)
                 if saved is not None:
                     parts.update(saved[0])
                     extra["memory_uid"] = saved[1]  # signed with the rest: the restore runs as it
@@ -327,6 +327,7 @@ class SnapshotManager:
         manifest = await asyncio.to_thread(self.store.load, paused.id, snapshot_id, paused.tenant)
         recorder = await _reopen_transcript(paused.record.gateway.get("transcript"))
         notebook = recorder.notebook if recorder is not None else build_notebook([], {})
+        source: SnapshotManifest | None = manifest
         if rewind_to is None:
             cells, files, files_from = (
                 list(manifest.extra.get("cells_in_memory") or []),
@@ -334,9 +335,9 @@ class SnapshotManager:
                 "snapshot",
             )
         else:
-            cells, files, files_from = await self._state_after(paused.id, paused.tenant, notebook, rewind_to)
+            cells, files, files_from, source = await self._state_after(paused.id, paused.tenant, notebook, rewind_to)
         profile = self._profile_now(profile_from_record(manifest.profile), paused.id, "stays paused")
-        memory = await self._unsealed(manifest, profile) if rewind_to is None else None
+        memory = await self._unsealed(source, profile) if source is not None else None
         try:
             session, from_memory = await self._start_session(profile, paused.id, paused.tenant, memory)
         finally:
@@ -344,7 +345,7 @@ class SnapshotManager:
         try:
             with self._gated(session, paused.tenant):
                 if from_memory:
-                    restored = await carry_on(session, files)
+                    restored = await carry_on(session, files, files_from)
                 else:
                     restored = await rebuild(
                         session, notebook, cells=cells, files=files, files_from=files_from, **self._replay_rules()
@@ -406,15 +407,17 @@ class SnapshotManager:
 
     async def _state_after(
         self, session_id: str, tenant: str, notebook: nbformat.NotebookNode, cell: int
-    ) -> tuple[list[int], tuple[Path, Any] | None, str]:
+    ) -> tuple[list[int], tuple[Path, Any] | None, str, SnapshotManifest | None]:
         """What rebuilds the state right after code cell ``cell``: the cells in memory then, and
         the files from that cell's checkpoint if one is kept (else the cells remake them on a
-        fresh workspace: ``replay``)."""
+        fresh workspace: ``replay``), and that checkpoint (its memory image, if it has one, makes
+        the cells unnecessary)."""
         kept = await asyncio.to_thread(self.store.list, session_id)
         for manifest in reversed(kept):
             if manifest.kind == CELL and manifest.cell == cell and manifest.tenant == tenant:
-                return list(manifest.extra.get("cells_in_memory") or []), self._files(manifest), "checkpoint"
-        return cells_in_memory(notebook, after=cell), None, "replay"
+                cells = list(manifest.extra.get("cells_in_memory") or [])
+                return cells, self._files(manifest), "checkpoint", manifest
+        return cells_in_memory(notebook, after=cell), None, "replay", None
 
     # -- a paused session of another host (a shared snapshot dir) ------------------------------
 
@@ -507,16 +510,16 @@ class SnapshotManager:
         async with self._lock(managed.id, managed.tenant):
             notebook = await _notebook_copy(managed)
             total = len(code_cells(notebook))
-            manifest = None
+            manifest = None  # the fork's own snapshot, removed once the forks are made
             if cell is None:
                 _check_idle(managed)
                 async with managed.session.exclusive():
-                    manifest = await self._snapshot(managed, FORK)
+                    manifest = source = await self._snapshot(managed, FORK)
                 cells, files, upto = list(manifest.extra["cells_in_memory"]), self._files(manifest), total
                 files_from = "snapshot"
             else:
                 _check_cell(cell, total)
-                cells, files, files_from = await self._state_after(managed.id, managed.tenant, notebook, cell)
+                cells, files, files_from, source = await self._state_after(managed.id, managed.tenant, notebook, cell)
                 upto = cell
             profile = self._profile_now(managed.session.profile, managed.id, "was not forked")
         limit = asyncio.Semaphore(FORKS_AT_ONCE)
@@ -527,8 +530,8 @@ class SnapshotManager:
                 return await self._child(managed, profile, notebook, cells, (files, files_from), upto, memory)
 
         try:
-            if manifest is not None:  # every fork starts from the one image, checked once
-                memory = await self._unsealed(manifest, profile)
+            if source is not None:  # every fork starts from the one image, checked once
+                memory = await self._unsealed(source, profile)
             outcomes = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
         finally:
             await self._done_with(memory)
@@ -559,7 +562,7 @@ class SnapshotManager:
         try:
             with self._gated(session, parent.tenant):
                 if from_memory:
-                    restored = await carry_on(session, files[0])
+                    restored = await carry_on(session, files[0], files[1])
                 else:
                     restored = await rebuild(
                         session, notebook, cells=cells, files=files[0], files_from=files[1], **self._replay_rules()

@@ -198,17 +198,18 @@ async def rebuild(
     return restored
 
 
-async def carry_on(session: KernelSession, files: tuple[Path, ArchivePart] | None) -> Restored:
+async def carry_on(session: KernelSession, files: tuple[Path, ArchivePart] | None, files_from: str) -> Restored:
     """The state of a ``session`` started from a memory checkpoint: its kernel already holds
     the memory (no cell runs); the saved files archive is put back, /workspace being a fresh
-    disk. ``restored_by: "checkpoint"``, with no cell verdicts."""
+    disk. ``restored_by: "checkpoint"``, with no cell verdicts; ``files_from`` says which
+    snapshot the files came from (``snapshot``: a pause or fork; ``checkpoint``: a cell's)."""
     started = time.monotonic()
     if files is not None:
         await restore_files(session.container, *files)
     if session.meter is not None:  # putting the files back is nobody's cell
         session.meter.forget_files()
     unpacked = 0 if files is None else 1
-    restored = Restored(CHECKPOINT, [], "snapshot", time.monotonic() - started, [], True, unpacked)
+    restored = Restored(CHECKPOINT, [], files_from, time.monotonic() - started, [], True, unpacked)
     log.info("session state restored from a memory checkpoint", extra={"session": session.id})
     return restored
 

@@ -10,13 +10,18 @@ snapshot store on disk. runsc only (runc has no memory checkpoint here: docs/sna
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import websocket_connect
 
 from sandkernel.kernels.snapshots.memory import MEMORY_PARTS
 from sandkernel.kernels.snapshots.store import SnapshotStore
 
 from .conftest import RUNSC, container_ids_of, require_runtime
-from .gateway_fixtures import BOB, start_gateway, stop_gateway
+from .gateway_fixtures import ALICE, BOB, start_gateway, stop_gateway
+from .kernel_websocket import run_cell
 from .test_execute import _make_wheel
 from .test_snapshots import CHECK, EXPECTED, STATE, _execute, _text
 
@@ -24,6 +29,7 @@ from .test_snapshots import CHECK, EXPECTED, STATE, _execute, _text
 # original is not advanced).
 GENERATOR = "import copy\nrng = np.random.default_rng(11); rng.random(3)\nprint(repr(copy.deepcopy(rng).random()))"
 NEXT_DRAW = "print(repr(rng.random()))"
+ZMQ_HANDSHAKE_SECONDS = 30  # libzmq's ZMQ_HANDSHAKE_IVL default: how long a connection with no greeting is kept
 
 
 @pytest.mark.parametrize("runtime", [RUNSC])
@@ -126,8 +132,20 @@ async def test_forks_carry_on_from_the_parents_memory_each_with_its_own_key(tmp_
         sid = session["id"]
         await _execute(gw, sid, "import numpy as np")
         expected_draw = _text(await _execute(gw, sid, GENERATOR))
+        ws = await websocket_connect(  # JupyterLab on the parent: ZMQ sockets of its own
+            HTTPRequest(
+                gw.url.replace("http", "ws") + f"/api/kernels/{session['kernel']['id']}/channels",
+                headers={"Authorization": f"token {ALICE}"},
+            )
+        )
         code, forked = await gw.request("POST", f"/api/sessions/{sid}/fork", {"count": 3})
         assert code == 201, forked
+        # Its sockets reconnected while the parent was saved, and answer now: before the supervisor
+        # removed its socket files at the detach, they sat out ZMQ's handshake interval first.
+        async with asyncio.timeout(ZMQ_HANDSHAKE_SECONDS / 2):
+            reply, text = await run_cell(ws, "print(6 * 7)")
+        assert (reply["status"], text) == ("ok", "42\n")
+        ws.close()
         forks = [f["session"]["id"] for f in forked["forks"]]
         assert [f["restored_by"] for f in forked["forks"]] == ["checkpoint"] * 3, forked
         assert all(f["cells"] == [] for f in forked["forks"])
@@ -144,3 +162,33 @@ async def test_forks_carry_on_from_the_parents_memory_each_with_its_own_key(tmp_
 def key_of(gw, session_id: str) -> bytes:
     """The kernel key the gateway holds for a live session (behind the API, as only a test may)."""
     return gw.server.registry.get("alice", session_id).session.kernel_manager.session.key
+
+
+@pytest.mark.parametrize("runtime", [RUNSC])
+async def test_rewind_and_fork_at_a_cell_return_to_its_memory(tmp_path, runtime):
+    """With --checkpoint-every-cell, a savable session's cell checkpoints keep its memory too: a
+    rewind (and a fork at a cell) gives back a random token exactly as the cell left it, which a
+    replay would draw anew, with no cell re-run and the execution count going on from there."""
+    require_runtime(runtime)
+    gw = await start_gateway(tmp_path, default_runtime=runtime, memory_snapshots="on", checkpoint_every_cell=True)
+    try:
+        _, session = await gw.request("POST", "/api/sessions", {})
+        sid = session["id"]
+        token = _text(await _execute(gw, sid, "import secrets; token = secrets.token_hex(8); print(token)")).strip()
+        await _execute(gw, sid, "later = 2")  # cell 2 (its admission waited for cell 1's checkpoint)
+        await _execute(gw, sid, "token = 'changed'")  # cell 3
+
+        code, forked = await gw.request("POST", f"/api/sessions/{sid}/fork", {"count": 1, "cell": 2})
+        assert code == 201, forked
+        (fork,) = forked["forks"]
+        assert (fork["restored_by"], fork["cells"], fork["files"]) == ("checkpoint", [], "checkpoint"), fork
+        reply = await _execute(gw, fork["session"]["id"], "print(token, later)")
+        assert (_text(reply), reply["execution_count"]) == (f"{token} 2\n", 3), reply
+
+        code, rewound = await gw.request("POST", f"/api/sessions/{sid}/rewind", {"cell": 1})
+        assert code == 200, rewound
+        assert (rewound["restored_by"], rewound["cells"], rewound["files"]) == ("checkpoint", [], "checkpoint")
+        reply = await _execute(gw, sid, "print(token, 'later' in dir())")
+        assert (_text(reply), reply["execution_count"]) == (f"{token} False\n", 2), reply
+    finally:
+        await stop_gateway(gw)

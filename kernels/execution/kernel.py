@@ -125,16 +125,9 @@ class SandboxedKernel:
 
     async def wait_reconnected(self) -> None:
         """Until the kernel's iopub reaches us again after its sockets were detached and bound
-        anew (a fork's parent, kernels/sandbox/memory_checkpoint.py), through a fresh client.
-
-        The old client's sockets reconnected while the sandbox listened on nothing; under gVisor
-        such a connect succeeds at the host but no ZMQ greeting ever comes, and ZMQ gives the
-        connection up only after its 30 s handshake interval. Call with no execution running
-        (a fork holds the session): nothing is in flight on the old sockets."""
-        assert self.client is not None
-        with contextlib.suppress(Exception):
-            self.client.stop_channels()
-        self.client = new_client(self.km)
+        anew (a fork's parent, a cell's checkpoint: kernels/sandbox/memory_checkpoint.py): the
+        shell channel queues what is sent meanwhile, but output published before the
+        subscription is back is lost."""
         deadline = time.monotonic() + self.profile.start_timeout
         with self.drain.reading():
             while time.monotonic() < deadline:

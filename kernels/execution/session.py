@@ -124,6 +124,9 @@ class KernelSession:
             self.id, self.profile, profile, overrides or {}, cpu_group=cpu_group, savable=savable
         )
         self._lock = asyncio.Lock()
+        # One memory save at a time: a cell's checkpoint (the sandbox goes on) and a pause that
+        # came meanwhile (it ends the sandbox) each detach, save and attach whole.
+        self._saving = asyncio.Lock()
         self._pending_state_lost: str | None = None
         self._interrupt_requested = False
         self._deaths = DeathClassifier(self.profile.memory_mb)
@@ -171,14 +174,17 @@ class KernelSession:
 
     async def save_memory(self, image_dir: Path, *, leave_running: bool = False) -> SavedMemory:
         """Write the kernel's memory to ``image_dir`` (a new directory). Call with no execution
-        running (hold :meth:`exclusive`). The sandbox ends with it (then :meth:`shutdown`) unless
-        ``leave_running``: a fork's parent goes on, listening again once the image is written."""
+        running (hold :meth:`exclusive`, or be the gate that holds the next cell back: a cell's
+        checkpoint). The sandbox ends with it (then :meth:`shutdown`) unless ``leave_running``: a
+        fork's parent or a checkpointed session goes on, listening again once the image is
+        written."""
         provisioner = self._kernel.provisioner
-        try:
-            await provisioner.save_memory(image_dir, leave_running=leave_running)
-        finally:
-            if leave_running:
-                await self._kernel.wait_reconnected()
+        async with self._saving:
+            try:
+                await provisioner.save_memory(image_dir, leave_running=leave_running)
+            finally:
+                if leave_running:
+                    await self._kernel.wait_reconnected()
         assert provisioner.uid is not None
         return SavedMemory(image_dir, provisioner.uid)
 

@@ -319,6 +319,7 @@ class SandboxContainer:
             raise SnapshotError("this sandbox was not started savable; its memory cannot be saved")
         runsc = await self.engine.run(lambda: self.engine.client.info()["Runtimes"]["runsc"]["path"])
         await self.signal_supervisor(SUPERVISOR_DETACH)
+        await asyncio.to_thread(self.spec.runtime_dir.remove_sockets)
         await run_runsc_checkpoint(runsc, self.id, image_dir, leave_running=leave_running)
         if not leave_running:
             self.exec_id = None
@@ -405,16 +406,15 @@ class SandboxContainer:
         """A savable sandbox's kernel is not a process the host can see (a gVisor guest, not an
         exec). Its heartbeat socket tells: the supervisor relays a connection to the kernel, whose
         ZMQ greets first, or closes it at once when the kernel is gone. No answer in time (a
-        loaded host, a stopped kernel) counts as alive, as a process that exists is; before the
-        first listen (a start in progress) too: the start's own deadline bounds that."""
+        loaded host, a stopped kernel) counts as alive, as a process that exists is; no socket file
+        (a start in progress, a detach for a checkpoint) too: the start's and the checkpoint's
+        own deadlines bound those."""
         heartbeat = self.spec.runtime_dir.socket_paths()[-1]
-        if not heartbeat.exists():
-            return None
         try:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_unix_connection(str(heartbeat)), SUPERVISOR_PROBE_TIMEOUT
             )
-        except asyncio.TimeoutError:
+        except (asyncio.TimeoutError, FileNotFoundError):  # not listening: a detach, a start
             return None
         except OSError:
             return -1

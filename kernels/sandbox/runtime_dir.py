@@ -232,6 +232,16 @@ class RuntimeDir:
             ok = stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_nlink == 1
             return ok and f.read(len(data) + 1) == data
 
+    def remove_sockets(self) -> None:
+        """Remove the five socket files (a savable sandbox detached for a checkpoint). Under
+        gVisor a host connect to a socket file whose listener the sandbox closed hangs rather
+        than fails: every host ZMQ socket that reconnects meanwhile (the gateway's, each
+        websocket's) would then wait out ZMQ's 30 s handshake interval. To a missing file it
+        fails at once, and ZMQ tries again until the sandbox listens anew."""
+        for path in self.socket_paths():
+            if os.path.lexists(path):
+                remove_entry(path)
+
     def remove(self) -> None:
         remove_runtime_dir(self.path)
 
