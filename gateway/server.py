@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import signal
@@ -80,6 +81,7 @@ from sandkernel.kernels.model.records import SandboxState
 from sandkernel.kernels.sandbox.cgroup import DEFAULT_ENGINE_PARENT, use_engine_parent
 from sandkernel.kernels.sandbox.cpu_groups import remove_empty_groups
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.doctor import memory_snapshots_unavailable
 from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
 from sandkernel.kernels.snapshots.store import SnapshotStore
 from sandkernel.notebooks.recorder import default_notebook_dir
@@ -308,6 +310,9 @@ class Gateway:
             else None
         )
         runtime = await choose_default_runtime(settings.default_runtime)
+        if settings.memory_snapshots == "on" and (why := await asyncio.to_thread(memory_snapshots_unavailable)):
+            log.warning("memory snapshots are off: %s; pauses, resumes and forks replay cells instead", why)
+            settings = dataclasses.replace(settings, memory_snapshots="off")
         catalog = ProfileCatalog.load(settings.profiles_file, runtime, load_egress_policy(settings.egress_policy_file))
         store = await _open_store(settings)
         cluster = ClusterCatalog(store, settings.cluster_host_id) if isinstance(store, PostgresStore) else None

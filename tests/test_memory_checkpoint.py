@@ -19,7 +19,7 @@ import pytest
 from sandkernel.errors import ConfigError
 from sandkernel.kernels.execution.transport import new_kernel_manager
 from sandkernel.kernels.sandbox.docker_engine import default_engine
-from sandkernel.kernels.sandbox.doctor import memory_snapshot_check
+from sandkernel.kernels.sandbox.doctor import memory_snapshot_check, memory_snapshots_unavailable
 from sandkernel.kernels.sandbox.memory_checkpoint import RESTORE_DIR
 
 from .conftest import RUNSC, require_runtime
@@ -61,6 +61,29 @@ def test_only_gvisor_sandboxes_are_savable_and_doctor_says_why():
     assert not old.ok and "20240729" in old.detail and "bookworm-backports" in old.fix
     assert "wrapper" in memory_snapshot_check("runsc version 0.0~20240729.0", False).detail
     assert not memory_snapshot_check(None, True).ok
+
+
+class _EngineRunning:
+    """Docker's runtime table only, naming ``runsc`` as ``path`` (the one fault a test cannot cause
+    for real: CI's Docker runs the wrapper, and changing its daemon.json would touch every test)."""
+
+    def __init__(self, path: str) -> None:
+        self.client = self
+        self._runtimes = {"runc": {"path": "runc"}, "runsc": {"path": path}}
+
+    def info(self) -> dict:
+        return {"Runtimes": self._runtimes}
+
+
+@pytest.mark.skipif(shutil.which("runsc") is None, reason="needs runsc installed")
+def test_a_runsc_run_without_the_wrapper_turns_memory_snapshots_off_and_says_why():
+    """The gateway's start-up check (gateway/server.py): Docker running runsc itself, not the
+    wrapper, could not start a sandbox from its image, so `--memory-snapshots on` is not honoured."""
+    why = memory_snapshots_unavailable(_EngineRunning(shutil.which("runsc")))
+    assert why is not None and "wrapper" in why and "host-setup.sh" in why
+    installed = default_engine().client.info()["Runtimes"].get("runsc", {}).get("path")
+    if installed and "sandkernel" in installed:  # this host's own Docker runs the wrapper
+        assert memory_snapshots_unavailable() is None
 
 
 @pytest.mark.docker

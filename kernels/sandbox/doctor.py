@@ -165,6 +165,15 @@ def memory_snapshot_check(runsc: str | None, restores_in_place: bool) -> Check:
     return Check(name, True, f"gVisor {stamp.group(1)}, through sandkernel's wrapper", required=False)
 
 
+def memory_snapshots_unavailable(engine: DockerEngine | None = None) -> str | None:
+    """Why savable gVisor sandboxes cannot work on this host (memory_snapshot_check's finding and
+    its fix), or None when they can. Blocking: runs runsc --version."""
+    engine = engine or default_engine()
+    _, runsc_version = _runtime_versions(engine)
+    check = memory_snapshot_check(runsc_version, runsc_restores_in_place(engine))
+    return None if check.ok else f"{check.detail} (fix: {check.fix})"
+
+
 def runsc_restores_in_place(engine: DockerEngine) -> bool:
     """Whether the runtime Docker runs as ``runsc`` is sandkernel's wrapper: it names the same
     RESTORE_DIR as memory_checkpoint.py (the wrapper is a root-owned shell script)."""
