@@ -13,7 +13,7 @@ import contextlib
 import logging
 import queue
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jupyter_client import AsyncKernelManager
@@ -183,10 +183,12 @@ class SandboxedKernel:
         msg_id: str | None = None,
         collector: OutputCollector | None = None,
         on_control: bool = False,
+        on_end: Callable[[], None] | None = None,
     ) -> bool:
         """Send a kernel_info request and wait up to ``wait`` seconds for its status on iopub.
 
-        Messages of a running execution ``msg_id`` that arrive meanwhile go to ``collector``.
+        Messages of a running execution ``msg_id`` that arrive meanwhile go to ``collector``, and
+        its idle status, if it comes, calls ``on_end``.
         ``on_control``: ask on the control channel, which a kernel busy running code still
         answers (its reply is read and dropped here)."""
         assert self.client is not None
@@ -208,8 +210,13 @@ class SandboxedKernel:
                     with contextlib.suppress(queue.Empty, asyncio.TimeoutError):
                         await asyncio.wait_for(self.client.get_control_msg(timeout=1), 2)
                 return True
-            if collector is not None and parent == msg_id and msg["header"]["msg_type"] != "status":
-                await collector.add(msg)
+            if parent != msg_id or msg_id is None:
+                continue
+            if msg["header"]["msg_type"] != "status":
+                if collector is not None:
+                    await collector.add(msg)
+            elif on_end is not None and msg["content"].get("execution_state") == "idle":
+                on_end()
         return False
 
     async def reconnect_iopub(self) -> None:

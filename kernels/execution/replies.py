@@ -25,6 +25,9 @@ class ReplySource(Protocol):
     async def wait(self, msg_id: str, timeout: float) -> dict[str, Any] | None:
         """The reply's content, waiting up to ``timeout`` seconds; None if it did not come."""
 
+    def ended_on_iopub(self) -> None:
+        """iopub showed the execution's idle status after :meth:`poll` had found the reply."""
+
 
 class OwnShellReplies:
     """Replies read from the session's own shell channel (other messages there are stale)."""
@@ -58,6 +61,9 @@ class OwnShellReplies:
                 return msg["content"]
         return None
 
+    def ended_on_iopub(self) -> None:
+        pass
+
 
 class RelayedReply:
     """A reply the door's relay receives and hands over with :meth:`deliver`."""
@@ -83,12 +89,17 @@ class RelayedReply:
         except asyncio.TimeoutError:
             return None
 
+    def ended_on_iopub(self) -> None:
+        pass
+
 
 class OrphanReply:
     """The end of an execution a previous process sent (a gateway restart): its reply went to
     that process's socket and is lost, so a kernel_info request sent on our own shell behind it
-    stands in (the kernel answers requests in order). ``ended_unseen`` says the stand-in came
-    before iopub showed the execution's end: it had already ended while no one watched."""
+    stands in (the kernel answers requests in order). ``ended_unseen`` says iopub never showed
+    the execution's end, although the stand-in came: it had already ended while no one watched.
+    The stand-in coming first is not enough to say so: iopub can trail the shell (gVisor, and
+    more so a savable sandbox's relay, on a loaded host), and its idle then comes after."""
 
     def __init__(self, read_shell: ShellReader) -> None:
         self.probe_id: str | None = None
@@ -105,3 +116,6 @@ class OrphanReply:
         if self.probe_id is None or await self._own.wait(self.probe_id, timeout) is None:
             return None
         return {}  # no status nor count: the outputs say whether it failed
+
+    def ended_on_iopub(self) -> None:
+        self.ended_unseen = False

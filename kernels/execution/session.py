@@ -257,8 +257,8 @@ class KernelSession:
             return msg_id
 
         def settled(result: ExecutionResult) -> ExecutionResult:
-            # It ended before we could watch: nothing of its end is known. (Under gVisor iopub can
-            # trail the shell: the stand-in may come first although its output then arrived.)
+            # It ended before we could watch (iopub never showed its end, see OrphanReply):
+            # nothing of its end is known.
             if replies.ended_unseen and not result.outputs:
                 return dataclasses.replace(
                     result, status=ExecutionStatus.DETACHED, ended_by=TimeoutStep.GATEWAY_RESTART, started_at=started_at

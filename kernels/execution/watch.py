@@ -84,7 +84,10 @@ class ExecutionWatch:
                 if await self.replies.poll(self.msg_id) is not None:
                     # The reply is final but iopub never said idle: dropped under flood, or the
                     # subscription itself was cut (an oversized message). Check, and repair.
-                    if not await self.kernel.iopub_answers(IOPUB_PROBE_SECONDS, self.msg_id, self.collector):
+                    answered = await self.kernel.iopub_answers(
+                        IOPUB_PROBE_SECONDS, self.msg_id, self.collector, on_end=self.replies.ended_on_iopub
+                    )
+                    if not answered:
                         await self.kernel.reconnect_iopub()
                         await self.collector.add(OUTPUT_LOST_NOTE)
                     return ExecutionStatus.OK
