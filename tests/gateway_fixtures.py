@@ -93,6 +93,9 @@ TEST_DEFAULTS: dict[str, Any] = {
     "on_exit": "delete",
     "metrics_token": OPERATOR,
 }
+# For a test of what a replay resume, fork or rewind does (its verdicts, its labels), under gVisor
+# too whatever --memory-snapshots defaults to; memory checkpoints: tests/test_memory_snapshots.py.
+REPLAY: dict[str, Any] = {"memory_snapshots": "off"}
 
 
 async def start_gateway(

@@ -13,7 +13,7 @@ import pytest
 from sandkernel.kernels.snapshots.store import SnapshotStore
 
 from .conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
-from .gateway_fixtures import BOB, start_gateway, stop_gateway
+from .gateway_fixtures import BOB, REPLAY, start_gateway, stop_gateway
 from .test_execute import _make_wheel
 
 pytestmark = pytest.mark.docker
@@ -52,7 +52,7 @@ def _text(reply: dict) -> str:
 async def test_pause_survives_a_gateway_restart_and_resume_rebuilds_the_state(tmp_path, runtime):
     require_runtime(runtime)
     state_dir = tmp_path / "state"
-    gw = await start_gateway(tmp_path, default_runtime=runtime, on_exit="keep", state_dir=state_dir)
+    gw = await start_gateway(tmp_path, default_runtime=runtime, on_exit="keep", state_dir=state_dir, **REPLAY)
     stopped = False
     try:
         _, session = await gw.request("POST", "/api/sessions", {"limits": {"memory_mb": 2048}})
@@ -77,7 +77,7 @@ async def test_pause_survives_a_gateway_restart_and_resume_rebuilds_the_state(tm
 
         await stop_gateway(gw)  # on_exit keep: the paused session stays in the catalog
         stopped = True
-        gw = await start_gateway(tmp_path, default_runtime=runtime, on_exit="delete", state_dir=state_dir)
+        gw = await start_gateway(tmp_path, default_runtime=runtime, on_exit="delete", state_dir=state_dir, **REPLAY)
         stopped = False
         code, model = await gw.request("GET", f"/api/sessions/{sid}")
         assert code == 200 and model["state"] == "paused", model
@@ -100,7 +100,7 @@ async def test_pause_survives_a_gateway_restart_and_resume_rebuilds_the_state(tm
 @pytest.mark.parametrize("runtime", RUNTIME_PARAMS)
 async def test_fork_diverges_and_rewind_forgets_later_cells(tmp_path, runtime):
     require_runtime(runtime)
-    gw = await start_gateway(tmp_path, default_runtime=runtime, max_sessions=6)
+    gw = await start_gateway(tmp_path, default_runtime=runtime, max_sessions=6, **REPLAY)
     try:
         _, session = await gw.request("POST", "/api/sessions", {})
         sid = session["id"]
@@ -226,7 +226,9 @@ async def test_checkpoint_every_cell_rewinds_files_exactly(tmp_path, runtime):
     """A file made from a random token comes back as it was (a re-run would make another), and only
     the newest checkpoints are kept: a rewind past them remakes the files by replay."""
     require_runtime(runtime)
-    gw = await start_gateway(tmp_path, default_runtime=runtime, checkpoint_every_cell=True, checkpoints_kept=3)
+    gw = await start_gateway(
+        tmp_path, default_runtime=runtime, checkpoint_every_cell=True, checkpoints_kept=3, **REPLAY
+    )
     try:
         _, session = await gw.request("POST", "/api/sessions", {})
         sid = session["id"]

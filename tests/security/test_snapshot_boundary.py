@@ -50,7 +50,7 @@ from sandkernel.kernels.sandbox.docker_engine import default_engine
 
 from .. import test_hardening as hardening
 from ..conftest import RUNTIME_PARAMS, container_ids_of, require_runtime
-from ..gateway_fixtures import ALICE, BOB, rss_mib, start_gateway, stop_gateway
+from ..gateway_fixtures import ALICE, BOB, REPLAY, rss_mib, start_gateway, stop_gateway
 from ..test_egress import Upstream, policy_for
 from .conftest import ATTACKER_LIMITS, CANARY_LIVENESS_SECONDS, Arena
 
@@ -98,6 +98,7 @@ async def arena(request, tmp_path_factory):
         tmp_path_factory.mktemp(f"snapshot-boundary-{runtime}"),
         egress_policy=EgressPolicy.from_config(policy_for(upstream)),
         max_sessions=8,
+        **REPLAY,
     )
     sentinel = Path(f"/tmp/sandkernel-sentinel-{uuid.uuid4().hex}")
     sentinel_text = f"host sentinel {uuid.uuid4().hex}"
