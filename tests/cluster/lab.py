@@ -488,6 +488,11 @@ class Lab:
         phases: dict[str, float] = {}
         mark = time.monotonic()
         traces.kill_all(self.lab_pids, 15, self._reap)
+        # Collect each engine this object started: one SIGKILLed after kill_all's last reap would
+        # stay our zombie, still "alive" to kill(pid, 0) (seen once in CI: the teardown test).
+        for daemon in self._daemons.values():
+            daemon.wait(timeout=15)
+        self._daemons.clear()
         phases["processes"], mark = time.monotonic() - mark, time.monotonic()
         network.remove(network.named_netns(f"{self.prefix}-"), self.root_veth)
         phases["network"], mark = time.monotonic() - mark, time.monotonic()
