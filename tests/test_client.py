@@ -23,7 +23,7 @@ from sandkernel.agent import (
     Sandkernel,
 )
 
-from .gateway_fixtures import ALICE, BOB, free_port, gateway_fixture
+from .gateway_fixtures import ALICE, BOB, gateway_fixture, refusing_port
 
 gateway = gateway_fixture(max_sessions=3)
 
@@ -224,10 +224,11 @@ async def test_idempotent_calls_retry_with_backoff_others_do_not():
 
 
 async def test_nothing_listening_and_no_answer():
-    async with AsyncSandkernel(f"http://127.0.0.1:{free_port()}", "t", backoff=0.01, max_retries=2) as sk:
-        with pytest.raises(GatewayUnreachableError) as err:
-            await sk.health()
-        assert "cannot reach the sandkernel gateway" in str(err.value)
+    with refusing_port() as port:
+        async with AsyncSandkernel(f"http://127.0.0.1:{port}", "t", backoff=0.01, max_retries=2) as sk:
+            with pytest.raises(GatewayUnreachableError) as err:
+                await sk.health()
+            assert "cannot reach the sandkernel gateway" in str(err.value)
 
     async def silent(reader, writer):
         await asyncio.sleep(5)

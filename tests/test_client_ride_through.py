@@ -39,7 +39,7 @@ from sandkernel.agent.tools import GATEWAY_RESTARTED, RESTART_NOTE
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 
 from .conftest import DOOR_RUNTIME_PARAMS, require_runtime
-from .gateway_fixtures import ALICE, free_port
+from .gateway_fixtures import ALICE, free_port, refusing_port
 from .jupyter_server import jupyter_server
 
 SERVE = [sys.executable, "-m", "sandkernel.cli", "serve"]
@@ -163,7 +163,11 @@ async def test_calls_wait_for_a_gateway_that_comes_up_on_the_same_port(gateway):
 
 
 async def test_gateway_that_never_comes_back_fails_after_restart_wait():
-    port = free_port()
+    with refusing_port() as port:
+        await _never_comes_back(port)
+
+
+async def _never_comes_back(port: int) -> None:
     async with AsyncSandkernel(f"http://127.0.0.1:{port}", ALICE, restart_wait=1.5, backoff=0.1, max_backoff=0.4) as sk:
         began = time.monotonic()
         with pytest.raises(GatewayUnreachableError) as err:
@@ -372,12 +376,13 @@ async def test_a_dropped_execute_is_gateway_restarted_and_never_sent_again(strea
 async def test_an_execute_to_a_gateway_that_stays_down_was_never_sent():
     """Refused until restart_wait passed: a plain GatewayUnreachableError with ``sent`` False (the
     code never reached a gateway), not GatewayRestarted."""
-    async with AsyncSandkernel(f"http://127.0.0.1:{free_port()}", ALICE, backoff=0.05, restart_wait=1.0) as sk:
-        began = time.monotonic()
-        with pytest.raises(GatewayUnreachableError) as err:
-            await scripted_session(sk).run("work()")
-        assert err.value.sent is False and not isinstance(err.value, GatewayRestarted)
-        assert 0.5 < time.monotonic() - began < gave_up_by(sk)
+    with refusing_port() as port:
+        async with AsyncSandkernel(f"http://127.0.0.1:{port}", ALICE, backoff=0.05, restart_wait=1.0) as sk:
+            began = time.monotonic()
+            with pytest.raises(GatewayUnreachableError) as err:
+                await scripted_session(sk).run("work()")
+            assert err.value.sent is False and not isinstance(err.value, GatewayRestarted)
+            assert 0.5 < time.monotonic() - began < gave_up_by(sk)
 
 
 # -- kill -9 and SIGTERM of a real gateway -------------------------------------------------------

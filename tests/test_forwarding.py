@@ -43,7 +43,7 @@ from sandkernel.gateway.managed import record_model
 from sandkernel.kernels.model.records import SandboxRecord
 
 from .conftest import container_ids_of, require_runtime
-from .gateway_fixtures import ALICE, BOB, OPERATOR, call_api, free_port
+from .gateway_fixtures import ALICE, BOB, OPERATOR, call_api, free_port, refusing_port
 from .kernel_websocket import run_cell
 from .postgres_fixtures import create_database, drop_database, postgres_server  # noqa: F401 (pytest finds it here)
 from .test_durable_sessions import Serve
@@ -294,8 +294,8 @@ async def test_a_request_lost_on_a_reused_connection_is_resent_once_only_if_idem
 
 async def test_a_peer_that_cannot_be_reached_is_a_connection_error_and_nothing_is_kept():
     pool = new_pool()
-    with pytest.raises(ConnectionError, match="refused"):
-        await fetch(pool, f"http://127.0.0.1:{free_port()}")
+    with refusing_port() as port, pytest.raises(ConnectionError, match="refused"):
+        await fetch(pool, f"http://127.0.0.1:{port}")
     assert pool.opened == 0
 
 
