@@ -75,10 +75,11 @@ class _EngineRunning:
         return {"Runtimes": self._runtimes}
 
 
+@pytest.mark.docker  # the second half reads this host's Docker
 @pytest.mark.skipif(shutil.which("runsc") is None, reason="needs runsc installed")
-def test_a_runsc_run_without_the_wrapper_turns_memory_snapshots_off_and_says_why():
-    """The gateway's start-up check (gateway/server.py): Docker running runsc itself, not the
-    wrapper, could not start a sandbox from its image, so `--memory-snapshots on` is not honoured."""
+def test_runsc_run_without_the_wrapper_is_reported_unavailable_with_its_fix():
+    """What the gateway's start-up check reads (gateway/server.py turns memory snapshots off on
+    it): Docker running runsc itself, not the wrapper, could not start a sandbox from its image."""
     why = memory_snapshots_unavailable(_EngineRunning(shutil.which("runsc")))
     assert why is not None and "wrapper" in why and "host-setup.sh" in why
     installed = default_engine().client.info()["Runtimes"].get("runsc", {}).get("path")
