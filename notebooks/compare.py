@@ -45,6 +45,7 @@ DEFAULT_RULES: list[tuple[str, str]] = [
 ]
 KNOWN_OUTPUT_TYPES = frozenset({"stream", "execute_result", "display_data", "error"})
 
+
 class Verdict(str, enum.Enum):
     """What became of one code cell. ``missing`` only comes from ``diff`` (the second notebook
     has fewer code cells); ``kernel died``, ``timed out`` and ``not run`` only from replay."""

@@ -35,7 +35,7 @@ from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.snapshots.archive import ArchivePart, files_fingerprint, restore_files
 from sandkernel.notebooks.compare import CellVerdict, Verdict, load_rules
 from sandkernel.notebooks.replay import DEFAULT_CELL_TIMEOUT, _recorded, _run_cells, _uploads_of
-from sandkernel.notebooks.side_effects import side_effects_of
+from sandkernel.notebooks.side_effects import side_effects_off_the_loop
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,7 @@ async def rebuild(
     cells do is in the verdicts, what they did beyond the sandbox in ``side_effects``."""
     started = time.monotonic()
     notes: list[str] = []
-    side_effects = side_effects_of(notebook, cells)
+    side_effects = await side_effects_off_the_loop(notebook, cells)
     if refuse_side_effects and side_effects:
         said = "; ".join(f"cell {index}: {', '.join(effects)}" for index, effects in sorted(side_effects.items()))
         raise ReplayRefusedError(

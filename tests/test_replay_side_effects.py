@@ -8,10 +8,14 @@ starts on loopback, reached only through the session's egress proxy.
 
 from __future__ import annotations
 
+import asyncio
+
 import nbformat
 import pytest
 
+from sandkernel.errors import ReplayRefusedError
 from sandkernel.kernels.egress.policy import EgressPolicy
+from sandkernel.notebooks.resume import rebuild
 from sandkernel.notebooks.side_effects import side_effects_of
 from sandkernel.notebooks.transcript import build_notebook
 
@@ -49,6 +53,34 @@ def test_what_each_recorded_cell_did_beyond_the_sandbox():
         7: ["network"],
     }
     assert side_effects_of(notebook, [1, 8]) == {}  # only the cells asked about, and only those that reached out
+
+
+async def test_reading_a_long_sessions_cells_before_a_replay_leaves_the_event_loop_free():
+    """Issue 30, item 3: every cell to re-run is parsed through IPython's transformer (about
+    0.2 ms each) before a replay; that ran on the gateway's event loop, holding every tenant's
+    requests for the whole read (seconds for a long session). It now runs in a thread: the loop
+    keeps turning meanwhile. The last cell runs a shell command, so a refusing rebuild stops
+    right after the read, before it touches any session (none is given)."""
+    cells = [code_cell(f"x = {n}\nfor i in range(3):\n    x += i") for n in range(5_000)] + [code_cell("!ls")]
+    notebook = build_notebook(cells, {})
+    turns, reading = 0, True
+
+    async def turn_the_loop() -> None:
+        nonlocal turns
+        while reading:
+            await asyncio.sleep(0)
+            turns += 1
+
+    turner = asyncio.create_task(turn_the_loop())
+    await asyncio.sleep(0)
+    before = turns
+    try:
+        with pytest.raises(ReplayRefusedError, match=r"cell 5001: shell"):
+            await rebuild(None, notebook, cells=list(range(1, len(cells) + 1)), refuse_side_effects=True)  # type: ignore[arg-type]
+    finally:
+        reading = False
+        await turner
+    assert turns - before > 100, f"the event loop turned {turns - before} times while 5,001 cells were read"
 
 
 @pytest.mark.docker
