@@ -225,6 +225,25 @@ def log_request(handler: web.RequestHandler) -> None:
     )
 
 
+async def memory_snapshots_used(asked: str) -> str:
+    """``on`` or ``off``: what ``--memory-snapshots`` comes to on this host. ``auto`` (the default)
+    is on where the host can save gVisor kernels (gVisor 20240729+ through sandkernel's runsc
+    wrapper) and off elsewhere, said once at start; an ``on`` the host cannot honour is a
+    warning, and pauses, resumes and forks replay cells as with ``off``."""
+    if asked == "off":
+        return "off"
+    why = await asyncio.to_thread(memory_snapshots_unavailable)
+    if why is None:
+        if asked == "auto":
+            log.info("memory snapshots are on (--memory-snapshots auto): gVisor sessions keep their memory")
+        return "on"
+    if asked == "on":
+        log.warning("memory snapshots are off: %s; pauses, resumes and forks replay cells instead", why)
+    else:
+        log.info("memory snapshots are off (--memory-snapshots auto): %s; pauses, resumes and forks replay cells", why)
+    return "off"
+
+
 def load_egress_policy(path: Path | None) -> EgressPolicy | None:
     """The operator's egress policy file, validated (ConfigError says what to fix)."""
     if path is None:
@@ -310,9 +329,8 @@ class Gateway:
             else None
         )
         runtime = await choose_default_runtime(settings.default_runtime)
-        if settings.memory_snapshots == "on" and (why := await asyncio.to_thread(memory_snapshots_unavailable)):
-            log.warning("memory snapshots are off: %s; pauses, resumes and forks replay cells instead", why)
-            settings = dataclasses.replace(settings, memory_snapshots="off")
+        memory_snapshots = await memory_snapshots_used(settings.memory_snapshots)
+        settings = dataclasses.replace(settings, memory_snapshots=memory_snapshots)
         catalog = ProfileCatalog.load(settings.profiles_file, runtime, load_egress_policy(settings.egress_policy_file))
         store = await _open_store(settings)
         cluster = ClusterCatalog(store, settings.cluster_host_id) if isinstance(store, PostgresStore) else None

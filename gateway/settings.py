@@ -52,7 +52,7 @@ CONFIG_ENV = "SANDKERNEL_CONFIG"
 RUNTIME_CHOICES = ("auto", "runc", "runsc")
 IDLE_ACTIONS = ("pause", "delete")
 ON_EXIT_CHOICES = ("keep", "delete")
-MEMORY_SNAPSHOT_CHOICES = ("off", "on")
+MEMORY_SNAPSHOT_CHOICES = ("auto", "on", "off")
 REPLAY_SIDE_EFFECT_CHOICES = ("allow", "refuse")
 BREAKER_ACTIONS = ("quarantine", "restart")
 TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
@@ -252,10 +252,11 @@ class GatewaySettings:
         positive=True,
     )
     memory_snapshots: str = _setting(
-        "off",
+        "auto",
         "on: gVisor sessions without network egress start savable, and a pause, resume or fork keeps their "
         "kernel's memory (restored_by checkpoint, no cell re-run; needs gVisor 20240729+ run through sandkernel's "
-        "runsc wrapper: sandkernel doctor) instead of replaying cells; off: replay for every runtime",
+        "runsc wrapper: sandkernel doctor) instead of replaying cells; off: replay for every runtime; auto: on "
+        "where this host can (said at start), else off",
         choices=MEMORY_SNAPSHOT_CHOICES,
     )
     replay_side_effects: str = _setting(

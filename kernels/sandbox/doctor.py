@@ -129,21 +129,26 @@ def version_advisories(
 
 def _runtime_versions(engine: DockerEngine) -> tuple[str | None, str | None]:
     """The first line of ``runc --version`` and ``runsc --version`` as Docker runs them."""
-    lines: list[str | None] = []
-    registered = engine.client.info().get("Runtimes") or {}
-    for name in ("runc", "runsc"):
-        path = (registered.get(name) or {}).get("path") or shutil.which(name)
-        binary = shutil.which(path) if path else None
-        if binary is None:
-            lines.append(None)
-            continue
-        try:
-            done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
-        except (OSError, subprocess.TimeoutExpired):
-            lines.append(None)
-            continue
-        lines.append((done.stdout.splitlines() or [None])[0])
-    return lines[0], lines[1]
+    registered = _registered_runtimes(engine)
+    return _runtime_version(registered, "runc"), _runtime_version(registered, "runsc")
+
+
+def _registered_runtimes(engine: DockerEngine) -> dict:
+    """Docker's runtime table (``docker info``'s Runtimes: name -> {"path": ...})."""
+    return engine.client.info().get("Runtimes") or {}
+
+
+def _runtime_version(registered: dict, name: str) -> str | None:
+    """The first line of the runtime's ``--version``, run as Docker names it; None without one."""
+    path = (registered.get(name) or {}).get("path") or shutil.which(name)
+    binary = shutil.which(path) if path else None
+    if binary is None:
+        return None
+    try:
+        done = subprocess.run([binary, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (done.stdout.splitlines() or [None])[0]
 
 
 # The first gVisor build that saves and restores a sandbox here (Debian bookworm-backports').
@@ -167,17 +172,25 @@ def memory_snapshot_check(runsc: str | None, restores_in_place: bool) -> Check:
 
 def memory_snapshots_unavailable(engine: DockerEngine | None = None) -> str | None:
     """Why savable gVisor sandboxes cannot work on this host (memory_snapshot_check's finding and
-    its fix), or None when they can. Blocking: runs runsc --version."""
-    engine = engine or default_engine()
-    _, runsc_version = _runtime_versions(engine)
-    check = memory_snapshot_check(runsc_version, runsc_restores_in_place(engine))
+    its fix, or why Docker could not be asked), or None when they can. Blocking: one ``docker
+    info`` and ``runsc --version`` (every gateway start asks: --memory-snapshots auto)."""
+    try:
+        registered = _registered_runtimes(engine or default_engine())
+    except (SandkernelError, docker.errors.DockerException) as err:
+        return f"Docker's runtimes could not be read: {err}"
+    check = memory_snapshot_check(_runtime_version(registered, "runsc"), _wrapper_registered(registered))
     return None if check.ok else f"{check.detail} (fix: {check.fix})"
 
 
 def runsc_restores_in_place(engine: DockerEngine) -> bool:
-    """Whether the runtime Docker runs as ``runsc`` is sandkernel's wrapper: it names the same
-    RESTORE_DIR as memory_checkpoint.py (the wrapper is a root-owned shell script)."""
-    path = ((engine.client.info().get("Runtimes") or {}).get("runsc") or {}).get("path")
+    """Whether the runtime Docker runs as ``runsc`` is sandkernel's wrapper (see _wrapper_registered)."""
+    return _wrapper_registered(_registered_runtimes(engine))
+
+
+def _wrapper_registered(registered: dict) -> bool:
+    """Whether Docker's ``runsc`` runtime is sandkernel's wrapper: it names the same RESTORE_DIR as
+    memory_checkpoint.py (the wrapper is a root-owned shell script)."""
+    path = (registered.get("runsc") or {}).get("path")
     binary = shutil.which(path) if path else None
     try:
         return binary is not None and f"RESTORE_DIR={RESTORE_DIR}\n" in Path(binary).read_text(errors="replace")

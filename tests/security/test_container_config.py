@@ -10,8 +10,14 @@ import json
 import pytest
 
 from sandkernel.kernels.model.profiles import Profile, resolve_profile
-from sandkernel.kernels.sandbox.container import SANDBOX_GID, SANDBOX_UID_RANGE, host_pids_limit
+from sandkernel.kernels.sandbox.container import (
+    SANDBOX_GID,
+    SANDBOX_UID_RANGE,
+    SUPERVISOR_ENTRYPOINT,
+    host_pids_limit,
+)
 from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.exec_stream import SANDBOX_SHELL
 from sandkernel.kernels.sandbox.runtime_dir import CONTAINER_DIR
 
 from ..gateway_fixtures import ALICE, BOB
@@ -48,6 +54,16 @@ def seccomp_of(c) -> list[dict]:
 
 def ulimits_of(c) -> dict[str, tuple[int, int]]:
     return {u["Name"]: (u["Soft"], u["Hard"]) for u in c["HostConfig"]["Ulimits"]}
+
+
+def init_of(c, p) -> bool:
+    """PID 1 is catatonit (an init in pause mode) or, in a savable gVisor sandbox (memory
+    snapshots), the kernel supervisor started with every signal it does not handle ignored; it
+    reaps orphans as an init does (test_escape.py's orphan test runs in both)."""
+    entrypoint = c["Config"]["Entrypoint"] or c["Config"]["Cmd"]
+    if entrypoint == [SANDBOX_SHELL, "-c", SUPERVISOR_ENTRYPOINT]:
+        return c["HostConfig"]["Runtime"] == "runsc"
+    return "catatonit" in json.dumps(entrypoint)
 
 
 def tmpfs_options(c, where: str) -> set[str]:
@@ -99,7 +115,7 @@ CHECKS = {
     ),
     "no_devices": lambda c, p: not c["HostConfig"]["Devices"] and not c["HostConfig"].get("DeviceRequests"),
     "no_sysctls_or_extra_groups": lambda c, p: not c["HostConfig"].get("Sysctls") and not c["HostConfig"]["GroupAdd"],
-    "init_is_catatonit": lambda c, p: "catatonit" in json.dumps(c["Config"]["Entrypoint"] or c["Config"]["Cmd"]),
+    "init_is_catatonit_or_the_kernel_supervisor": init_of,
     "log_capped": lambda c, p: c["HostConfig"]["LogConfig"]["Config"].get("max-size") == "1m",
     "labelled": lambda c, p: (
         {"sandkernel.session", "sandkernel.kernel", "sandkernel.owner", "sandkernel.uid"} <= set(c["Config"]["Labels"])

@@ -375,6 +375,41 @@ async def test_sigkill_to_init_cannot_reach_beyond_the_sandbox(arena):
         assert after["status"] == "ok" and after["text"] == "fresh\n" and after["state_lost"]
 
 
+async def test_an_orphan_is_reaped_by_init(arena):
+    """A process whose parent exits is adopted by PID 1 (catatonit, or in a savable gVisor
+    sandbox the kernel supervisor), which must collect it when it ends: a zombie left behind
+    holds a slot of the sandbox's pids limit until the container goes."""
+    found = await arena.probe(
+        """import json, os, time
+r, w = os.pipe()
+child = os.fork()
+if child == 0:
+    grandchild = os.fork()
+    if grandchild == 0:
+        time.sleep(1)  # outlives its parent: adopted, then it ends
+        os._exit(0)
+    os.write(w, str(grandchild).encode())
+    os._exit(0)
+os.waitpid(child, 0)
+grandchild = int(os.read(r, 32))
+
+def state():
+    try:
+        fields = open(f'/proc/{grandchild}/stat').read().rsplit(')', 1)[1].split()
+    except OSError:
+        return None  # gone: reaped
+    return [fields[0], int(fields[1])]
+
+adopted = state()
+deadline = time.monotonic() + 30
+while state() is not None and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({'adopted': adopted, 'left': state()}))"""
+    )
+    assert found["adopted"] is not None and found["adopted"][1] == 1, found  # its parent is PID 1
+    assert found["left"] is None, found  # a zombie ("Z") still there means PID 1 never collected it
+
+
 async def test_device_nodes_reach_no_device(arena):
     """mknod of a block device: refused by Linux (no CAP_MKNOD). gVisor lets the node exist in
     its own in-memory tmpfs, but the tmpfs is nodev and gVisor has no host disks: opening it fails."""
