@@ -1,7 +1,8 @@
 """``--checkpoint-every-cell``: a snapshot of a session's files after each of its cells, so a rewind
 (or a fork at a cell) gets the files exactly as they were right after that cell, not as the
 re-run cells remake them (``files: "checkpoint"`` instead of ``"replay"``). A savable gVisor
-session's (``--memory-snapshots on``) keeps its memory as well: then nothing is re-run.
+session's (memory snapshots on: ``--memory-snapshots`` auto or on) keeps its memory as well: then
+nothing is re-run.
 
 Why a gate as well as an observer: the archive must hold the files as the cell left them, so the
 next cell may not start until it is taken. The checkpoint is taken after the reply has gone (the

@@ -94,7 +94,7 @@ CULL_PAUSES_AT_ONCE = 4
 
 
 def starts_savable(settings: GatewaySettings, profile: Profile) -> bool:
-    """Whether a sandbox of ``profile`` starts savable (``--memory-snapshots on``): gVisor, no
+    """Whether a sandbox of ``profile`` starts savable (memory snapshots on, as resolved at start): gVisor, no
     network egress (its relay holds a host socket, which gVisor cannot save)."""
     return settings.memory_snapshots == "on" and profile.runtime is Runtime.RUNSC and profile.network is None
 

@@ -12,7 +12,8 @@ of the same tenant, whose transcripts start with the parent's cells marked inher
 **rewind** pauses the session and resumes it as it was right after an earlier cell, and records
 that in the transcript.
 
-With ``--memory-snapshots on`` a gVisor session starts savable, and a pause or a fork also keeps
+With memory snapshots on (``--memory-snapshots``: auto, the default, turns them on where the host
+can) a gVisor session starts savable, and a pause or a fork also keeps
 its kernel's memory (kernels/snapshots/memory.py): the resume or each fork carries on from it,
 ``restored_by: "checkpoint"``, no cell re-run (a fork's parent goes on running). Replay stays for
 runc (its CRIU does not run on this kernel), for rewinds, and whenever the image could not be

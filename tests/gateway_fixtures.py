@@ -104,7 +104,8 @@ TEST_DEFAULTS: dict[str, Any] = {
     "metrics_token": OPERATOR,
 }
 # For a test of what a replay resume, fork or rewind does (its verdicts, its labels), under gVisor
-# too whatever --memory-snapshots defaults to; memory checkpoints: tests/test_memory_snapshots.py.
+# too (the default, --memory-snapshots auto, keeps gVisor kernels' memory where the host can):
+# memory checkpoints: tests/test_memory_snapshots.py.
 REPLAY: dict[str, Any] = {"memory_snapshots": "off"}
 
 
