@@ -57,11 +57,14 @@ def cells(size_mb: int) -> list[str]:
 
 
 def limits_for(runtime: str, size_mb: int) -> dict[str, Any]:
-    """Room for the state twice over (numpy's temporaries), within the built-in ceilings."""
+    """Room for the state twice over (numpy's temporaries), within the built-in ceilings, and a
+    largest-file limit above the data file (``size_mb`` MiB plus numpy's header): at the default
+    1024 MiB the 1 GiB row's ``np.save`` stopped at the limit with a short write."""
     return {
         "runtime": runtime,
         "memory_mb": min(4096, max(1024, 3 * size_mb + 512)),
         "workspace_mb": min(8192, max(1024, 2 * size_mb + 256)),
+        "fsize_mb": max(1024, size_mb + 64),
     }
 
 
