@@ -80,7 +80,7 @@ from sandkernel.kernels.model.profiles import Runtime
 from sandkernel.kernels.model.records import SandboxState
 from sandkernel.kernels.sandbox.cgroup import DEFAULT_ENGINE_PARENT, use_engine_parent
 from sandkernel.kernels.sandbox.cpu_groups import remove_empty_groups
-from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.sandbox.doctor import memory_snapshots_unavailable
 from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
 from sandkernel.kernels.snapshots.store import SnapshotStore
@@ -225,14 +225,14 @@ def log_request(handler: web.RequestHandler) -> None:
     )
 
 
-async def memory_snapshots_used(asked: str) -> str:
+async def memory_snapshots_used(asked: str, engine: DockerEngine | None = None) -> str:
     """``on`` or ``off``: what ``--memory-snapshots`` comes to on this host. ``auto`` (the default)
     is on where the host can save gVisor kernels (gVisor 20240729+ through sandkernel's runsc
     wrapper) and off elsewhere, said once at start; an ``on`` the host cannot honour is a
     warning, and pauses, resumes and forks replay cells as with ``off``."""
     if asked == "off":
         return "off"
-    why = await asyncio.to_thread(memory_snapshots_unavailable)
+    why = await asyncio.to_thread(memory_snapshots_unavailable, engine)
     if why is None:
         if asked == "auto":
             log.info("memory snapshots are on (--memory-snapshots auto): gVisor sessions keep their memory")

@@ -10,6 +10,7 @@ refused with a clear error (the pure test below).
 from __future__ import annotations
 
 import glob
+import logging
 import secrets
 import shutil
 from pathlib import Path
@@ -17,12 +18,14 @@ from pathlib import Path
 import pytest
 
 from sandkernel.errors import ConfigError
+from sandkernel.gateway.server import memory_snapshots_used
 from sandkernel.kernels.execution.transport import new_kernel_manager
-from sandkernel.kernels.sandbox.docker_engine import default_engine
+from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.sandbox.doctor import memory_snapshot_check, memory_snapshots_unavailable
 from sandkernel.kernels.sandbox.memory_checkpoint import RESTORE_DIR
 
-from .conftest import RUNSC, require_runtime
+from .conftest import RUNSC, UNREACHABLE_DOCKER_HOST, require_runtime
+from .gateway_fixtures import start_gateway, stop_gateway
 
 SAVABLE_KERNEL = "sandkernel-python-gvisor"
 # Where Docker's own start from a checkpoint had containerd unpack the image, and leave it.
@@ -85,6 +88,35 @@ def test_runsc_run_without_the_wrapper_is_reported_unavailable_with_its_fix():
     installed = default_engine().client.info()["Runtimes"].get("runsc", {}).get("path")
     if installed and "sandkernel" in installed:  # this host's own Docker runs the wrapper
         assert memory_snapshots_unavailable() is None
+
+
+async def test_auto_memory_snapshots_are_off_where_docker_cannot_say_and_an_asked_on_warns(monkeypatch, caplog):
+    """--memory-snapshots auto (the default) on a host whose Docker cannot be asked: off, said at
+    INFO (no warning on a host that simply lacks them); an explicit on there is a warning; off
+    never asks. The engine is a real one aimed at a socket that cannot exist."""
+    monkeypatch.setenv("DOCKER_HOST", UNREACHABLE_DOCKER_HOST)
+    caplog.set_level(logging.INFO, logger="sandkernel.gateway.server")
+    assert await memory_snapshots_used("auto", DockerEngine()) == "off"
+    [said] = [r for r in caplog.records if r.name == "sandkernel.gateway.server"]
+    assert said.levelno == logging.INFO and "could not be read" in said.getMessage(), said.getMessage()
+    caplog.clear()
+    assert await memory_snapshots_used("on", DockerEngine()) == "off"
+    [said] = [r for r in caplog.records if r.name == "sandkernel.gateway.server"]
+    assert said.levelno == logging.WARNING and "replay cells instead" in said.getMessage(), said.getMessage()
+    caplog.clear()
+    assert await memory_snapshots_used("off", DockerEngine()) == "off"
+    assert not [r for r in caplog.records if r.name == "sandkernel.gateway.server"]
+
+
+@pytest.mark.docker
+async def test_a_default_gateway_keeps_gvisor_memory_exactly_where_the_host_can(tmp_path):
+    """The default (auto) comes to on or off at start, as the host's check says, never auto."""
+    expected = "on" if memory_snapshots_unavailable() is None else "off"
+    gw = await start_gateway(tmp_path)
+    try:
+        assert gw.settings.memory_snapshots == expected
+    finally:
+        await stop_gateway(gw)
 
 
 @pytest.mark.docker
