@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 # How long one catalog call of the heartbeat may take before it counts as a failed beat: the
 # loop must go on beating on time, and a hung connection must not look like a live catalog.
 BEAT_TIMEOUT_SECONDS = 5.0
+CANCEL_AGAIN_SECONDS = 0.5  # stop(): how long a cancelled heartbeat has to end before it is cancelled again
 
 
 class HostLock(Protocol):
@@ -165,10 +166,12 @@ class ClusterMembership:
     async def stop(self) -> None:
         """Stop beating and say so (status ``stopping``: no new session is placed here while the
         host restarts; its sessions stay, recorded under this host, for the next gateway)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        task, self._task = self._task, None
+        while task is not None and not task.done():
+            # Cancelled again until it ends: a cancellation can be lost inside a beat (Python
+            # 3.11's wait_for returns the result when its inner call finishes as the cancel
+            # lands), and the loop then sleeps on; awaiting it once hung the stop for good.
+            task.cancel()
+            await asyncio.wait({task}, timeout=CANCEL_AGAIN_SECONDS)
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.catalog.leave(), BEAT_TIMEOUT_SECONDS)
