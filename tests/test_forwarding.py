@@ -1098,8 +1098,27 @@ async def test_an_mcp_call_naming_another_hosts_session_is_answered_by_that_host
     assert notebook["cells"][-1]["metadata"]["sandkernel"]["source"] == "mcp", notebook["cells"][-1]["metadata"]
 
 
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def peers_held(pid: int, port: int) -> set[int]:
+    """Client ports of the TCP connections to ``port`` that process ``pid`` still holds open.
+
+    Exactly the connections asked about, not a count of every descriptor: a gateway opens and
+    closes others on its own (catalog, Docker, peers) while a test watches."""
+    held = set()
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except FileNotFoundError:  # closed while listed
+            continue
+        if target.startswith("socket:["):
+            held.add(target[len("socket:[") : -1])
+    peers = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], fields[9]
+            if int(local.rsplit(":", 1)[1], 16) == port and inode in held:
+                peers.add(int(remote.rsplit(":", 1)[1], 16))
+    return peers
 
 
 async def test_a_body_that_stops_coming_is_never_relayed_and_its_connection_is_let_go(cluster, placed, tmp_path):
@@ -1117,10 +1136,15 @@ async def test_a_body_that_stops_coming_is_never_relayed_and_its_connection_is_l
         pid = impatient.serve.proc.pid
         status, result, _ = await impatient.call("POST", f"/api/sessions/{sid}/execute", {"code": "print(1)"})
         assert status == 200, result  # warm: the owner is cached and a kept connection to it open
-        before, fds = await forwarded_counts(impatient), open_fds(pid)
+        before, port = await forwarded_counts(impatient), impatient.serve.port
         head, body = execute_request(sid, "stalled = 1")
         idle = await raw_request(impatient, head, body[:5])  # the rest never comes
         gone = await raw_request(impatient, head, body[:5])
+        stalled = {idle.getsockname()[1], gone.getsockname()[1]}
+        deadline = time.monotonic() + 10
+        while peers_held(pid, port) & stalled != stalled:  # the lane has taken both
+            assert time.monotonic() < deadline, f"{peers_held(pid, port)} held, {stalled} sent"
+            await asyncio.sleep(0.05)
         began = time.monotonic()
         gone.close()  # the other goes away mid-body
         closed = await asyncio.wait_for(asyncio.to_thread(idle.recv, 65536), 30)
@@ -1135,8 +1159,8 @@ async def test_a_body_that_stops_coming_is_never_relayed_and_its_connection_is_l
         assert status == 200 and result["outputs"][0]["text"] == "False\n", result  # neither ran
         assert counted_since(before, await forwarded_counts(impatient)) == {"fast_lane": 1.0, "handler": 0.0}
         deadline = time.monotonic() + 10
-        while open_fds(pid) > fds:  # both stalled connections are closed on the lane's side too
-            assert time.monotonic() < deadline, f"{open_fds(pid)} fds open, {fds} before"
+        while peers_held(pid, port) & stalled:  # both stalled connections are closed on the lane's side too
+            assert time.monotonic() < deadline, f"{peers_held(pid, port) & stalled} still held"
             await asyncio.sleep(0.1)
     finally:
         assert await impatient.serve.term() == 0, impatient.serve.output[-4000:]
