@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import textwrap
@@ -107,6 +109,26 @@ async def test_restart_keeps_files_drops_memory_and_stray_processes(runtime):
         assert result.text.startswith("persist False\n")
         assert "sleep" not in result.text, "a process left by the old kernel survived the restart"
         assert "restarted on request" in result.state_lost
+
+
+async def test_an_unanswered_start_says_whether_the_kernel_runs_and_which_channel_reached_it():
+    """What a start that timed out adds to its error (and log): a kernel that answers, and the
+    same kernel stopped (SIGSTOP) so that nothing reaches it, are told apart, with its log."""
+    s = await KernelSession.start()
+    kernel = s._kernel
+    try:
+        with kernel.drain.reading():  # the probe's replies are ours to read, not the idle drain's
+            answering = await kernel._what_an_unanswered_start_saw()
+            await kernel.container.signal_kernel(signal.SIGSTOP)
+            try:
+                stopped = await kernel._what_an_unanswered_start_saw()
+            finally:
+                await kernel.container.signal_kernel(signal.SIGCONT)
+    finally:
+        await s.shutdown()
+    assert re.match(r"kernel process running; a last probe: iopub answered, [1-9]\d* shell replies waiting", answering)
+    assert stopped.startswith("kernel process running; a last probe: iopub silent, 0 shell replies waiting"), stopped
+    assert "kernel log: " in stopped and "no more known" not in stopped, stopped
 
 
 async def test_shutdown_removes_container_and_runtime_dir():

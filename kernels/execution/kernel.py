@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 IOPUB_RECONNECT_SECONDS = 10.0
 # How long a re-adopted kernel may take to answer on control (seconds): it is already running.
 ADOPT_TIMEOUT = 15.0
+# How long the probe after an unanswered start waits on each channel (seconds).
+UNANSWERED_PROBE_SECONDS = 2.0
 
 
 class SandboxedKernel:
@@ -171,11 +173,34 @@ class SandboxedKernel:
         try:
             await self.client.wait_for_ready(timeout=self.profile.start_timeout)
         except RuntimeError as err:
-            raise KernelStartError(f"sandboxed kernel did not answer: {err}") from err
+            seen = await self._what_an_unanswered_start_saw()
+            log.warning("kernel start unanswered: %s; %s", err, seen, extra={"session": self.session_id})
+            raise KernelStartError(f"sandboxed kernel did not answer: {err}; {seen}") from err
         while time.monotonic() < deadline:
             if await self.iopub_answers(0.25):
                 return
         raise KernelStartError(f"the kernel's output channel did not connect within {self.profile.start_timeout:g}s")
+
+    async def _what_an_unanswered_start_saw(self) -> str:
+        """What a start that timed out can still tell, for its error and the log: whether the
+        kernel process runs, whether one last probe reached it (its status on iopub, its reply
+        on shell) and the tail of its log. A kernel that runs and answers the probe late was slow;
+        one that runs and answers neither channel has lost its connection to the host."""
+        parts = []
+        try:
+            code = await self.provisioner.container.kernel_exit_code()
+            parts.append("kernel process running" if code is None else f"kernel process exited ({code})")
+            iopub = await self.iopub_answers(UNANSWERED_PROBE_SECONDS)
+            shell = 0
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    await self.read("shell", 0.1 if shell else UNANSWERED_PROBE_SECONDS)
+                    shell += 1
+            parts.append(f"a last probe: iopub {'answered' if iopub else 'silent'}, {shell} shell replies waiting")
+            parts.append(f"kernel log: {(await self.provisioner.container.kernel_log()).strip()[-1000:] or '(empty)'}")
+        except Exception as err:  # the diagnosis never hides the start's own error
+            parts.append(f"no more known ({type(err).__name__})")
+        return "; ".join(parts)
 
     async def iopub_answers(
         self,
