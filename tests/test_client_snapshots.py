@@ -4,7 +4,6 @@ cover both runtimes at the API level (a replay resume runs the same cells either
 
 from __future__ import annotations
 
-import ast
 import asyncio
 
 import pytest
@@ -24,6 +23,7 @@ from sandkernel.agent import (
     SnapshotRejectedError,
 )
 from sandkernel.agent.errors import CODE_ERRORS, error_for_status
+from sandkernel.python_syntax import literal_eval
 
 from .gateway_fixtures import ALICE, gateway_fixture
 
@@ -58,7 +58,7 @@ def test_each_snapshot_refusal_is_its_own_exception():
 async def _names(session: AsyncSession, *names: str) -> list[str]:
     """Which of ``names`` the kernel defines now."""
     probe = await session.run(f"sorted(n for n in {list(names)!r} if n in globals())", check=True)
-    return ast.literal_eval(probe.text)
+    return literal_eval(probe.text)
 
 
 @pytest.mark.docker
@@ -98,8 +98,8 @@ async def test_fork_copies_the_state_and_the_forks_diverge(client):
                 assert fork.restore is not None and fork.restore["restored_by"] == "replay", fork.restore
                 await fork.run(f"trail.append('fork{number}')", check=True)
             for number, fork in enumerate(forks):
-                assert ast.literal_eval((await fork.run("trail", check=True)).text) == ["parent", f"fork{number}"]
-            assert ast.literal_eval((await parent.run("trail", check=True)).text) == ["parent"]
+                assert literal_eval((await fork.run("trail", check=True)).text) == ["parent", f"fork{number}"]
+            assert literal_eval((await parent.run("trail", check=True)).text) == ["parent"]
         finally:
             for fork in forks:
                 await fork.delete()
@@ -118,7 +118,9 @@ async def test_rewind_forgets_what_later_cells_made(client):
 
 
 # A cell that runs until the test uploads the file ``go`` (files can be written while code runs).
-WAIT_FOR_GO = "import os, time\nprint('started', flush=True)\nwhile not os.path.exists('go'):\n    time.sleep(0.05)\n'done'"
+WAIT_FOR_GO = (
+    "import os, time\nprint('started', flush=True)\nwhile not os.path.exists('go'):\n    time.sleep(0.05)\n'done'"
+)
 
 
 @pytest.mark.docker

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from sandkernel.python_syntax import parse
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "sandkernel"
 
@@ -117,7 +119,7 @@ def check_source(source: str, module: str, file: str, is_package: bool = False) 
     layer = layer_of(module)
     assert layer is not None, module
     found = []
-    for line, target in imported_modules(ast.parse(source, filename=file), module, is_package):
+    for line, target in imported_modules(parse(source, filename=file), module, is_package):
         target_layer = layer_of(target)
         if target_layer is not None and target_layer not in ALLOWED[layer]:
             found.append(Violation(file, line, target, rule_text(layer)))
@@ -255,7 +257,7 @@ def module_graph(sources: Iterator[tuple[str, str, bool]]) -> dict[str, set[str]
     """module -> the modules of the same graph it imports at load time. ``sources`` are
     (dotted name, source, is_package); ``from X import Y`` counts as X.Y where that is a module
     of the graph, else as X (the longest module the name lies in)."""
-    parsed = {name: (ast.parse(source), is_package) for name, source, is_package in sources}
+    parsed = {name: (parse(source), is_package) for name, source, is_package in sources}
     graph: dict[str, set[str]] = {}
     for name, (tree, is_package) in parsed.items():
         graph[name] = set()
@@ -413,7 +415,7 @@ def cluster_imports_of_the_core(sources: Iterator[tuple[str, str, bool]]) -> lis
     for module, source, is_package in sources:
         if not module.startswith(f"{PACKAGE}.gateway") or module.startswith(CLUSTER) or module in JOINS_THE_CLUSTER:
             continue
-        for line, target in imported_modules(ast.parse(source), module, is_package):
+        for line, target in imported_modules(parse(source), module, is_package):
             if target == CLUSTER or target.startswith(CLUSTER + "."):
                 found.append(f"{module}:{line} imports {target}")
     return found

@@ -27,6 +27,7 @@ import pytest
 from sandkernel import doors
 from sandkernel.gateway.service import SessionService
 from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.python_syntax import parse
 
 from .conftest import require_runtime
 from .gateway_fixtures import running_gateway
@@ -61,7 +62,7 @@ def _receiver(node: ast.expr) -> str:
 def calls(source: str) -> list[tuple[int, str, str]]:
     """(line, receiver, method) of every method call in ``source``."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(parse(source)):
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             found.append((node.lineno, _receiver(node.func.value), node.func.attr))
     return found

@@ -5,11 +5,10 @@ that say what to fix while the session keeps working."""
 
 from __future__ import annotations
 
-import ast
-
 import pytest
 
 from sandkernel.agent.client import AsyncSandkernel
+from sandkernel.python_syntax import parse
 from sandkernel.shell import SHELL_MIME, TIMED_OUT_EXIT_CODE, ShellResult, shell_code, shell_result
 
 from .gateway_fixtures import ALICE, BOB, gateway_fixture
@@ -18,7 +17,7 @@ from .gateway_fixtures import ALICE, BOB, gateway_fixture
 @pytest.mark.parametrize("command", ["echo hi", "a\x00b\nc", '{x} \'q\' """ \\', "\u2028x", "# $ not a headline"])
 def test_every_command_makes_a_valid_cell_that_names_it(command):
     cell = shell_code(command, 3)
-    ast.parse(cell)  # NUL bytes, line separators and quotes cannot break the cell
+    parse(cell)  # NUL bytes, line separators and quotes cannot break the cell
     assert cell.startswith("# $ ") and "\n" in cell
 
 

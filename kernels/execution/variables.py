@@ -8,7 +8,6 @@ get the same listing from an inline expression.
 
 from __future__ import annotations
 
-import ast
 import json
 import queue
 import time
@@ -18,6 +17,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.replies import ShellReader
+from sandkernel.python_syntax import literal_eval
 
 # The listing for images without the module (same JSON): one string, no side effects, bounded.
 INLINE_EXPRESSION = (
@@ -52,8 +52,12 @@ async def list_variables(client: AsyncKernelClient, read_shell: ShellReader, tim
             break
         if msg.get("parent_header", {}).get("msg_id") != msg_id:
             continue
-        found = msg["content"].get("user_expressions", {}).get("vars", {})
-        if found.get("status") != "ok":
-            raise SandkernelError(f"listing variables failed: {found.get('evalue', 'no reply')}")
-        return json.loads(ast.literal_eval(found["data"]["text/plain"]))
+        try:  # what the kernel sends is untrusted: a listing that is not the expected literal is an error
+            found = msg["content"].get("user_expressions", {}).get("vars", {})
+            if found.get("status") != "ok":
+                raise SandkernelError(f"listing variables failed: {str(found.get('evalue', 'no reply'))[:200]}")
+            return json.loads(literal_eval(found["data"]["text/plain"]))
+        except (AttributeError, KeyError, TypeError, ValueError, SyntaxError, RecursionError, MemoryError) as err:
+            why = type(err).__name__
+            raise SandkernelError(f"listing variables failed: the kernel's answer did not parse ({why})") from None
     raise SandkernelError(f"the kernel did not list its variables within {timeout:g}s; is it busy?")

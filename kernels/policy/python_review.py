@@ -34,6 +34,7 @@ from sandkernel.kernels.policy.rules import (
     WRITE_OUTSIDE_WORKSPACE,
 )
 from sandkernel.kernels.policy.shell_review import review_shell
+from sandkernel.python_syntax import parse
 
 MODULE_RULES = {
     "subprocess": SUBPROCESS,
@@ -146,7 +147,7 @@ def transform(code: str) -> tuple[str, ast.Module | None]:
     except Exception:  # IPython's transform raising is the kernel's to report, not ours
         transformed = code
     try:
-        return transformed, ast.parse(transformed)
+        return transformed, parse(transformed)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return transformed, None
 
