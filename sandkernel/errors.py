@@ -230,6 +230,15 @@ class HelperKilledError(SandkernelError):
     code = "sandbox_helper_killed"
 
 
+class KernelAnswerError(SandkernelError):
+    """The kernel answered a question of the gateway's (its variables) with something that is not
+    the answer: the session's own code replaced or broke what answers it. The session's doing, so
+    a conflict with its state, as a helper its code killed is."""
+
+    status = 409
+    code = "kernel_answer_invalid"
+
+
 class HelpersBusyError(SandkernelError):
     """A session already has as many helper calls (file operations, signals) running or waiting
     as it may: the call is refused at once instead of queueing without bound."""

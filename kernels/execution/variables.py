@@ -15,7 +15,7 @@ from typing import Any
 
 from jupyter_client.asynchronous.client import AsyncKernelClient
 
-from sandkernel.errors import SandkernelError
+from sandkernel.errors import KernelAnswerError, SandkernelError
 from sandkernel.kernels.execution.replies import ShellReader
 from sandkernel.python_syntax import literal_eval
 
@@ -55,9 +55,9 @@ async def list_variables(client: AsyncKernelClient, read_shell: ShellReader, tim
         try:  # what the kernel sends is untrusted: a listing that is not the expected literal is an error
             found = msg["content"].get("user_expressions", {}).get("vars", {})
             if found.get("status") != "ok":
-                raise SandkernelError(f"listing variables failed: {str(found.get('evalue', 'no reply'))[:200]}")
+                raise KernelAnswerError(f"listing variables failed: {str(found.get('evalue', 'no reply'))[:200]}")
             return json.loads(literal_eval(found["data"]["text/plain"]))
         except (AttributeError, KeyError, TypeError, ValueError, SyntaxError, RecursionError, MemoryError) as err:
             why = type(err).__name__
-            raise SandkernelError(f"listing variables failed: the kernel's answer did not parse ({why})") from None
+            raise KernelAnswerError(f"listing variables failed: the kernel's answer did not parse ({why})") from None
     raise SandkernelError(f"the kernel did not list its variables within {timeout:g}s; is it busy?")

@@ -198,3 +198,29 @@ for name, attempt in [
             conn.close()
     finally:
         assert listener.close() == 0
+
+
+FORGED_LISTING = """import sys
+real_listing = sys.modules['sandkernel_variables']
+class NotALiteral:
+    def __repr__(self):
+        return '[1, 2'
+class ForgedListing:
+    def listing(self, ip):
+        return NotALiteral()
+sys.modules['sandkernel_variables'] = ForgedListing()
+listed_after = 1
+"""
+
+
+async def test_a_forged_variable_listing_is_a_clear_error_and_the_real_one_lists_again(arena):
+    """The variable listing is whatever the kernel evaluates, and tenant code can replace what
+    answers it: an answer that is not the listing's literal is an error that says so (never a
+    500), and with the real listing put back the same session lists its variables again."""
+    variables = f"/api/sessions/{arena.attacker['id']}/variables"
+    assert (await arena.attack(FORGED_LISTING))["status"] == "ok"
+    status, body = await arena.gateway.request("GET", variables)
+    assert status == 409 and body["error"] == "kernel_answer_invalid" and "did not parse" in body["message"], body
+    assert (await arena.attack("sys.modules['sandkernel_variables'] = real_listing"))["status"] == "ok"
+    status, body = await arena.gateway.request("GET", variables)
+    assert status == 200 and "listed_after" in {v["name"] for v in body}, (status, body)
