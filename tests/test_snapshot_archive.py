@@ -463,8 +463,9 @@ async def test_a_helpers_process_waits_until_the_host_has_read_its_output(pair):
             except ExecStreamError:
                 # The release was lost, or slower than the grace, on its way to the shell: the
                 # product kills the holder, or finds it ended meanwhile (a release just late).
+                # Not killed: its process had ended meanwhile (dockerd may still say it runs for a
+                # moment, a fifteenth-session rehearsal saw it); its code, waited for, says how.
                 killed = kill_exec(api, source.container.id, exec_id)
-                assert killed or not api.exec_inspect(exec_id)["Running"]
             return size, running, killed, exit_code(api, exec_id, Deadline(30), "x")
         finally:
             sock.close()
