@@ -13,6 +13,7 @@ be shown to be this container's (:func:`kill_exec`).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import secrets
@@ -337,10 +338,9 @@ def start_held(
 
 
 def kill_exec(api: Any, container_id: str, exec_id: str) -> bool:
-    """SIGKILL an exec given up on, if it still runs. Docker has no call for it; its host pid
-    is killed only when /proc shows that pid in this container's cgroup (a gateway in another
-    pid namespace, or a pid reused meanwhile, kills nothing). Under gVisor that pid is the
-    ``runsc exec`` process: killing it ends the exec as Docker sees it. True if a kill was sent.
+    """SIGKILL an exec given up on, if it still runs. Docker has no call for it; its host process
+    is killed when /proc shows it is this container's exec (:func:`is_containers_exec`: a gateway
+    in another pid namespace, or a pid reused meanwhile, kills nothing). True if a kill was sent.
 
     First, an exec the sandbox stopped while it was still runc's init (dockerd answers the start
     at once, then waits for it holding the container's lock, so even an inspect would wait) is
@@ -354,13 +354,52 @@ def kill_exec(api: Any, container_id: str, exec_id: str) -> bool:
     pid = state.get("Pid")
     if not state.get("Running") or not isinstance(pid, int) or pid <= 1:
         return False
-    if not _in_cgroup(pid, container_id):
+    return _kill_exec_process(pid, container_id)
+
+
+def is_containers_exec(pid: int, container_id: str) -> bool:
+    """Whether host process ``pid`` is an exec of ``container_id``: under runc the exec's own
+    process, in the container's cgroup; under gVisor its ``runsc exec``, a host process outside
+    that cgroup (the sandbox's processes are not the host's), whose parent is the container's
+    containerd shim. The shim is known by its arguments (``-id`` and the container's id) and by
+    standing outside the container's cgroup: a runc sandbox's process can take any arguments,
+    but never leave its cgroup, and a gVisor sandbox makes no host process at all."""
+    if _in_cgroup(pid, container_id):
+        return True
+    parent = _parent(pid)
+    if parent is None or parent <= 1 or _in_cgroup(parent, container_id):
         return False
-    # A held helper's program is the exec's child (its shell is the exec): both go.
-    for child in _children(pid):
-        if _in_cgroup(child, container_id):
-            _kill(child)
-    return _kill(pid)
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as cmdline:
+            args = cmdline.read().split(b"\0")
+    except OSError:
+        return False
+    wanted = container_id.encode()
+    return any(flag == b"-id" and value == wanted for flag, value in itertools.pairwise(args))
+
+
+def _kill_exec_process(pid: int, container_id: str) -> bool:
+    """SIGKILL ``pid`` through a pidfd (a pid reused once checked is never hit) if it is this
+    container's exec, and under runc its program too (a held helper's program is the exec's
+    child: both go). Under gVisor the kill ends ``runsc exec``: Docker records the exec's end and
+    the host process (about 20 MB each) is gone; what it ran inside the sandbox stays there, on
+    the sandbox's own limits, until the sandbox goes."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return False  # gone
+    try:
+        if not is_containers_exec(pid, container_id):
+            return False
+        for child in _children(pid):
+            if _in_cgroup(child, container_id):
+                _kill(child)
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(pidfd)
 
 
 def _in_cgroup(pid: int, container_id: str) -> bool:
@@ -369,6 +408,17 @@ def _in_cgroup(pid: int, container_id: str) -> bool:
             return container_id in cgroup.read()
     except OSError:
         return False
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("PPid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _children(pid: int) -> list[int]:
