@@ -8,6 +8,7 @@ get the same listing from an inline expression.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import time
@@ -18,6 +19,12 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 from sandkernel.errors import KernelAnswerError, SandkernelError
 from sandkernel.kernels.execution.replies import ShellReader
 from sandkernel.python_syntax import literal_eval
+
+# The most characters of a listing's answer that are parsed. The real listing of 2000 names is a
+# few hundred KiB; an answer up to the message limit (64 MiB), a forged one or names and shapes
+# made huge, took 0.7 s of the gateway's CPU to parse (every tenant's answers waited, while it
+# ran on the event loop).
+MAX_LISTING_CHARS = 1024 * 1024
 
 # The listing for images without the module (same JSON): one string, no side effects, bounded.
 INLINE_EXPRESSION = (
@@ -56,8 +63,21 @@ async def list_variables(client: AsyncKernelClient, read_shell: ShellReader, tim
             found = msg["content"].get("user_expressions", {}).get("vars", {})
             if found.get("status") != "ok":
                 raise KernelAnswerError(f"listing variables failed: {str(found.get('evalue', 'no reply'))[:200]}")
-            return json.loads(literal_eval(found["data"]["text/plain"]))
+            text = found["data"]["text/plain"]
+            if not isinstance(text, str):
+                raise TypeError("not text")
+            if len(text) > MAX_LISTING_CHARS:
+                raise KernelAnswerError(
+                    f"listing variables failed: the kernel's answer is {len(text)} characters, over the "
+                    f"{MAX_LISTING_CHARS} a listing may be: delete variables with huge names or shapes"
+                )
+            return await asyncio.to_thread(_parsed, text)
         except (AttributeError, KeyError, TypeError, ValueError, SyntaxError, RecursionError, MemoryError) as err:
             why = type(err).__name__
             raise KernelAnswerError(f"listing variables failed: the kernel's answer did not parse ({why})") from None
     raise SandkernelError(f"the kernel did not list its variables within {timeout:g}s; is it busy?")
+
+
+def _parsed(text: str) -> list[dict[str, Any]]:
+    """The listing from its answer's text: a string literal holding JSON (in a worker thread)."""
+    return json.loads(literal_eval(text))

@@ -12,6 +12,8 @@ import pytest
 from tornado.httpclient import HTTPClientError, HTTPRequest
 from tornado.websocket import WebSocketClosedError, websocket_connect
 
+from sandkernel.kernels.execution.variables import MAX_LISTING_CHARS
+
 from ..gateway_fixtures import ALICE, rss_mib
 from ..test_gateway import execute_request, ws_execute
 from ..test_transport import UnixListener
@@ -211,16 +213,29 @@ class ForgedListing:
 sys.modules['sandkernel_variables'] = ForgedListing()
 listed_after = 1
 """
+# A listing that parses, but is 40 MiB: it took 0.7 s of the gateway's event loop to parse.
+HUGE_LISTING = """import json
+class HugeListing:
+    def listing(self, ip):
+        return json.dumps([{'name': 'x' * 1000, 'type': 'int', 'size': 1, 'shape': None}] * 40000)
+sys.modules['sandkernel_variables'] = HugeListing()
+"""
 
 
 async def test_a_forged_variable_listing_is_a_clear_error_and_the_real_one_lists_again(arena):
     """The variable listing is whatever the kernel evaluates, and tenant code can replace what
-    answers it: an answer that is not the listing's literal is an error that says so (never a
-    500), and with the real listing put back the same session lists its variables again."""
+    answers it: an answer that is not the listing's literal, or one larger than a listing can be,
+    is an error that says so (never a 500, never a parse that holds the gateway), and with the
+    real listing put back the same session lists its variables again."""
     variables = f"/api/sessions/{arena.attacker['id']}/variables"
     assert (await arena.attack(FORGED_LISTING))["status"] == "ok"
     status, body = await arena.gateway.request("GET", variables)
     assert status == 409 and body["error"] == "kernel_answer_invalid" and "did not parse" in body["message"], body
+    # One too large to be worth parsing is refused by its size, before any parse.
+    assert (await arena.attack(HUGE_LISTING))["status"] == "ok"
+    status, body = await arena.gateway.request("GET", variables)
+    assert status == 409 and body["error"] == "kernel_answer_invalid", body
+    assert f"over the {MAX_LISTING_CHARS} a listing may be" in body["message"], body
     assert (await arena.attack("sys.modules['sandkernel_variables'] = real_listing"))["status"] == "ok"
     status, body = await arena.gateway.request("GET", variables)
     assert status == 200 and "listed_after" in {v["name"] for v in body}, (status, body)
