@@ -21,6 +21,7 @@ from jupyter_client.asynchronous.client import AsyncKernelClient
 
 from sandkernel.errors import KernelStartError, SandkernelError, SessionClosedError
 from sandkernel.kernels.execution.adoption import reattach
+from sandkernel.kernels.execution.connection_watch import ShellConnectionWatch
 from sandkernel.kernels.execution.drain import IdleDrain
 from sandkernel.kernels.execution.outputs import OutputCollector
 from sandkernel.kernels.execution.transport import new_client, new_kernel_manager, next_message
@@ -66,6 +67,7 @@ class SandboxedKernel:
         }
         self.km: AsyncKernelManager = km or new_kernel_manager(kernel_name_for(profile.runtime))
         self.client: AsyncKernelClient | None = None
+        self._shell_watch: ShellConnectionWatch | None = None  # savable sandboxes: see is_alive_unchanged
         self.epoch = 0  # bumped on every restart or replacement
         self.drain = IdleDrain(session_id, lambda: self.client)
 
@@ -96,7 +98,7 @@ class SandboxedKernel:
             launch = {**launch, **restore.launch_kwargs()}
         try:
             await self.km.start_kernel(**launch)
-            self.client = new_client(self.km)
+            self._use_client(new_client(self.km))
             with self.drain.reading():
                 await self._wait_ready()
         except BaseException:
@@ -115,7 +117,7 @@ class SandboxedKernel:
         assert isinstance(provisioner, DockerProvisioner) and provisioner.profile is not None
         kernel = cls(session_id, provisioner.profile, provisioner.profile, {}, km=km, cpu_group=provisioner.cpu_group)
         try:
-            kernel.client = new_client(km)
+            kernel._use_client(new_client(km))
             with kernel.drain.reading():
                 await kernel._wait_attached()
         except BaseException:
@@ -158,6 +160,33 @@ class SandboxedKernel:
 
     async def is_alive(self) -> bool:
         return bool(await self.km.is_alive())
+
+    async def is_alive_unchanged(self) -> bool:
+        """:meth:`is_alive`, for the check before each execute: a savable sandbox whose shell
+        connection stayed up since a probe found its kernel alive is not probed again (a probe
+        crosses the supervisor's relay; see connection_watch.py)."""
+        watch = self._shell_watch
+        if watch is not None and watch.steady():
+            return True
+        alive = await self.is_alive()
+        if alive and watch is not None:
+            watch.confirm()
+        return alive
+
+    def _use_client(self, client: AsyncKernelClient) -> None:
+        """Make ``client`` the session's own, watched when the sandbox is savable."""
+        self.client = client
+        provisioner = self.km.provisioner
+        container = provisioner.container if isinstance(provisioner, DockerProvisioner) else None
+        if container is not None and container.spec.savable:
+            self._shell_watch = ShellConnectionWatch(client.shell_channel.socket)
+
+    def _stop_client(self) -> None:
+        if self._shell_watch is not None:
+            self._shell_watch.close()
+            self._shell_watch = None
+        if self.client is not None:
+            self.client.stop_channels()
 
     async def interrupt(self) -> None:
         await self.km.interrupt_kernel()
@@ -252,8 +281,8 @@ class SandboxedKernel:
         assert self.client is not None
         log.warning("iopub went silent (over the size cap?); reconnecting", extra={"session": self.session_id})
         with contextlib.suppress(Exception):
-            self.client.stop_channels()
-        self.client = new_client(self.km)
+            self._stop_client()
+        self._use_client(new_client(self.km))
         deadline = time.monotonic() + IOPUB_RECONNECT_SECONDS
         while time.monotonic() < deadline and not await self.iopub_answers(0.25):
             pass
@@ -283,8 +312,7 @@ class SandboxedKernel:
 
     async def teardown(self) -> None:
         """Stop the client and the kernel, and remove the container and its runtime dir."""
-        if self.client is not None:
-            self.client.stop_channels()
+        self._stop_client()
         if self.km.provisioner is not None:
             with contextlib.suppress(SandkernelError, RuntimeError):
                 await self.km.shutdown_kernel(now=True)
@@ -296,8 +324,7 @@ class SandboxedKernel:
         stop the drain and our client, close the egress proxy's socket, and leave the container,
         its runtime dir, its workspace disk and its uid as they are."""
         await self.drain.stop()
-        if self.client is not None:
-            self.client.stop_channels()
+        self._stop_client()
         self.km._close_control_socket()
         provisioner = self.km.provisioner
         if isinstance(provisioner, DockerProvisioner) and provisioner.egress is not None:

@@ -693,7 +693,7 @@ class KernelSession:
         shell: str | None,
     ) -> tuple[ExecutionRequest, ExecutionResult]:
         await self._restart_settled()
-        if not await self._kernel.is_alive():
+        if not await self._kernel.is_alive_unchanged():
             status = await self._deaths.classify(self.container, None)
             await self._restart_after_death(status, between_executes=True)
         state_lost, self._pending_state_lost = self._pending_state_lost, None
