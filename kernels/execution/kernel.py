@@ -175,6 +175,9 @@ class SandboxedKernel:
 
     def _use_client(self, client: AsyncKernelClient) -> None:
         """Make ``client`` the session's own, watched when the sandbox is savable."""
+        if self._shell_watch is not None:  # the last client's, if its stop was skipped
+            self._shell_watch.close()
+            self._shell_watch = None
         self.client = client
         provisioner = self.km.provisioner
         container = provisioner.container if isinstance(provisioner, DockerProvisioner) else None
