@@ -316,11 +316,17 @@ class ChannelsHandler(websocket.WebSocketHandler):
         """ZMQ cuts a subscriber that receives a message over the size cap and never restores
         it. After a disconnect (also seen on kernel restarts, which recover by themselves) the
         subscription is probed; if it stays dead the websocket is closed so the client
-        reconnects (JupyterLab does) with a fresh one, instead of silently getting no output."""
+        reconnects (JupyterLab does) with a fresh one, instead of silently getting no output.
+
+        A save of the kernel's memory (a fork's parent, a cell's checkpoint) detaches its sockets
+        until it ends: the probe starts after it (a loaded host's fork took longer than the
+        probe's bound, and the websocket was closed under JupyterLab for nothing)."""
+        assert self.managed is not None
         monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             while True:
                 await monitor.recv_multipart()
+                await self.managed.session.until_saved()
                 if not await self._nudge(IOPUB_RECOVERY_SECONDS):
                     break
         finally:

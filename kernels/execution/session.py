@@ -188,6 +188,13 @@ class KernelSession:
         assert provisioner.uid is not None
         return SavedMemory(image_dir, provisioner.uid)
 
+    async def until_saved(self) -> None:
+        """Until no save of the kernel's memory is under way. A fork's parent and a checkpointed
+        cell's session stay up, but their kernel's sockets are detached for as long as the save
+        takes (seconds, more on a loaded host) and come back after it."""
+        async with self._saving:
+            pass
+
     @classmethod
     async def adopt(cls, session_id: str, state: dict[str, Any]) -> KernelSession:
         """The session of a sandbox a previous process started, from its :meth:`durable_state`.
