@@ -13,7 +13,9 @@ import asyncio
 import hashlib
 import io
 import json
+import os
 import re
+import secrets
 import socket
 import tarfile
 import time
@@ -24,12 +26,14 @@ import pytest
 from sandkernel.errors import SnapshotError, SnapshotQuotaError, SnapshotRejectedError
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
+from sandkernel.kernels.model.profiles import Runtime
 from sandkernel.kernels.sandbox.container import SANDBOX_PYTHON
 from sandkernel.kernels.sandbox.exec_stream import (
     EXIT_GRACE,
     RELEASE_GRACE,
     Deadline,
     ExecStreamError,
+    exec_pid,
     frames,
     is_containers_exec,
     kill_exec,
@@ -460,7 +464,7 @@ async def test_a_helpers_process_waits_until_the_host_has_read_its_output(pair):
                 if data.endswith(output.token + b":003"):  # the trailer: the program's status, 3
                     break
             time.sleep(3)  # past dockerd's 2 s: an unheld exec would have exited and its stream closed
-            pid = api.exec_inspect(exec_id)["Pid"]
+            pid = exec_pid(api, exec_id) or 0
             started = process_start_time(pid)
             held = started is not None and is_containers_exec(pid, source.container.id)
             output.raw.shutdown(socket.SHUT_WR)  # the release, as HeldOutput gives it
@@ -483,3 +487,57 @@ async def test_a_helpers_process_waits_until_the_host_has_read_its_output(pair):
     assert size == 300000 + 32 + len(":003")  # the program's bytes, then the trailer (token and status)
     assert held  # its process waited for the host, in this sandbox
     assert gone, f"the holder still runs after its release{' and a kill' if killed else ''}"
+
+
+async def test_a_helper_given_up_on_is_killed_with_everything_it_started_on_the_host(pair):
+    """kill_exec ends what a helper given up on runs on the host: under runc the holder, its
+    program and that program's own children (a pipeline's commands are grandchildren: they were
+    left running before); under gVisor its ``runsc exec``, which stands outside the container's
+    cgroup (it was never found there, and stayed on the host until the session ended)."""
+    source, _ = pair
+    api, container_id = source.container.engine.client.api, source.container.id
+    runc = source.container.spec.profile.runtime is Runtime.RUNC  # gVisor's processes are no host's
+    seconds = f"1000.{secrets.randbelow(10**6)}"  # names this test's sleep among the sandbox's processes
+    argv = ["/bin/sh", "-c", f"sleep {seconds} | cat"]
+
+    def started_then_killed() -> tuple[bool, list[int]]:
+        exec_id, sock, _ = start_held(api, container_id, source.container.user, argv, Deadline(60), "x", "/")
+        try:
+            pid = exec_pid(api, exec_id) or 0
+            deadline = time.monotonic() + EXIT_GRACE
+            while runc and not sleeping(container_id, seconds):  # until the pipeline runs
+                assert time.monotonic() < deadline, "the helper's pipeline did not start"
+                time.sleep(0.02)
+            started = process_start_time(pid)
+            killed = kill_exec(api, container_id, exec_id)
+
+            def left() -> list[int]:
+                alive = started is not None and process_start_time(pid) == started
+                return [*([pid] if alive else []), *sleeping(container_id, seconds)]
+
+            gone_by = time.monotonic() + EXIT_GRACE  # a killed process is gone at once; its reaping is due
+            while left() and time.monotonic() < gone_by:
+                time.sleep(0.02)
+            return killed, left()
+        finally:
+            sock.close()
+
+    killed, left = await asyncio.to_thread(started_then_killed)
+    assert killed and left == [], f"left on the host: {left}"
+
+
+def sleeping(container_id: str, seconds: str) -> list[int]:
+    """The host processes in the container's cgroup that run this test's ``sleep``."""
+    found = []
+    wanted = f"sleep\0{seconds}\0".encode()
+    for name in os.listdir("/proc"):
+        try:
+            if (
+                name.isdigit()
+                and Path(f"/proc/{name}/cmdline").read_bytes() == wanted
+                and container_id in Path(f"/proc/{name}/cgroup").read_text()
+            ):
+                found.append(int(name))
+        except OSError:
+            continue
+    return found

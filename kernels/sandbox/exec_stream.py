@@ -42,6 +42,13 @@ EXIT_GRACE = 10.0  # seconds Docker may take to record an exec's exit after its 
 FILE_HELPER_TIMEOUT = 60.0
 
 
+# Seconds dockerd may take to know a started exec's pid.
+PID_GRACE = 5.0
+# How many generations above a gVisor exec's host process its container's shim may be.
+SHIM_GENERATIONS = 3
+# The most processes a helper given up on is found to have started (a pipeline is a few).
+MAX_DESCENDANTS = 256
+
 SANDBOX_SHELL = "/bin/sh"  # the image's POSIX shell, for helpers written as scripts
 
 # The exit code of a process (an exec, a container's init) ended by SIGKILL, as the OOM killer does.
@@ -347,43 +354,63 @@ def kill_exec(api: Any, container_id: str, exec_id: str) -> bool:
     killed by :func:`kill_stopped_runc_inits`."""
     if kill_stopped_runc_inits(container_id):
         return True
-    try:
-        state = api.exec_inspect(exec_id)
-    except Exception:  # best effort: the caller's error says what happened
-        return False
-    pid = state.get("Pid")
-    if not state.get("Running") or not isinstance(pid, int) or pid <= 1:
-        return False
-    return _kill_exec_process(pid, container_id)
+    pid = exec_pid(api, exec_id)
+    return pid is not None and _kill_exec_process(pid, container_id)
+
+
+def exec_pid(api: Any, exec_id: str) -> int | None:
+    """The host pid of a running exec; None once it ended (or if Docker cannot say). dockerd says
+    an exec runs before it knows its pid (0 for a moment after the start under gVisor): that is
+    waited for, at most :data:`PID_GRACE` seconds."""
+    known_by = time.monotonic() + PID_GRACE
+    while True:
+        try:
+            state = api.exec_inspect(exec_id)
+        except Exception:  # best effort: the caller's error says what happened
+            return None
+        pid = state.get("Pid")
+        if not state.get("Running") or not isinstance(pid, int):
+            return None
+        if pid > 1:
+            return pid
+        if time.monotonic() > known_by:
+            return None
+        time.sleep(0.02)
 
 
 def is_containers_exec(pid: int, container_id: str) -> bool:
     """Whether host process ``pid`` is an exec of ``container_id``: under runc the exec's own
     process, in the container's cgroup; under gVisor its ``runsc exec``, a host process outside
-    that cgroup (the sandbox's processes are not the host's), whose parent is the container's
-    containerd shim. The shim is known by its arguments (``-id`` and the container's id) and by
+    that cgroup (the sandbox's processes are not the host's), a child of the container's
+    containerd shim (looked for a few generations up). The shim is known by its arguments
+    (``-id`` and the container's id) and by
     standing outside the container's cgroup: a runc sandbox's process can take any arguments,
     but never leave its cgroup, and a gVisor sandbox makes no host process at all."""
     if _in_cgroup(pid, container_id):
         return True
-    parent = _parent(pid)
-    if parent is None or parent <= 1 or _in_cgroup(parent, container_id):
-        return False
-    try:
-        with open(f"/proc/{parent}/cmdline", "rb") as cmdline:
-            args = cmdline.read().split(b"\0")
-    except OSError:
-        return False
     wanted = container_id.encode()
-    return any(flag == b"-id" and value == wanted for flag, value in itertools.pairwise(args))
+    ancestor = pid
+    for _ in range(SHIM_GENERATIONS):
+        ancestor = _parent(ancestor) or 0
+        if ancestor <= 1 or _in_cgroup(ancestor, container_id):
+            return False
+        try:
+            with open(f"/proc/{ancestor}/cmdline", "rb") as cmdline:
+                args = cmdline.read().split(b"\0")
+        except OSError:
+            return False
+        if any(flag == b"-id" and value == wanted for flag, value in itertools.pairwise(args)):
+            return True
+    return False
 
 
 def _kill_exec_process(pid: int, container_id: str) -> bool:
     """SIGKILL ``pid`` through a pidfd (a pid reused once checked is never hit) if it is this
-    container's exec, and under runc its program too (a held helper's program is the exec's
-    child: both go). Under gVisor the kill ends ``runsc exec``: Docker records the exec's end and
-    the host process (about 20 MB each) is gone; what it ran inside the sandbox stays there, on
-    the sandbox's own limits, until the sandbox goes."""
+    container's exec, and under runc what it started too (a held helper's program is the exec's
+    child, and a pipeline's commands its grandchildren: all go, found before any is killed).
+    Under gVisor the kill ends ``runsc exec``: Docker records the exec's end and the host
+    process (about 20 MB each) is gone; what it ran inside the sandbox stays there, on the
+    sandbox's own limits, until the sandbox goes."""
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
@@ -391,9 +418,9 @@ def _kill_exec_process(pid: int, container_id: str) -> bool:
     try:
         if not is_containers_exec(pid, container_id):
             return False
-        for child in _children(pid):
-            if _in_cgroup(child, container_id):
-                _kill(child)
+        for descendant in _descendants(pid):
+            if _in_cgroup(descendant, container_id):
+                _kill(descendant)
         signal.pidfd_send_signal(pidfd, signal.SIGKILL)
         return True
     except OSError:
@@ -419,6 +446,18 @@ def _parent(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def _descendants(pid: int, limit: int = MAX_DESCENDANTS) -> list[int]:
+    """``pid``'s children, theirs and so on (at most ``limit``), read from /proc."""
+    found: list[int] = []
+    queue = [pid]
+    while queue and len(found) < limit:
+        for child in _children(queue.pop()):
+            if child not in found:
+                found.append(child)
+                queue.append(child)
+    return found[:limit]
 
 
 def _children(pid: int) -> list[int]:
