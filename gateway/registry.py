@@ -21,6 +21,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sandkernel.errors import (
@@ -302,7 +303,12 @@ class SessionRegistry:
             log.warning("could not release a session reservation (it expires by itself): %s", err)
 
     async def cold_start(
-        self, profile: Profile, session_id: str, tenant: str, restore: SavedMemory | None = None
+        self,
+        profile: Profile,
+        session_id: str,
+        tenant: str,
+        restore: SavedMemory | None = None,
+        workspace_image: Path | None = None,
     ) -> KernelSession:
         """Start a sandbox for ``tenant`` (none was waiting in the pool), through the start
         breaker if any, in the tenant's CPU group (kernels/sandbox/cpu_groups.py: tenants share a
@@ -315,7 +321,9 @@ class SessionRegistry:
         The time queued here is not a start's (the breaker times the start only). Surplus pooled
         sandboxes that gave their room to sessions are gone first (for every caller: create,
         resume, fork), so the gateway never holds more containers than ``max_sessions_total``.
-        ``restore``: a saved kernel (kernels/snapshots/memory.py) that carries on in the sandbox."""
+        ``restore``: a saved kernel (kernels/snapshots/memory.py) that carries on in the sandbox;
+        ``workspace_image``: a paused session's workspace disk, checked and copied for this start
+        (kernels/snapshots/disk.py), its /workspace."""
         if self.pool is not None:
             await self.pool.removals_done()
         cpu_group = await asyncio.to_thread(group_for, tenant)  # it checks the state dir on disk
@@ -329,6 +337,7 @@ class SessionRegistry:
                 cpu_group=cpu_group,
                 savable=self.savable(profile),
                 restore=restore,
+                workspace_image=workspace_image,
             )
             if self.controls is None:
                 return await start()

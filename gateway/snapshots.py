@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -59,6 +60,7 @@ from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, Sandbox
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
 from sandkernel.kernels.snapshots.archive import ArchivePart, capture_files
+from sandkernel.kernels.snapshots.disk import DISK, has_disk, seal_disk, unseal_disk
 from sandkernel.kernels.snapshots.memory import has_memory, image_bound, scratch_dir, seal_image, unseal_image
 from sandkernel.kernels.snapshots.quota import (
     CHECKPOINT_WINDOW_SECONDS,
@@ -149,8 +151,10 @@ class SnapshotManager:
 
     async def _retire(self, live: ManagedSession, manifest: SnapshotManifest) -> PausedSession:
         session = live.session
-        summary = _summary(manifest)
-        kernel = {"paused": summary, "profile": manifest.profile, "previous": session.durable_state()}
+        summary = _summary(manifest, await asyncio.to_thread(self.store.disk_bytes, manifest))
+        kernel: dict[str, Any] = {"paused": summary, "profile": manifest.profile}
+        if session.has_container:  # (a pause that kept the disk whole removed it already)
+            kernel["previous"] = session.durable_state()
         record = SandboxRecord(
             live.id,
             SandboxKind.SESSION,
@@ -166,7 +170,7 @@ class SnapshotManager:
         self.registry.add_paused(paused)
         await self._put(record)
         await session.shutdown()
-        kernel.pop("previous")  # the container is gone: nothing left to clean up at the next start
+        kernel.pop("previous", None)  # the container is gone: nothing left to clean up at the next start
         await self._update(live.id, kernel=kernel)
         log.info("session paused", extra={"session": live.id, "tenant": live.tenant, "bytes": summary["bytes"]})
         return paused
@@ -193,16 +197,22 @@ class SnapshotManager:
         allowance = tenant_bytes.allowance(quota)
         draft = await asyncio.to_thread(self.store.draft, managed.id)
         kept = False
+        # A pause of a savable sandbox with a disk workspace keeps the disk whole (after the
+        # memory: the sandbox must have ended); every other snapshot archives the files.
+        whole = kind == PAUSE and session.savable and await session.workspace_disk_bytes() is not None
         try:
-            part = await capture_files(
-                session.container,
-                draft.part_path(FILES),
-                quota,
-                timeout=self.settings.pause_timeout,
-                allowance=allowance,
-            )
+            extra: dict[str, Any] = {}
+            parts = await self._keep_whole(session, draft, allowance, extra) if whole else None
+            if parts is None:
+                part = await capture_files(
+                    session.container,
+                    draft.part_path(FILES),
+                    quota,
+                    timeout=self.settings.pause_timeout,
+                    allowance=allowance,
+                )
+                parts = {FILES: part}
             notebook = await _notebook_of(managed)
-            parts = {FILES: part}
             if kind == PAUSE and managed.recorder is not None:
                 # The transcript goes with the pause: another host resuming it (a shared snapshot
                 # dir, its host down) replays its cells from this copy (gateway/cluster/takeover.py).
@@ -213,9 +223,8 @@ class SnapshotManager:
                         f"{quota // MiB} MiB snapshot quota; delete paused sessions it no longer needs"
                     )
                 parts[TRANSCRIPT] = await asyncio.to_thread(self.store.write_part, draft, TRANSCRIPT, text)
-            in_memory = cells_in_memory(notebook, lost_since=session.state_lost_pending)
-            extra: dict[str, Any] = {"cells_in_memory": in_memory}
-            if session.savable:  # a fork's parent and a cell's session go on running
+            extra["cells_in_memory"] = cells_in_memory(notebook, lost_since=session.state_lost_pending)
+            if session.savable and not whole:  # a fork's parent and a cell's session go on running
                 saved = await self._save_memory(session, draft, allowance, leave_running=kind != PAUSE)
                 if saved is not None:
                     parts.update(saved[0])
@@ -247,6 +256,40 @@ class SnapshotManager:
         finally:
             allowance.settle(kept)
 
+    async def _keep_whole(
+        self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance, extra: dict[str, Any]
+    ) -> dict[str, ArchivePart] | None:
+        """A pause's memory and its workspace disk, whole (kernels/snapshots/disk.py), as parts;
+        the uid the saved kernel runs as goes into ``extra``. None when the quota has no room for
+        the memory: nothing was tried, the sandbox runs, and its files are archived as for any
+        snapshot. When gVisor fails the save (which may end the sandbox: a host socket makes its
+        sentry panic), the disk is kept without the memory, and the resume replays the cells
+        over the kept files. The disk's room is taken from the quota before the sandbox ends,
+        so a pause over quota leaves the session running."""
+        reserved = await session.workspace_disk_bytes() or 0
+        if not allowance.take(reserved):
+            raise SnapshotQuotaError(
+                f"the session's workspace disk ({reserved // MiB} MiB) does not fit in what is left of this token's "
+                f"{allowance.quota // MiB} MiB snapshot quota; delete paused sessions it no longer needs, or remove "
+                "files"
+            )
+        bound = image_bound(session.profile.memory_mb)
+        if not allowance.take(bound):
+            allowance.give_back(reserved)
+            log.warning("memory not saved: no room in the snapshot quota", extra={"session": session.id})
+            return None
+        allowance.give_back(bound)  # taken again, for good, as the image is written
+        saved = await self._save_memory(session, draft, allowance, leave_running=False)
+        if not await session.keep_workspace_disk(draft.part_path(DISK)):
+            allowance.give_back(reserved)
+            raise SnapshotError(f"session {session.id}: its workspace disk could not be kept; it was not paused")
+        disk = await asyncio.to_thread(seal_disk, draft)
+        allowance.give_back(max(0, reserved - await asyncio.to_thread(_allocated, draft.part_path(DISK))))
+        if saved is None:
+            return {DISK: disk}
+        memory_parts, extra["memory_uid"] = saved
+        return {DISK: disk, **memory_parts}
+
     async def _save_memory(
         self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance, *, leave_running: bool
     ) -> tuple[dict[str, ArchivePart], int] | None:
@@ -276,8 +319,13 @@ class SnapshotManager:
         uid = manifest.extra.get("memory_uid")
         if not has_memory(manifest) or not isinstance(uid, int) or profile.runtime is not Runtime.RUNSC:
             return None
-        target = self.store.root / f"{RESTORE_PREFIX}{uuid.uuid4().hex}"  # not a session id: sweeps skip it
+        target = self._scratch()
         return SavedMemory(await asyncio.to_thread(unseal_image, self.store, manifest, target), uid)
+
+    def _scratch(self) -> Path:
+        """A new path in the store's root for a restore's files while a sandbox starts (not a
+        session id: sweeps skip it; a restart sweeps what a crash left, by its prefix)."""
+        return self.store.root / f"{RESTORE_PREFIX}{uuid.uuid4().hex}"
 
     @staticmethod
     async def _done_with(memory: SavedMemory | None) -> None:
@@ -285,16 +333,34 @@ class SnapshotManager:
             await asyncio.to_thread(shutil.rmtree, memory.image_dir, True)
 
     async def _start_session(
-        self, profile: Profile, session_id: str, tenant: str, memory: SavedMemory | None
+        self,
+        profile: Profile,
+        session_id: str,
+        tenant: str,
+        memory: SavedMemory | None,
+        disk_of: SnapshotManifest | None = None,
     ) -> tuple[KernelSession, bool]:
         """A sandbox for a resume or a fork: carrying on from ``memory`` when there is one and it
-        starts, else a fresh one to replay into. Whether it came from memory."""
+        starts, else a fresh one to replay into; with ``disk_of``'s workspace disk, a checked copy
+        for each try. Whether it came from memory."""
         if memory is not None:
             try:
-                return await self.registry.cold_start(profile, session_id, tenant, restore=memory), True
+                image = await asyncio.to_thread(unseal_disk, self.store, disk_of, memory.image_dir) if disk_of else None
+                return (
+                    await self.registry.cold_start(profile, session_id, tenant, restore=memory, workspace_image=image),
+                    True,
+                )
             except SandkernelError as err:
                 log.warning("memory image did not start (replaying instead): %s", err, extra={"session": session_id})
-        return await self.registry.cold_start(profile, session_id, tenant), False
+        if disk_of is None:
+            return await self.registry.cold_start(profile, session_id, tenant), False
+        scratch = self._scratch()
+        await asyncio.to_thread(scratch.mkdir, 0o700)
+        try:
+            image = await asyncio.to_thread(unseal_disk, self.store, disk_of, scratch)
+            return await self.registry.cold_start(profile, session_id, tenant, workspace_image=image), False
+        finally:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
 
     async def _used(self, tenant: str, tenant_bytes: TenantSnapshotBytes) -> int:
         """The tenant's snapshot bytes: committed (walked again) and being written."""
@@ -339,8 +405,9 @@ class SnapshotManager:
             cells, files, files_from, source = await self._state_after(paused.id, paused.tenant, notebook, rewind_to)
         profile = self._profile_now(profile_from_record(manifest.profile), paused.id, "stays paused")
         memory = await self._unsealed(source, profile) if source is not None else None
+        disk_of = source if source is not None and has_disk(source) else None
         try:
-            session, from_memory = await self._start_session(profile, paused.id, paused.tenant, memory)
+            session, from_memory = await self._start_session(profile, paused.id, paused.tenant, memory, disk_of)
         finally:
             await self._done_with(memory)
         try:
@@ -349,7 +416,13 @@ class SnapshotManager:
                     restored = await carry_on(session, files, files_from)
                 else:
                     restored = await rebuild(
-                        session, notebook, cells=cells, files=files, files_from=files_from, **self._replay_rules()
+                        session,
+                        notebook,
+                        cells=cells,
+                        files=files,
+                        files_from=files_from,
+                        files_in_place=disk_of is not None,
+                        **self._replay_rules(),
                     )
         except BaseException as err:
             await self.registry.finish(session.shutdown())
@@ -403,7 +476,10 @@ class SnapshotManager:
                 "or ask the operator to offer its settings again"
             ) from err
 
-    def _files(self, manifest: SnapshotManifest) -> tuple[Path, Any]:
+    def _files(self, manifest: SnapshotManifest) -> tuple[Path, Any] | None:
+        """The snapshot's files archive, None when it keeps a whole disk instead (or nothing)."""
+        if FILES not in manifest.parts:
+            return None
         return self.store.part_path(manifest, FILES), manifest.parts[FILES]
 
     async def _state_after(
@@ -642,7 +718,7 @@ class SnapshotManager:
         return {"refuse_side_effects": self.settings.replay_side_effects == "refuse"}
 
     def _remove_restore_dirs(self) -> None:
-        """Memory images linked for a start that a crash interrupted (links: the parts stay).
+        """Memory images linked (and workspace disks copied) for a start that a crash interrupted.
         Only stale ones: in a cluster the snapshot dir is shared, and another host may be
         starting from one now."""
         for entry in self.store.root.glob(f"{RESTORE_PREFIX}*"):
@@ -661,8 +737,8 @@ class SnapshotManager:
             await self.registry.store.update(session_id, **fields)
 
 
-def _summary(manifest: SnapshotManifest) -> dict[str, Any]:
-    return {"id": manifest.snapshot_id, "bytes": manifest.bytes, "cells": manifest.cells, "created": manifest.created}
+def _summary(manifest: SnapshotManifest, on_disk: int) -> dict[str, Any]:
+    return {"id": manifest.snapshot_id, "bytes": on_disk, "cells": manifest.cells, "created": manifest.created}
 
 
 def _said(restored: Restored) -> str:
@@ -705,3 +781,9 @@ async def _reopen_transcript(path: Any) -> TranscriptRecorder | None:
     if not isinstance(path, str):
         return None
     return await asyncio.to_thread(TranscriptRecorder.reopen, Path(path))
+
+
+def _allocated(path: Path) -> int:
+    """What the file at ``path`` takes on disk (a sparse image: its data)."""
+    st = os.lstat(path)
+    return min(st.st_size, st.st_blocks * 512)

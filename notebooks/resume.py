@@ -147,9 +147,13 @@ async def rebuild(
     files_from: str = "snapshot",
     timeout: float = DEFAULT_CELL_TIMEOUT,
     refuse_side_effects: bool = False,
+    files_in_place: bool = False,
 ) -> Restored:
     """Bring the fresh ``session`` to a recorded state: put back the saved ``files`` archive, if
     any, re-run the code ``cells`` (:func:`cells_in_memory`), and put the files back again.
+    ``files_in_place``: the session started on the snapshot's own workspace disk (kept whole by
+    a pause whose memory could not be saved): nothing to put back, and no way to put the files
+    back after the cells; the notes say so if the cells changed them.
     Raises SnapshotRejectedError for an altered archive (before any cell runs),
     ReplayRefusedError when ``refuse_side_effects`` and a cell to re-run reached beyond the
     sandbox (before anything is done), and SandkernelError when the sandbox fails; what the
@@ -169,6 +173,9 @@ async def rebuild(
         await restore_files(session.container, *files)
         fingerprint, unpacked = await files_fingerprint(session.container), 1
         uploads = []
+    elif files_in_place:
+        fingerprint, uploads = await files_fingerprint(session.container), []
+        notes.append("/tmp was not kept (the workspace disk was, whole)")
     else:
         files_from = REPLAY
         try:
@@ -182,6 +189,8 @@ async def rebuild(
     if files is not None and (fingerprint is None or await files_fingerprint(session.container) != fingerprint):
         await restore_files(session.container, *files)  # the cells changed files: put them back as saved
         unpacked += 1
+    elif files_in_place and await files_fingerprint(session.container) != fingerprint:
+        notes.append("the re-run cells changed files of the kept workspace: they are as the cells left them")
     if session.meter is not None:  # the rebuild is nobody's cell
         session.meter.forget_files()
     restored = Restored(

@@ -11,11 +11,13 @@ snapshot store on disk. runsc only (runc has no memory checkpoint here: docs/sna
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
+from sandkernel.kernels.snapshots.disk import DISK
 from sandkernel.kernels.snapshots.memory import MEMORY_PARTS
 from sandkernel.kernels.snapshots.store import SnapshotStore
 
@@ -29,6 +31,9 @@ from .test_snapshots import CHECK, EXPECTED, STATE, _execute, _text
 # original is not advanced).
 GENERATOR = "import copy\nrng = np.random.default_rng(11); rng.random(3)\nprint(repr(copy.deepcopy(rng).random()))"
 NEXT_DRAW = "print(repr(rng.random()))"
+# A file the kernel holds open across the pause: with the disk kept whole, the same file.
+OPEN_FILE = "log = open('/workspace/log.txt', 'a'); log.write('before\\n'); log.flush()"
+OPEN_FILE_AFTER = "log.write('after\\n'); log.close(); print(open('/workspace/log.txt').read(), end='')"
 ZMQ_HANDSHAKE_SECONDS = 30  # libzmq's ZMQ_HANDSHAKE_IVL default: how long a connection with no greeting is kept
 
 
@@ -48,6 +53,7 @@ async def test_a_paused_gvisor_session_resumes_from_its_memory_after_a_gateway_r
         assert install["status"] == "ok", install
         assert _text(await _execute(gw, sid, STATE)) == "built\n"
         expected_draw = _text(await _execute(gw, sid, GENERATOR))
+        assert (await _execute(gw, sid, OPEN_FILE))["status"] == "ok"
         before = container_ids_of(sid)
         _, live = await gw.request("POST", "/api/sessions", {})  # stays live: adopted after the restart
         await _execute(gw, live["id"], "y = 7")
@@ -57,8 +63,12 @@ async def test_a_paused_gvisor_session_resumes_from_its_memory_after_a_gateway_r
         assert container_ids_of(sid) == []
         store = SnapshotStore(state_dir / "snapshots")
         [manifest] = store.list(sid)
-        assert set(MEMORY_PARTS) <= set(manifest.parts), manifest.parts
-        assert all(store.part_path(manifest, name).stat().st_mode & 0o777 == 0o600 for name in MEMORY_PARTS)
+        # The memory and the workspace disk, whole: no files archive went through the sandbox.
+        assert set(manifest.parts) == {*MEMORY_PARTS, DISK, "transcript"}, manifest.parts
+        assert all(store.part_path(manifest, name).stat().st_mode & 0o777 == 0o600 for name in manifest.parts)
+        disk = store.part_path(manifest, DISK).stat()
+        assert paused["snapshot"]["bytes"] < manifest.bytes and disk.st_blocks * 512 < disk.st_size  # holes kept
+        assert not list((state_dir / "workspaces").glob(f"{sid}*")), "the disk stayed in the workspaces dir"
 
         await stop_gateway(gw)
         stopped = True
@@ -72,16 +82,17 @@ async def test_a_paused_gvisor_session_resumes_from_its_memory_after_a_gateway_r
         code, resumed = await gw.request("POST", f"/api/sessions/{sid}/resume")
         assert code == 200, resumed
         assert resumed["restored_by"] == "checkpoint" and resumed["cells"] == [], resumed
-        assert resumed["files"] == "snapshot" and resumed["unpacked"] == 1
+        assert resumed["files"] == "snapshot" and resumed["unpacked"] == 0  # the disk came back, nothing unpacked
         assert container_ids_of(sid) and container_ids_of(sid) != before
         draw = await _execute(gw, sid, NEXT_DRAW)
         assert _text(draw) == expected_draw, "the generator did not carry on where it was"
-        assert draw["execution_count"] == 4, "a cell ran again: the kernel's count moved past the recorded 3"
+        assert draw["execution_count"] == 5, "a cell ran again: the kernel's count moved past the recorded 4"
         assert _text(await _execute(gw, sid, CHECK)) == EXPECTED
+        assert _text(await _execute(gw, sid, OPEN_FILE_AFTER)) == "before\nafter\n"  # the same open file
         assert _text(await _execute(gw, live["id"], "print(y)")) == "7\n"  # a live savable sandbox, adopted
         code, notebook = await gw.request("GET", f"/api/sessions/{sid}/notebook")
         code_cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
-        assert len(code_cells) == 5  # the three before the pause and the two after: none re-run
+        assert len(code_cells) == 7  # the four before the pause and the three after: none re-run
         assert any("memory checkpoint" in "".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
     finally:
         if not stopped:
@@ -89,28 +100,31 @@ async def test_a_paused_gvisor_session_resumes_from_its_memory_after_a_gateway_r
 
 
 @pytest.mark.parametrize("runtime", [RUNSC])
-async def test_an_altered_memory_image_is_refused_and_the_session_stays_paused(tmp_path, runtime):
+@pytest.mark.parametrize(("part", "named"), [("memory_pages", "memory part"), (DISK, "workspace disk")])
+async def test_an_altered_memory_image_or_disk_is_refused_and_the_session_stays_paused(tmp_path, runtime, part, named):
     require_runtime(runtime)
     state_dir = tmp_path / "state"
     gw = await start_gateway(tmp_path, default_runtime=runtime, memory_snapshots="on", state_dir=state_dir)
     try:
         _, session = await gw.request("POST", "/api/sessions", {})
         sid = session["id"]
-        await _execute(gw, sid, "secret = 'kept'")
+        await _execute(gw, sid, "secret = 'kept'; open('/workspace/notes.txt', 'w').write('x' * 100_000)")
         assert (await gw.request("POST", f"/api/sessions/{sid}/pause"))[0] == 200
         store = SnapshotStore(state_dir / "snapshots")
         [manifest] = store.list(sid)
-        pages = store.part_path(manifest, "memory_pages")
-        with open(pages, "r+b") as f:  # one byte flipped, the size kept
-            f.seek(pages.stat().st_size // 2)
+        altered = store.part_path(manifest, part)
+        with open(altered, "r+b") as f:  # one byte flipped where there is data, the size kept
+            data_at = os.lseek(f.fileno(), altered.stat().st_size // 2, os.SEEK_DATA) if part == DISK else None
+            f.seek(data_at if data_at is not None else altered.stat().st_size // 2)
             byte = f.read(1)
             f.seek(-1, 1)
             f.write(bytes([byte[0] ^ 0xFF]))
 
         code, reply = await gw.request("POST", f"/api/sessions/{sid}/resume")
         assert code == 409 and reply["error"] == "snapshot_rejected", reply
-        assert "memory part" in reply["message"]
+        assert named in reply["message"]
         assert container_ids_of(sid) == []  # nothing was started from the altered image
+        assert not list((state_dir / "workspaces").glob(f"{sid}*")), "a copy of the altered disk was left"
         code, model = await gw.request("GET", f"/api/sessions/{sid}")
         assert model["state"] == "paused"
         assert not [p for p in (state_dir / "snapshots").iterdir() if p.name.startswith("restore-")]
@@ -190,5 +204,47 @@ async def test_rewind_and_fork_at_a_cell_return_to_its_memory(tmp_path, runtime)
         assert (rewound["restored_by"], rewound["cells"], rewound["files"]) == ("checkpoint", [], "checkpoint")
         reply = await _execute(gw, sid, "print(token, 'later' in dir())")
         assert (_text(reply), reply["execution_count"]) == (f"{token} False\n", 2), reply
+    finally:
+        await stop_gateway(gw)
+
+
+@pytest.mark.parametrize("runtime", [RUNSC])
+@pytest.mark.parametrize(
+    ("cause", "options"),
+    [
+        ("no room in the quota", {"snapshot_quota_mb": 300}),
+        # A unix socket bound in /workspace is a host socket (a gofer mount): gVisor cannot save it.
+        ("a host socket", {}),
+    ],
+)
+async def test_a_pause_whose_memory_cannot_be_saved_keeps_the_files_and_resumes_by_replay(
+    tmp_path, runtime, cause, options
+):
+    """The memory image cannot be made (the tenant's quota has room for its files, not for its
+    memory; the kernel holds a socket gVisor cannot save, and its sentry panics): the pause still
+    succeeds, keeping the files, and the resume re-runs the cells over them (restored_by replay).
+    Before the disk was kept whole, the host socket case archived the files first; keeping the
+    disk after the save, a first version archived them after a failed save, from a sandbox that
+    was dying, and the pause failed."""
+    require_runtime(runtime)
+    gw = await start_gateway(tmp_path, default_runtime=runtime, memory_snapshots="on", **options)
+    try:
+        _, session = await gw.request("POST", "/api/sessions", {"limits": {"memory_mb": 512}})
+        sid = session["id"]
+        cell = "open('/workspace/kept.txt', 'w').write('on the disk'); total = 40 + 2"
+        if cause == "a host socket":
+            cell += "\nimport socket; held = socket.socket(socket.AF_UNIX); held.bind('/workspace/held.sock')"
+        assert (await _execute(gw, sid, cell))["status"] == "ok"
+        code, paused = await gw.request("POST", f"/api/sessions/{sid}/pause")
+        assert code == 200, paused
+        assert container_ids_of(sid) == []
+        code, resumed = await gw.request("POST", f"/api/sessions/{sid}/resume")
+        assert code == 200, resumed
+        assert (resumed["restored_by"], resumed["files"]) == ("replay", "snapshot"), resumed
+        if cause == "a host socket":  # the failed save ended the sandbox: its disk was kept whole
+            assert resumed["unpacked"] == 0 and any("/tmp was not kept" in n for n in resumed["notes"]), resumed
+        else:  # nothing was tried: the files were archived through the running sandbox, /tmp too
+            assert resumed["unpacked"] >= 1, resumed
+        assert _text(await _execute(gw, sid, "print(open('/workspace/kept.txt').read(), total)")) == "on the disk 42\n"
     finally:
         await stop_gateway(gw)

@@ -14,6 +14,7 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from jupyter_client import AsyncKernelManager
@@ -89,13 +90,21 @@ class SandboxedKernel:
             raise SessionClosedError(f"session {self.session_id} has no container; start a new session")
         return container
 
-    async def start(self, workspace: dict[str, Any] | None = None, restore: SavedMemory | None = None) -> None:
+    async def start(
+        self,
+        workspace: dict[str, Any] | None = None,
+        restore: SavedMemory | None = None,
+        workspace_image: Path | None = None,
+    ) -> None:
         """Start the kernel and wait until it answers; on failure nothing is left running.
         ``workspace``: a disk workspace handed over by the previous provisioner (see replace);
-        ``restore``: a saved kernel this start (only) carries on from."""
+        ``restore``: a saved kernel this start (only) carries on from; ``workspace_image``: a
+        workspace image a pause kept whole (checked, a copy of this session's), its /workspace."""
         launch = {**self._launch, "sandkernel_workspace": workspace} if workspace else self._launch
         if restore is not None:
             launch = {**launch, **restore.launch_kwargs()}
+        if workspace_image is not None:
+            launch = {**launch, "sandkernel_workspace_image": str(workspace_image)}
         try:
             await self.km.start_kernel(**launch)
             self._use_client(new_client(self.km))

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import docker.errors
 from jupyter_client import AsyncKernelManager
 
 from sandkernel.errors import (
@@ -157,14 +158,17 @@ class KernelSession:
         cpu_group: str | None = None,
         savable: bool = False,
         restore: SavedMemory | None = None,
+        workspace_image: Path | None = None,
     ) -> KernelSession:
         """A started session. ``savable``: gVisor only, its memory can be saved
         (:meth:`save_memory`); ``restore``: what that method saved, whose kernel carries on here
-        (with this session's new key) instead of a fresh one."""
+        (with this session's new key) instead of a fresh one; ``workspace_image``: a workspace
+        image a pause kept whole (:meth:`keep_workspace_disk`), checked and copied for this
+        session, which becomes its /workspace (moved, not copied again)."""
         session = cls(profile, overrides, session_id, cpu_group=cpu_group, savable=savable or restore is not None)
         for observer in observers:
             session.add_observer(observer)
-        await session._kernel.start(restore=restore)
+        await session._kernel.start(restore=restore, workspace_image=workspace_image)
         return session
 
     @property
@@ -187,6 +191,44 @@ class KernelSession:
                     await self._kernel.wait_reconnected()
         assert provisioner.uid is not None
         return SavedMemory(image_dir, provisioner.uid)
+
+    async def workspace_disk_bytes(self) -> int | None:
+        """What the session's workspace disk image takes on the host's disk now (its blocks, the
+        freed ones of deleted files included), None for a tmpfs workspace."""
+        disk = self._kernel.provisioner.workspace_disk
+        return None if disk is None else await asyncio.to_thread(disk.allocated_bytes)
+
+    @property
+    def has_container(self) -> bool:
+        """Whether the session still has its container (:meth:`keep_workspace_disk` removes it)."""
+        return self._kernel.provisioner.container is not None
+
+    async def keep_workspace_disk(self, target: Path) -> bool:
+        """End the sandbox (a pause, after :meth:`save_memory`) and move its /workspace disk
+        image, whole, to ``target`` (WorkspaceDisk.release_image), instead of removing it with
+        the sandbox. The container goes first, so that nothing holds the filesystem when it is
+        unmounted (a gofer's mount namespace would keep it alive, its last writes unflushed).
+        False, with nothing moved, when the session has no disk workspace or it cannot be
+        released; the disk is then removed with the session as usual."""
+        provisioner = self._kernel.provisioner
+        if provisioner.workspace_disk is None:
+            return False
+        try:
+            if provisioner.container is not None:
+                await provisioner.container.remove()
+                provisioner.container = None
+        except docker.errors.DockerException as err:
+            log.warning("the sandbox could not be removed to keep its disk: %s", err, extra={"session": self.id})
+            return False
+        disk = provisioner.detach_workspace_disk()
+        assert disk is not None
+        try:
+            await asyncio.to_thread(disk.release_image, target)
+        except (SandkernelError, OSError) as err:
+            log.warning("the workspace disk could not be kept whole: %s", err, extra={"session": self.id})
+            provisioner.workspace_disk = disk  # cleanup removes it as usual
+            return False
+        return True
 
     async def until_saved(self) -> None:
         """Until no save of the kernel's memory is under way. A fork's parent and a checkpointed

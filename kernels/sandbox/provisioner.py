@@ -15,7 +15,9 @@ from cpu_groups.group_for), ``sandkernel_savable`` (gVisor only: a sandbox whose
 :meth:`DockerProvisioner.save_memory` can write out) and ``sandkernel_restore_from`` (a directory
 that method wrote: the first launch starts a savable sandbox from it, the kernel running on with
 this manager's new key, instead of a fresh kernel) with ``sandkernel_restore_uid`` (the uid the
-saved kernel runs as: its processes keep their credentials through the restore).
+saved kernel runs as: its processes keep their credentials through the restore), and
+``sandkernel_workspace_image`` (a workspace image a pause kept whole, checked and copied for
+this session: the first container's /workspace disk, moved into place instead of a fresh one).
 The host environment is never forwarded into the container: only ``Profile.env`` is.
 """
 
@@ -70,6 +72,9 @@ class DockerProvisioner(KernelProvisionerBase):
     savable: bool = False  # the sandbox's PID 1 is the kernel supervisor (memory snapshots)
     restore_from: Path | None = None  # the memory checkpoint the first launch starts from
     restore_uid: int | None = None  # the uid that checkpoint's kernel runs as
+    # A workspace image kept whole by a pause (WorkspaceDisk.release_image), checked and copied
+    # for this session: the first container's disk instead of a fresh one.
+    workspace_image: Path | None = None
     # Set when the last (re)launch had to replace the whole container.
     container_replaced: bool = False
     # Set when /workspace went with the replaced container (a tmpfs workspace); a disk workspace
@@ -92,6 +97,7 @@ class DockerProvisioner(KernelProvisionerBase):
         cpu_group = kwargs.pop("sandkernel_cpu_group", None)
         restore_from = kwargs.pop("sandkernel_restore_from", None)
         restore_uid = kwargs.pop("sandkernel_restore_uid", None)
+        workspace_image = kwargs.pop("sandkernel_workspace_image", None)
         savable = bool(kwargs.pop("sandkernel_savable", False) or restore_from)
         if self.profile is None:
             if self.runtime:
@@ -123,6 +129,10 @@ class DockerProvisioner(KernelProvisionerBase):
                     self.restore_uid = restore_uid
             if handed_over is not None:
                 await self._take_over_workspace(handed_over)
+            elif workspace_image is not None:
+                if profile.workspace_storage is not WorkspaceStorage.DISK:
+                    raise ConfigError("a saved workspace image needs a session with workspace_storage 'disk'")
+                self.workspace_image = Path(workspace_image)
             self.runtime_dir = await asyncio.to_thread(RuntimeDir.create)
             if profile.network is not None:  # allowlist: the session's proxy, before any container
                 self.egress = EgressProxy(profile.network, self.session_id, self.runtime_dir.egress_dir)
@@ -206,10 +216,14 @@ class DockerProvisioner(KernelProvisionerBase):
         if self.profile.workspace_storage is WorkspaceStorage.DISK:
             if self.workspace_disk is None:
                 size, owner = self.profile.workspace_mb, owner_label()
-                self.workspace_disk = await made_or_undone(
-                    asyncio.to_thread(WorkspaceDisk.create, self.session_id, size, self.uid, SANDBOX_GID, owner),
-                    lambda disk: asyncio.to_thread(disk.remove),
-                )
+                image, self.workspace_image = self.workspace_image, None  # the first container's only
+                if image is not None:
+                    made = asyncio.to_thread(
+                        WorkspaceDisk.from_image, self.session_id, image, size, self.uid, SANDBOX_GID, owner
+                    )
+                else:
+                    made = asyncio.to_thread(WorkspaceDisk.create, self.session_id, size, self.uid, SANDBOX_GID, owner)
+                self.workspace_disk = await made_or_undone(made, lambda disk: asyncio.to_thread(disk.remove))
             else:
                 await asyncio.to_thread(self.workspace_disk.ensure_mounted)
             mount = self.workspace_disk.mount_point
@@ -257,6 +271,13 @@ class DockerProvisioner(KernelProvisionerBase):
         self.workspace_disk = None
         self.uid = None  # the reservation stays: the next provisioner of this process takes it
         return handed
+
+    def detach_workspace_disk(self) -> WorkspaceDisk | None:
+        """Take the disk workspace out of this provisioner's hands: cleanup leaves it (mounted)
+        for the caller, who keeps it whole (a pause: WorkspaceDisk.release_image) or removes it.
+        None for a tmpfs workspace. The uid stays reserved until cleanup, as usual."""
+        disk, self.workspace_disk = self.workspace_disk, None
+        return disk
 
     async def _wait_for_sockets(self) -> None:
         assert self.container is not None and self.runtime_dir is not None and self.profile is not None

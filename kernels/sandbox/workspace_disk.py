@@ -31,13 +31,14 @@ at every step, checks each step is the directory it listed, and never follows a 
 
 Every method here blocks (subprocesses, mounts): callers run them with ``asyncio.to_thread``.
 Mounting needs root; :func:`disk_support` says whether this host can, and why not. This module
-imports only the common base and the state dir, so the reaper can import it.
+imports only the common base, the state dir and sparse_files.py, so the reaper can import it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import logging
 import os
@@ -51,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError, SandboxLostError
+from sandkernel.kernels.sandbox.sparse_files import copy_sparse
 from sandkernel.kernels.sandbox.state_dir import state_dir
 
 log = logging.getLogger(__name__)
@@ -207,6 +209,54 @@ class WorkspaceDisk:
         return disk
 
     @classmethod
+    def from_image(
+        cls, session_id: str, source: Path, size_mb: int, uid: int, gid: int, owner: str = ""
+    ) -> WorkspaceDisk:
+        """The disk of ``session_id`` from an image kept whole by :meth:`release_image` (a paused
+        session's, checked against its snapshot and copied for this session by the caller):
+        moved into place, not copied again where it can be, and mounted (blocking).
+
+        Raises ConfigError when not root, KernelStartError when the image is not a regular file
+        of ``size_mb`` MiB or the session already has one; on failure the session has no disk
+        (``source`` may be gone)."""
+        if os.geteuid() != 0:
+            raise ConfigError(NOT_ROOT)
+        disk = cls(session_id, size_mb, uid, gid)
+        st = os.lstat(source)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size_mb * 1024 * 1024:
+            raise KernelStartError(
+                f"the saved workspace image is not a regular file of {size_mb} MiB; the session's profile asks for that"
+            )
+        if os.path.lexists(disk.image):
+            raise KernelStartError(f"a workspace image for session {session_id} already exists")
+        try:
+            move_file(source, disk.image)
+            if owner:
+                disk.claim(owner)
+            disk.ensure_mounted()
+        except BaseException:
+            disk.remove()
+            raise
+        log.info("workspace disk restored", extra={"session": session_id, "size_mb": size_mb})
+        return disk
+
+    def release_image(self, target: Path) -> None:
+        """Unmount the disk and move its image to ``target`` (a new path), whole: what a pause
+        keeps of the session's files when its sandbox has ended (blocking). The blocks of deleted
+        files are given back first (fstrim through the loop device punches them out of the
+        image), so the image takes on disk what the files do. The disk is gone from the
+        workspaces dir afterwards."""
+        if self.is_mounted():
+            with contextlib.suppress(KernelStartError):  # a filesystem that cannot trim keeps its blocks
+                run_tool([tool("fstrim"), str(self.mount_point)])
+            run_tool([tool("umount"), str(self.mount_point)])  # busy: it fails, and the disk stays
+        detach_loops(self.image)
+        self.check_image()
+        move_file(self.image, target)
+        self.remove()
+        log.info("workspace disk kept whole", extra={"session": self.session_id})
+
+    @classmethod
     def open(cls, session_id: str, size_mb: int, uid: int, gid: int) -> WorkspaceDisk:
         """An existing session's disk, checked and mounted (after a gateway restart or a host
         reboot). Raises SandboxLostError when the image is gone, AdoptionRefusedError when it is
@@ -284,6 +334,11 @@ class WorkspaceDisk:
             )
         return st
 
+    def allocated_bytes(self) -> int:
+        """What the image takes on the host's disk (its blocks; never more than its size)."""
+        st = os.lstat(self.image)
+        return min(st.st_size, st.st_blocks * 512)
+
     def is_mounted(self) -> bool:
         """Whether our image is mounted at the mount point (the loop device's backing file is
         checked: something else mounted there raises AdoptionRefusedError)."""
@@ -352,6 +407,34 @@ class WorkspaceDisk:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.owner_file)
         log.info("workspace disk removed", extra={"session": self.session_id})
+
+
+def move_file(source: Path, target: Path) -> None:
+    """Move a file to a new path: renamed within a filesystem, else copied with its holes and
+    the source removed. The target is made 0600 and never through a link."""
+    try:
+        if os.path.lexists(target):
+            raise FileExistsError(errno.EEXIST, "exists", str(target))
+        os.rename(source, target)
+        os.chmod(target, 0o600, follow_symlinks=False)
+        return
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+    source_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        target_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            copy_sparse(source_fd, target_fd)
+            os.fsync(target_fd)
+        except BaseException:
+            os.unlink(target)
+            raise
+        finally:
+            os.close(target_fd)
+    finally:
+        os.close(source_fd)
+    os.unlink(source)
 
 
 def remove_workspace_disk(session_id: str) -> bool:

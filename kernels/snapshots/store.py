@@ -347,8 +347,13 @@ class SnapshotStore:
                     used += _tree_bytes(self.root / session_id / snapshot_id)
         return used
 
+    def disk_bytes(self, manifest: SnapshotManifest) -> int:
+        """Disk used by one snapshot's files: less than :attr:`SnapshotManifest.bytes` where a
+        part is sparse (a workspace disk kept whole is as large as the workspace, holes and all)."""
+        return _tree_bytes(self.root / manifest.session_id / manifest.snapshot_id)
+
     def total_bytes(self) -> int:
-        """Disk used by all snapshots, drafts and damaged ones included (apparent sizes)."""
+        """Disk used by all snapshots, drafts and damaged ones included."""
         return sum(_tree_bytes(self.root / session_id) for session_id in self.sessions())
 
     # -- plumbing ------------------------------------------------------------------------------
@@ -568,8 +573,9 @@ def _check_part(
 
 
 def _tree_bytes(path: Path) -> int:
-    """Apparent size of the regular files under ``path`` (symlinks are counted as nothing and
-    never followed); 0 for a path that is gone."""
+    """What the regular files under ``path`` take on disk: each one's size, or its allocated
+    blocks where fewer (a sparse workspace disk image or memory image takes what its data does);
+    symlinks are counted as nothing and never followed; 0 for a path that is gone."""
     total = 0
     try:
         entries = list(os.scandir(path))
@@ -580,7 +586,8 @@ def _tree_bytes(path: Path) -> int:
             if entry.is_dir(follow_symlinks=False):
                 total += _tree_bytes(Path(entry.path))
             elif entry.is_file(follow_symlinks=False):
-                total += entry.stat(follow_symlinks=False).st_size
+                st = entry.stat(follow_symlinks=False)
+                total += min(st.st_size, st.st_blocks * 512)
         except FileNotFoundError:
             continue
     return total

@@ -1,0 +1,77 @@
+"""Sparse files (a workspace disk's image): walk, copy and hash only the parts that hold data.
+
+A workspace image is as large as the session's ``workspace_mb`` (1 GiB by default) but holds
+blocks only where the sandbox wrote. Reading it whole would hash and copy every hole as zeros;
+``SEEK_DATA`` / ``SEEK_HOLE`` name the data segments, ``copy_file_range`` copies them inside the
+kernel, and the holes stay holes in the copy.
+
+The digest covers the file's size and each data segment's offset, length and bytes, so it
+depends on where the holes are as well as on the data: a copy made by :func:`copy_sparse` on
+the same kind of filesystem has the digest of its source. A filesystem that places holes
+differently only makes a digest differ (a refused snapshot, never an accepted altered one).
+
+Every function blocks on disk: call them through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import struct
+from collections.abc import Iterator
+
+CHUNK = 1024 * 1024
+SEGMENT_HEADER = struct.Struct(">QQ")  # offset, length: what each hashed segment starts with
+
+
+def data_segments(fd: int) -> Iterator[tuple[int, int]]:
+    """(offset, length) of each data segment of the open file ``fd``, in order. A filesystem
+    without SEEK_DATA reports the whole file as one segment."""
+    size = os.fstat(fd).st_size
+    offset = 0
+    while offset < size:
+        try:
+            start = os.lseek(fd, offset, os.SEEK_DATA)
+        except OSError as err:
+            if err.errno == errno.ENXIO:  # no data after offset: the rest is a hole
+                return
+            raise
+        end = os.lseek(fd, start, os.SEEK_HOLE)
+        yield start, end - start
+        offset = end
+
+
+def allocated_bytes(fd: int) -> int:
+    """What the file takes on disk (never more than its size: a file's last block counts whole)."""
+    st = os.fstat(fd)
+    return min(st.st_size, st.st_blocks * 512)
+
+
+def sparse_digest(fd: int) -> str:
+    """SHA-256 (hex) of the file's size and its data segments (see the module docstring)."""
+    digest = hashlib.sha256(b"sparse-file-v1\0%d\0" % os.fstat(fd).st_size)
+    for start, length in data_segments(fd):
+        digest.update(SEGMENT_HEADER.pack(start, length))
+        done = 0
+        while done < length:
+            chunk = os.pread(fd, min(CHUNK, length - done), start + done)
+            if not chunk:
+                raise OSError(errno.EIO, "the file shrank while it was hashed")
+            digest.update(chunk)
+            done += len(chunk)
+    return digest.hexdigest()
+
+
+def copy_sparse(source_fd: int, target_fd: int) -> None:
+    """Copy the open file ``source_fd`` into the empty ``target_fd``: the same size, data where
+    the source has data, holes elsewhere."""
+    size = os.fstat(source_fd).st_size
+    os.ftruncate(target_fd, size)
+    for start, length in data_segments(source_fd):
+        done = 0
+        while done < length:
+            copied = os.copy_file_range(source_fd, target_fd, length - done, start + done, start + done)
+            if copied == 0:
+                raise OSError(errno.EIO, "the file shrank while it was copied")
+            done += copied

@@ -1,0 +1,61 @@
+"""kernels/sandbox/sparse_files.py on real files of this host's filesystem: a copy keeps the
+holes and the digest, any changed byte or moved hole changes the digest, and the snapshot store
+counts what a sparse part takes on disk, not its size."""
+
+from __future__ import annotations
+
+import os
+
+from sandkernel.kernels.sandbox.sparse_files import allocated_bytes, copy_sparse, data_segments, sparse_digest
+from sandkernel.kernels.snapshots.store import _tree_bytes
+
+MiB = 1024 * 1024
+
+
+def _sparse(path, pieces: dict[int, bytes], size: int = 64 * MiB):
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for offset, data in pieces.items():
+            f.seek(offset)
+            f.write(data)
+    return path
+
+
+def _digest(path) -> str:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return sparse_digest(fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_copy_keeps_the_data_the_holes_and_the_digest(tmp_path):
+    source = _sparse(tmp_path / "a.img", {0: b"head" * 1024, 10 * MiB: os.urandom(MiB), 63 * MiB: b"tail"})
+    target = tmp_path / "b.img"
+    src, dst = os.open(source, os.O_RDONLY), os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        copy_sparse(src, dst)
+        assert list(data_segments(dst)) == list(data_segments(src))
+        assert len(list(data_segments(src))) == 3
+        assert allocated_bytes(dst) < 2 * MiB and os.fstat(dst).st_size == 64 * MiB
+    finally:
+        os.close(src)
+        os.close(dst)
+    assert target.read_bytes() == source.read_bytes()
+    assert _digest(target) == _digest(source)
+
+
+def test_a_changed_byte_or_a_filled_hole_changes_the_digest(tmp_path):
+    pieces = {0: b"a" * 8192, 8 * MiB: b"b" * 8192}
+    original = _digest(_sparse(tmp_path / "a.img", pieces))
+    assert _digest(_sparse(tmp_path / "b.img", {**pieces, 0: b"a" * 8191 + b"c"})) != original
+    # The same bytes to read (zeros), but data where there was a hole: another digest.
+    assert _digest(_sparse(tmp_path / "c.img", {**pieces, 4 * MiB: bytes(8192)})) != original
+    assert _digest(_sparse(tmp_path / "d.img", pieces, size=65 * MiB)) != original  # another size
+    assert _digest(_sparse(tmp_path / "e.img", pieces)) == original
+
+
+def test_the_snapshot_store_counts_what_a_sparse_part_takes_on_disk(tmp_path):
+    _sparse(tmp_path / "disk", {0: os.urandom(MiB)}, size=1024 * MiB)
+    (tmp_path / "small").write_bytes(b"x" * 1000)
+    assert MiB <= _tree_bytes(tmp_path) < 2 * MiB + 1000  # not the 1 GiB the image's size says
