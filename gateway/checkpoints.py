@@ -55,13 +55,15 @@ class CellCheckpoints(SessionObserver):
             log.warning("no checkpoint after this cell: %s", err, extra={"session": self.managed.id})
 
     async def admit(self, request: ExecutionRequest) -> Verdict:
-        pending = self._pending
-        if pending is not None and not pending.done():
-            with contextlib.suppress(Exception):
-                await asyncio.shield(pending)
+        await self.settled()
         return ALLOW
 
     async def session_closed(self) -> None:
+        await self.settled()
+
+    async def settled(self) -> None:
+        """Until the last cell's checkpoint is taken (or failed). A pause waits for it too: its
+        sandbox ends with the pause, under a checkpoint still reading it."""
         pending = self._pending
         if pending is not None and not pending.done():
             with contextlib.suppress(Exception):

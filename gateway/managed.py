@@ -36,6 +36,13 @@ class Breaker(Protocol):
     def clear(self) -> None: ...
 
 
+class PendingWork(Protocol):
+    """Work a session's observer started after a cell and that a snapshot must let end first
+    (gateway/checkpoints.py's CellCheckpoints: the cell's checkpoint)."""
+
+    async def settled(self) -> None: ...
+
+
 class TooManySessionsError(ConfigError):
     """A tenant (or the gateway) is at its session limit."""
 
@@ -85,6 +92,7 @@ class ManagedSession:
     settled_replies: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     active_mono: float = dataclasses.field(default_factory=time.monotonic)
     breaker: Breaker | None = None  # its circuit breaker (gateway/controls.py attaches it)
+    checkpoints: PendingWork | None = None  # its per-cell checkpoints (--checkpoint-every-cell)
     audit: AuditLog | None = None  # the gateway's audit stream, when it writes one
     helper_timeout: float = FILE_HELPER_TIMEOUT  # the gateway's --helper-timeout (attach_observers)
     # When its --max-lifetime started counting: its creation, or for a fork its parent's (a

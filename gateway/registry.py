@@ -21,7 +21,6 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sandkernel.errors import (
@@ -49,6 +48,7 @@ from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, Sandbox
 from sandkernel.kernels.sandbox.cpu_groups import group_for
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
+from sandkernel.kernels.sandbox.workspace_disk import KeptWorkspace
 from sandkernel.notebooks.recorder import TranscriptRecorder, notebook_path_for
 
 if TYPE_CHECKING:
@@ -308,7 +308,7 @@ class SessionRegistry:
         session_id: str,
         tenant: str,
         restore: SavedMemory | None = None,
-        workspace_image: Path | None = None,
+        kept: KeptWorkspace | None = None,
     ) -> KernelSession:
         """Start a sandbox for ``tenant`` (none was waiting in the pool), through the start
         breaker if any, in the tenant's CPU group (kernels/sandbox/cpu_groups.py: tenants share a
@@ -322,7 +322,7 @@ class SessionRegistry:
         sandboxes that gave their room to sessions are gone first (for every caller: create,
         resume, fork), so the gateway never holds more containers than ``max_sessions_total``.
         ``restore``: a saved kernel (kernels/snapshots/memory.py) that carries on in the sandbox;
-        ``workspace_image``: a paused session's workspace disk, checked and copied for this start
+        ``kept``: a paused session's workspace disk, checked and copied for this start
         (kernels/snapshots/disk.py), its /workspace."""
         if self.pool is not None:
             await self.pool.removals_done()
@@ -337,7 +337,7 @@ class SessionRegistry:
                 cpu_group=cpu_group,
                 savable=self.savable(profile),
                 restore=restore,
-                workspace_image=workspace_image,
+                kept=kept,
             )
             if self.controls is None:
                 return await start()

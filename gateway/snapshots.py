@@ -59,6 +59,7 @@ from sandkernel.kernels.model.profiles import Profile, Runtime
 from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
+from sandkernel.kernels.sandbox.workspace_disk import KeptWorkspace
 from sandkernel.kernels.snapshots.archive import ArchivePart, capture_files
 from sandkernel.kernels.snapshots.disk import DISK, has_disk, seal_disk, unseal_disk
 from sandkernel.kernels.snapshots.memory import has_memory, image_bound, scratch_dir, seal_image, unseal_image
@@ -144,6 +145,8 @@ class SnapshotManager:
         live = self.registry.get(managed.tenant, managed.id)  # still this tenant's and live
         _check_idle(live)
         async with live.session.exclusive():  # no execute starts while the files are archived
+            if live.checkpoints is not None:  # the last cell's checkpoint reads the sandbox the pause ends
+                await live.checkpoints.settled()
             manifest = await self._snapshot(live, kind)
             # From here on it runs to its end (a stopping gateway waits for it): the session is
             # recorded paused, then its container goes.
@@ -280,7 +283,8 @@ class SnapshotManager:
             return None
         allowance.give_back(bound)  # taken again, for good, as the image is written
         saved = await self._save_memory(session, draft, allowance, leave_running=False)
-        if not await session.keep_workspace_disk(draft.part_path(DISK)):
+        extra["disk_uid"] = await session.keep_workspace_disk(draft.part_path(DISK))
+        if extra["disk_uid"] is None:
             allowance.give_back(reserved)
             raise SnapshotError(f"session {session.id}: its workspace disk could not be kept; it was not paused")
         disk = await asyncio.to_thread(seal_disk, draft)
@@ -345,11 +349,8 @@ class SnapshotManager:
         for each try. Whether it came from memory."""
         if memory is not None:
             try:
-                image = await asyncio.to_thread(unseal_disk, self.store, disk_of, memory.image_dir) if disk_of else None
-                return (
-                    await self.registry.cold_start(profile, session_id, tenant, restore=memory, workspace_image=image),
-                    True,
-                )
+                kept = await self._kept(disk_of, memory.image_dir) if disk_of else None
+                return await self.registry.cold_start(profile, session_id, tenant, restore=memory, kept=kept), True
             except SandkernelError as err:
                 log.warning("memory image did not start (replaying instead): %s", err, extra={"session": session_id})
         if disk_of is None:
@@ -357,10 +358,17 @@ class SnapshotManager:
         scratch = self._scratch()
         await asyncio.to_thread(scratch.mkdir, 0o700)
         try:
-            image = await asyncio.to_thread(unseal_disk, self.store, disk_of, scratch)
-            return await self.registry.cold_start(profile, session_id, tenant, workspace_image=image), False
+            kept = await self._kept(disk_of, scratch)
+            return await self.registry.cold_start(profile, session_id, tenant, kept=kept), False
         finally:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
+
+    async def _kept(self, manifest: SnapshotManifest, directory: Path) -> KeptWorkspace:
+        """A checked copy of the snapshot's workspace disk in ``directory``, with its files' uid."""
+        uid = manifest.extra.get("disk_uid")
+        if isinstance(uid, bool) or not isinstance(uid, int):
+            raise SnapshotRejectedError(f"snapshot {manifest.snapshot_id} keeps a workspace disk but not its owner")
+        return KeptWorkspace(await asyncio.to_thread(unseal_disk, self.store, manifest, directory), uid)
 
     async def _used(self, tenant: str, tenant_bytes: TenantSnapshotBytes) -> int:
         """The tenant's snapshot bytes: committed (walked again) and being written."""

@@ -91,6 +91,7 @@ class SessionWiring:
             if self.checkpoint is not None and self.settings.checkpoint_every_cell
             else None
         )
+        managed.checkpoints = checkpoints
         gates: list[ExecutionGate | None] = [*self._control_gates(managed.tenant), breaker, checkpoints]
         observers: list[SessionObserver | None] = [
             breaker,

@@ -59,3 +59,21 @@ def test_the_snapshot_store_counts_what_a_sparse_part_takes_on_disk(tmp_path):
     _sparse(tmp_path / "disk", {0: os.urandom(MiB)}, size=1024 * MiB)
     (tmp_path / "small").write_bytes(b"x" * 1000)
     assert MiB <= _tree_bytes(tmp_path) < 2 * MiB + 1000  # not the 1 GiB the image's size says
+
+
+def test_a_workspace_image_moved_to_another_filesystem_keeps_its_holes(tmp_path):
+    """A snapshot dir on another filesystem than the state dir (a shared one): the image cannot
+    be renamed there, so it is copied, holes kept, and the source removed."""
+    other = tmp_path / "other"
+    other.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128m", "tmpfs", str(other)], check=True)
+    try:
+        source = _sparse(tmp_path / "a.img", {0: b"x" * 8192, 32 * MiB: os.urandom(MiB)})
+        digest = _digest(source)
+        move_file(source, other / "a.img")
+        assert not source.exists() and _digest(other / "a.img") == digest
+        assert (other / "a.img").stat().st_blocks * 512 < 4 * MiB and (other / "a.img").stat().st_mode & 0o777 == 0o600
+        with pytest.raises(FileExistsError):  # never over an existing file
+            move_file(_sparse(tmp_path / "b.img", {0: b"y"}), other / "a.img")
+    finally:
+        subprocess.run(["umount", str(other)], check=True)

@@ -14,7 +14,6 @@ import logging
 import queue
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from jupyter_client import AsyncKernelManager
@@ -31,6 +30,7 @@ from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
+from sandkernel.kernels.sandbox.workspace_disk import KeptWorkspace
 
 log = logging.getLogger(__name__)
 
@@ -94,17 +94,17 @@ class SandboxedKernel:
         self,
         workspace: dict[str, Any] | None = None,
         restore: SavedMemory | None = None,
-        workspace_image: Path | None = None,
+        kept: KeptWorkspace | None = None,
     ) -> None:
         """Start the kernel and wait until it answers; on failure nothing is left running.
         ``workspace``: a disk workspace handed over by the previous provisioner (see replace);
-        ``restore``: a saved kernel this start (only) carries on from; ``workspace_image``: a
-        workspace image a pause kept whole (checked, a copy of this session's), its /workspace."""
+        ``restore``: a saved kernel this start (only) carries on from; ``kept``: a workspace
+        image a pause kept whole (checked, a copy of this session's), its /workspace."""
         launch = {**self._launch, "sandkernel_workspace": workspace} if workspace else self._launch
         if restore is not None:
             launch = {**launch, **restore.launch_kwargs()}
-        if workspace_image is not None:
-            launch = {**launch, "sandkernel_workspace_image": str(workspace_image)}
+        if kept is not None:
+            launch = {**launch, **kept.launch_kwargs()}
         try:
             await self.km.start_kernel(**launch)
             self._use_client(new_client(self.km))

@@ -32,6 +32,7 @@ from sandkernel.errors import (
     SandkernelError,
     SessionClosedError,
     SessionDetachedError,
+    SnapshotError,
 )
 from sandkernel.kernels.execution.accounting import CellMeter
 from sandkernel.kernels.execution.adoption import discard as discard_sandbox
@@ -61,6 +62,7 @@ from sandkernel.kernels.model.profiles import NUMERIC_RANGES, Profile, resolve_p
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
+from sandkernel.kernels.sandbox.workspace_disk import KeptWorkspace
 
 log = logging.getLogger(__name__)
 
@@ -158,17 +160,17 @@ class KernelSession:
         cpu_group: str | None = None,
         savable: bool = False,
         restore: SavedMemory | None = None,
-        workspace_image: Path | None = None,
+        kept: KeptWorkspace | None = None,
     ) -> KernelSession:
         """A started session. ``savable``: gVisor only, its memory can be saved
         (:meth:`save_memory`); ``restore``: what that method saved, whose kernel carries on here
-        (with this session's new key) instead of a fresh one; ``workspace_image``: a workspace
-        image a pause kept whole (:meth:`keep_workspace_disk`), checked and copied for this
-        session, which becomes its /workspace (moved, not copied again)."""
+        (with this session's new key) instead of a fresh one; ``kept``: a workspace image a
+        pause kept whole (:meth:`keep_workspace_disk`), checked and copied for this session, which
+        becomes its /workspace (moved, not copied again), the sandbox running as its files' uid."""
         session = cls(profile, overrides, session_id, cpu_group=cpu_group, savable=savable or restore is not None)
         for observer in observers:
             session.add_observer(observer)
-        await session._kernel.start(restore=restore, workspace_image=workspace_image)
+        await session._kernel.start(restore=restore, kept=kept)
         return session
 
     @property
@@ -189,7 +191,8 @@ class KernelSession:
             finally:
                 if leave_running:
                     await self._kernel.wait_reconnected()
-        assert provisioner.uid is not None
+        if provisioner.uid is None:  # shut down meanwhile (a delete): the image has no owner to run as
+            raise SnapshotError(f"session {self.id} ended while its memory was saved")
         return SavedMemory(image_dir, provisioner.uid)
 
     async def workspace_disk_bytes(self) -> int | None:
@@ -203,23 +206,24 @@ class KernelSession:
         """Whether the session still has its container (:meth:`keep_workspace_disk` removes it)."""
         return self._kernel.provisioner.container is not None
 
-    async def keep_workspace_disk(self, target: Path) -> bool:
+    async def keep_workspace_disk(self, target: Path) -> int | None:
         """End the sandbox (a pause, after :meth:`save_memory`) and move its /workspace disk
         image, whole, to ``target`` (WorkspaceDisk.release_image), instead of removing it with
         the sandbox. The container goes first, so that nothing holds the filesystem when it is
         unmounted (a gofer's mount namespace would keep it alive, its last writes unflushed).
-        False, with nothing moved, when the session has no disk workspace or it cannot be
-        released; the disk is then removed with the session as usual."""
+        The uid that owns its files (a later sandbox on it must run as that uid); None, with
+        nothing moved, when the session has no disk workspace or it cannot be released: the disk
+        is then removed with the session as usual."""
         provisioner = self._kernel.provisioner
         if provisioner.workspace_disk is None:
-            return False
+            return None
         try:
             if provisioner.container is not None:
                 await provisioner.container.remove()
                 provisioner.container = None
         except docker.errors.DockerException as err:
             log.warning("the sandbox could not be removed to keep its disk: %s", err, extra={"session": self.id})
-            return False
+            return None
         disk = provisioner.detach_workspace_disk()
         assert disk is not None
         try:
@@ -227,8 +231,8 @@ class KernelSession:
         except (SandkernelError, OSError) as err:
             log.warning("the workspace disk could not be kept whole: %s", err, extra={"session": self.id})
             provisioner.workspace_disk = disk  # cleanup removes it as usual
-            return False
-        return True
+            return None
+        return disk.uid
 
     async def until_saved(self) -> None:
         """Until no save of the kernel's memory is under way. A fork's parent and a checkpointed

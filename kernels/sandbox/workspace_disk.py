@@ -111,6 +111,20 @@ def workspaces_dir() -> Path:
 
 
 @dataclasses.dataclass(frozen=True)
+class KeptWorkspace:
+    """A workspace image a pause kept whole (:meth:`WorkspaceDisk.release_image`), checked and
+    copied for a new sandbox of the session, and the uid that owns its files: the sandbox runs
+    as that uid again, or its own files would be closed to it (the disk's root is 0700)."""
+
+    image: Path
+    uid: int
+
+    def launch_kwargs(self) -> dict[str, object]:
+        """What the provisioner's first launch takes for it (see provisioner.py)."""
+        return {"sandkernel_workspace_image": str(self.image), "sandkernel_restore_uid": self.uid}
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkspaceDisk:
     """One session's workspace image and mount point (a record: pure data and methods).
 
