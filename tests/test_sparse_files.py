@@ -1,12 +1,17 @@
 """kernels/sandbox/sparse_files.py on real files of this host's filesystem: a copy keeps the
 holes and the digest, any changed byte or moved hole changes the digest, and the snapshot store
-counts what a sparse part takes on disk, not its size."""
+counts what a sparse part takes on disk, not its size; a workspace image moved to another
+filesystem is copied with its holes."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+
+import pytest
 
 from sandkernel.kernels.sandbox.sparse_files import allocated_bytes, copy_sparse, data_segments, sparse_digest
+from sandkernel.kernels.sandbox.workspace_disk import move_file
 from sandkernel.kernels.snapshots.store import _tree_bytes
 
 MiB = 1024 * 1024

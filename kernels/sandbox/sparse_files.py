@@ -3,7 +3,7 @@
 A workspace image is as large as the session's ``workspace_mb`` (1 GiB by default) but holds
 blocks only where the sandbox wrote. Reading it whole would hash and copy every hole as zeros;
 ``SEEK_DATA`` / ``SEEK_HOLE`` name the data segments, ``copy_file_range`` copies them inside the
-kernel, and the holes stay holes in the copy.
+kernel (read and write across filesystems, where it cannot), and the holes stay holes in the copy.
 
 The digest covers the file's size and each data segment's offset, length and bytes, so it
 depends on where the holes are as well as on the data: a copy made by :func:`copy_sparse` on
@@ -68,10 +68,22 @@ def copy_sparse(source_fd: int, target_fd: int) -> None:
     the source has data, holes elsewhere."""
     size = os.fstat(source_fd).st_size
     os.ftruncate(target_fd, size)
+    in_kernel = True
     for start, length in data_segments(source_fd):
         done = 0
         while done < length:
-            copied = os.copy_file_range(source_fd, target_fd, length - done, start + done, start + done)
+            offset, wanted = start + done, min(CHUNK * 64, length - done)
+            if in_kernel:
+                try:
+                    copied = os.copy_file_range(source_fd, target_fd, wanted, offset, offset)
+                except OSError as err:  # another filesystem (EXDEV) or one that cannot
+                    if err.errno not in (errno.EXDEV, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                        raise
+                    in_kernel = False
+                    continue
+            else:
+                chunk = os.pread(source_fd, min(CHUNK, wanted), offset)
+                copied = os.pwrite(target_fd, chunk, offset) if chunk else 0
             if copied == 0:
                 raise OSError(errno.EIO, "the file shrank while it was copied")
             done += copied
