@@ -1,8 +1,9 @@
 """Memory snapshots through the session API (issue 33, step 4): under gVisor with
 ``--memory-snapshots on``, a pause keeps the kernel's memory and a resume carries on from it
 (``restored_by: "checkpoint"``) with no cell re-run, across a gateway restart (which adopts a
-live savable sandbox as any other); a fork's children carry on from the parent's memory; an
-altered image is refused and another tenant gets 404.
+live savable sandbox as any other), on its workspace disk kept whole (an open file still open);
+a fork's children carry on from the parent's memory; an altered memory or disk image is refused
+and another tenant gets 404; a pause whose memory cannot be saved still keeps the files.
 
 Real parts: the gateway over HTTP, runsc's checkpoint, Docker's start from a checkpoint, the
 snapshot store on disk. runsc only (runc has no memory checkpoint here: docs/snapshots.md).
