@@ -34,6 +34,8 @@ from sandkernel.kernels.sandbox.workspace_disk import KeptWorkspace
 
 log = logging.getLogger(__name__)
 
+SHELL_ASK_SECONDS = 1.0  # how long one kernel_info ask of a starting kernel waits (jupyter_client's)
+
 # How long a renewed iopub subscription may take to answer (seconds).
 IOPUB_RECONNECT_SECONDS = 10.0
 # How long a re-adopted kernel may take to answer on control (seconds): it is already running.
@@ -212,7 +214,7 @@ class SandboxedKernel:
         assert self.client is not None
         deadline = time.monotonic() + self.profile.start_timeout
         try:
-            await self.client.wait_for_ready(timeout=self.profile.start_timeout)
+            await self._shell_answers(deadline)
         except RuntimeError as err:
             seen = await self._what_an_unanswered_start_saw()
             log.warning("kernel start unanswered: %s; %s", err, seen, extra={"session": self.session_id})
@@ -221,6 +223,26 @@ class SandboxedKernel:
             if await self.iopub_answers(0.25):
                 return
         raise KernelStartError(f"the kernel's output channel did not connect within {self.profile.start_timeout:g}s")
+
+    async def _shell_answers(self, deadline: float) -> None:
+        """Ask kernel_info on shell until it is answered (each ask waits up to
+        :data:`SHELL_ASK_SECONDS`); RuntimeError when the kernel dies first or ``deadline``
+        passes. jupyter_client's ``wait_for_ready`` does the same, then waits 0.2 s more on iopub
+        for every start, which :meth:`_wait_ready` checks its own way."""
+        assert self.client is not None
+        while True:
+            asked = self.client.kernel_info()
+            ask_until = min(deadline, time.monotonic() + SHELL_ASK_SECONDS)
+            with contextlib.suppress(queue.Empty):
+                while (remaining := ask_until - time.monotonic()) > 0:
+                    reply = await self.read_shell(remaining)
+                    if reply.get("parent_header", {}).get("msg_id") == asked:
+                        self.client._handle_kernel_info_reply(reply)  # the protocol version, as wait_for_ready
+                        return
+            if not await self.km.is_alive():
+                raise RuntimeError("Kernel died before replying to kernel_info")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"Kernel didn't respond in {self.profile.start_timeout:g} seconds")
 
     async def _what_an_unanswered_start_saw(self) -> str:
         """What a start that timed out can still tell, for its error and the log: whether the
