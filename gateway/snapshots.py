@@ -33,7 +33,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from stat import S_ISDIR
 from typing import Any
@@ -201,11 +201,12 @@ class SnapshotManager:
         draft = await asyncio.to_thread(self.store.draft, managed.id)
         kept = False
         # A pause of a savable sandbox with a disk workspace keeps the disk whole (after the
-        # memory: the sandbox must have ended); every other snapshot archives the files.
-        whole = kind == PAUSE and session.savable and await session.workspace_disk_bytes() is not None
+        # memory: the sandbox must have ended), a fork copies it whole (the parent goes on);
+        # a cell's checkpoint, and every snapshot of other sandboxes, archives the files.
+        whole = kind in (PAUSE, FORK) and session.savable and await session.workspace_disk_bytes() is not None
         try:
             extra: dict[str, Any] = {}
-            parts = await self._keep_whole(session, draft, allowance, extra) if whole else None
+            parts = await self._keep_whole(session, draft, allowance, extra, kind) if whole else None
             if parts is None:
                 part = await capture_files(
                     session.container,
@@ -260,9 +261,11 @@ class SnapshotManager:
             allowance.settle(kept)
 
     async def _keep_whole(
-        self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance, extra: dict[str, Any]
+        self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance, extra: dict[str, Any], kind: str
     ) -> dict[str, ArchivePart] | None:
-        """A pause's memory and its workspace disk, whole (kernels/snapshots/disk.py), as parts;
+        """A pause's memory and its workspace disk, whole (kernels/snapshots/disk.py), as parts
+        (a fork's: the memory saved with the sandbox left running, and a copy of its disk taken
+        with the filesystem frozen);
         the uid the saved kernel runs as goes into ``extra``. None when the quota has no room for
         the memory: nothing was tried, the sandbox runs, and its files are archived as for any
         snapshot. When gVisor fails the save (which may end the sandbox: a host socket makes its
@@ -282,11 +285,16 @@ class SnapshotManager:
             log.warning("memory not saved: no room in the snapshot quota", extra={"session": session.id})
             return None
         allowance.give_back(bound)  # taken again, for good, as the image is written
-        saved = await self._save_memory(session, draft, allowance, leave_running=False)
-        extra["disk_uid"] = await session.keep_workspace_disk(draft.part_path(DISK))
+        forking = kind == FORK
+        saved = await self._save_memory(session, draft, allowance, leave_running=forking)
+        if forking:
+            extra["disk_uid"] = await session.copy_workspace_disk(draft.part_path(DISK))
+        else:
+            extra["disk_uid"] = await session.keep_workspace_disk(draft.part_path(DISK))
         if extra["disk_uid"] is None:
             allowance.give_back(reserved)
-            raise SnapshotError(f"session {session.id}: its workspace disk could not be kept; it was not paused")
+            outcome = "no fork was made" if forking else "it was not paused"
+            raise SnapshotError(f"session {session.id}: its workspace disk could not be kept; {outcome}")
         disk = await asyncio.to_thread(seal_disk, draft)
         allowance.give_back(max(0, reserved - await asyncio.to_thread(_allocated, draft.part_path(DISK))))
         if saved is None:
@@ -346,29 +354,32 @@ class SnapshotManager:
     ) -> tuple[KernelSession, bool]:
         """A sandbox for a resume or a fork: carrying on from ``memory`` when there is one and it
         starts, else a fresh one to replay into; with ``disk_of``'s workspace disk, a checked copy
-        for each try. Whether it came from memory."""
+        of its own for each try (a fork's children start at once). Whether it came from memory."""
         if memory is not None:
             try:
-                kept = await self._kept(disk_of, memory.image_dir) if disk_of else None
-                return await self.registry.cold_start(profile, session_id, tenant, restore=memory, kept=kept), True
+                async with self._kept(disk_of) as kept:
+                    return await self.registry.cold_start(profile, session_id, tenant, restore=memory, kept=kept), True
             except SandkernelError as err:
                 log.warning("memory image did not start (replaying instead): %s", err, extra={"session": session_id})
-        if disk_of is None:
-            return await self.registry.cold_start(profile, session_id, tenant), False
-        scratch = self._scratch()
-        await asyncio.to_thread(scratch.mkdir, 0o700)
-        try:
-            kept = await self._kept(disk_of, scratch)
+        async with self._kept(disk_of) as kept:
             return await self.registry.cold_start(profile, session_id, tenant, kept=kept), False
-        finally:
-            await asyncio.to_thread(shutil.rmtree, scratch, True)
 
-    async def _kept(self, manifest: SnapshotManifest, directory: Path) -> KeptWorkspace:
-        """A checked copy of the snapshot's workspace disk in ``directory``, with its files' uid."""
+    @contextlib.asynccontextmanager
+    async def _kept(self, manifest: SnapshotManifest | None) -> AsyncIterator[KeptWorkspace | None]:
+        """A checked copy of the snapshot's workspace disk, with its files' uid, in a directory of
+        its own for as long as a start takes it (its start moves it out); None without one."""
+        if manifest is None:
+            yield None
+            return
         uid = manifest.extra.get("disk_uid")
         if isinstance(uid, bool) or not isinstance(uid, int):
             raise SnapshotRejectedError(f"snapshot {manifest.snapshot_id} keeps a workspace disk but not its owner")
-        return KeptWorkspace(await asyncio.to_thread(unseal_disk, self.store, manifest, directory), uid)
+        scratch = self._scratch()
+        await asyncio.to_thread(scratch.mkdir, 0o700)
+        try:
+            yield KeptWorkspace(await asyncio.to_thread(unseal_disk, self.store, manifest, scratch), uid)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
 
     async def _used(self, tenant: str, tenant_bytes: TenantSnapshotBytes) -> int:
         """The tenant's snapshot bytes: committed (walked again) and being written."""
@@ -609,10 +620,13 @@ class SnapshotManager:
             profile = self._profile_now(managed.session.profile, managed.id, "was not forked")
         limit = asyncio.Semaphore(FORKS_AT_ONCE)
         memory = None
+        disk_of = source if source is not None and has_disk(source) else None
 
         async def one() -> tuple[ManagedSession, Restored]:
             async with limit:
-                return await self._child(managed, profile, notebook, cells, (files, files_from), upto, memory)
+                return await self._child(
+                    managed, profile, notebook, cells, (files, files_from), upto, memory, disk_of
+                )
 
         try:
             if source is not None:  # every fork starts from the one image, checked once
@@ -641,16 +655,23 @@ class SnapshotManager:
         files: tuple[tuple[Path, Any] | None, str],
         upto: int,
         memory: SavedMemory | None,
+        disk_of: SnapshotManifest | None,
     ) -> tuple[ManagedSession, Restored]:
         session_id = uuid.uuid4().hex
-        session, from_memory = await self._start_session(profile, session_id, parent.tenant, memory)
+        session, from_memory = await self._start_session(profile, session_id, parent.tenant, memory, disk_of)
         try:
             with self._gated(session, parent.tenant):
                 if from_memory:
                     restored = await carry_on(session, files[0], files[1])
                 else:
                     restored = await rebuild(
-                        session, notebook, cells=cells, files=files[0], files_from=files[1], **self._replay_rules()
+                        session,
+                        notebook,
+                        cells=cells,
+                        files=files[0],
+                        files_from=files[1],
+                        files_in_place=disk_of is not None,
+                        **self._replay_rules(),
                     )
             metadata = {**parent.metadata, "forked_from": parent.id}
             recorder = TranscriptRecorder(

@@ -145,7 +145,7 @@ async def test_forks_carry_on_from_the_parents_memory_each_with_its_own_key(tmp_
     try:
         _, session = await gw.request("POST", "/api/sessions", {})
         sid = session["id"]
-        await _execute(gw, sid, "import numpy as np")
+        await _execute(gw, sid, "import numpy as np; open('/workspace/shared.txt', 'w').write('parent')")
         expected_draw = _text(await _execute(gw, sid, GENERATOR))
         ws = await websocket_connect(  # JupyterLab on the parent: ZMQ sockets of its own
             HTTPRequest(
@@ -164,10 +164,16 @@ async def test_forks_carry_on_from_the_parents_memory_each_with_its_own_key(tmp_
         forks = [f["session"]["id"] for f in forked["forks"]]
         assert [f["restored_by"] for f in forked["forks"]] == ["checkpoint"] * 3, forked
         assert all(f["cells"] == [] for f in forked["forks"])
+        assert all(f["unpacked"] == 0 for f in forked["forks"]), "a child's files went through tar"  # a disk copy
         for fork in forks:
             reply = await _execute(gw, fork, NEXT_DRAW)
             assert _text(reply) == expected_draw and reply["execution_count"] == 3, reply
         assert _text(await _execute(gw, sid, NEXT_DRAW)) == expected_draw  # the parent: its own next draw
+        # Each child has its own copy of the parent's disk: a child's write reaches no one else.
+        write = "open('/workspace/shared.txt', 'w').write('first child'); print(open('/workspace/shared.txt').read())"
+        assert _text(await _execute(gw, forks[0], write)) == "first child\n"
+        for other in (sid, *forks[1:]):
+            assert _text(await _execute(gw, other, "print(open('/workspace/shared.txt').read())")) == "parent\n"
         keys = {key_of(gw, s) for s in [sid, *forks]}
         assert len(keys) == 4, "a fork shares a kernel key"
     finally:

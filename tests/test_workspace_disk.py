@@ -500,3 +500,41 @@ def test_the_sweep_removes_only_disks_no_one_holds(state):
         for disk in disks.values():
             disk.remove()
     assert leftover_session_ids() == []
+
+
+@needs_root
+def test_a_disk_copied_while_mounted_and_one_released_come_back_whole_and_the_original_is_thawed(state, tmp_path):
+    """copy_image (a fork) freezes the filesystem for the copy and thaws it; release_image (a
+    pause) trims, unmounts and moves the image; from_image mounts a kept image for another
+    session. The files are there in each, and each disk is its own."""
+    other = "0" * 31 + "1"
+    disk = WorkspaceDisk.create(SID, 64, 0, 0)
+    try:
+        (disk.mount_point / "notes.txt").write_text("kept")
+        os.sync()
+        base = disk.allocated_bytes()
+        (disk.mount_point / "gone.bin").write_bytes(os.urandom(8 * MIB))
+        os.sync()
+        assert disk.allocated_bytes() >= base + 8 * MIB
+        copy = tmp_path / "copy.img"
+        disk.copy_image(copy)
+        (disk.mount_point / "after.txt").write_text("written after the copy")  # thawed: writes go on
+        copied = WorkspaceDisk.from_image(other, copy, 64, 0, 0)
+        try:
+            assert not copy.exists()  # moved into place
+            assert (copied.mount_point / "notes.txt").read_text() == "kept"
+            assert not (copied.mount_point / "after.txt").exists()
+        finally:
+            copied.remove()
+        (disk.mount_point / "gone.bin").unlink()
+        kept = tmp_path / "kept.img"
+        disk.release_image(kept)
+        assert not disk.is_mounted() and not os.path.lexists(disk.image) and not loop_devices_of(str(kept))
+        assert kept.stat().st_blocks * 512 < base + MIB  # the deleted file's blocks were trimmed out
+        with pytest.raises(KernelStartError):  # another size than the profile's: refused
+            WorkspaceDisk.from_image(SID, kept, 32, 0, 0)
+        again = WorkspaceDisk.from_image(SID, kept, 64, 0, 0)
+        assert (again.mount_point / "after.txt").read_text() == "written after the copy"
+    finally:
+        disk.remove()
+    assert_gone(disk)

@@ -206,6 +206,21 @@ class KernelSession:
         """Whether the session still has its container (:meth:`keep_workspace_disk` removes it)."""
         return self._kernel.provisioner.container is not None
 
+    async def copy_workspace_disk(self, target: Path) -> int | None:
+        """Copy the running sandbox's /workspace disk image, whole, to ``target`` (a fork, after
+        :meth:`save_memory` with ``leave_running``): its filesystem frozen meanwhile, so the copy
+        is consistent (WorkspaceDisk.copy_image). The uid that owns its files; None, with nothing
+        copied, when the session has no disk workspace or the copy failed."""
+        disk = self._kernel.provisioner.workspace_disk
+        if disk is None:
+            return None
+        try:
+            await asyncio.to_thread(disk.copy_image, target)
+        except (SandkernelError, OSError) as err:
+            log.warning("the workspace disk could not be copied: %s", err, extra={"session": self.id})
+            return None
+        return disk.uid
+
     async def keep_workspace_disk(self, target: Path) -> int | None:
         """End the sandbox (a pause, after :meth:`save_memory`) and move its /workspace disk
         image, whole, to ``target`` (WorkspaceDisk.release_image), instead of removing it with
