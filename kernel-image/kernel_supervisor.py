@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import sys
 
 HOST_DIR = "/run/sandkernel"  # the host runtime dir (runtime_dir.CONTAINER_DIR)
@@ -94,7 +95,23 @@ def spawn_kernel() -> int:
 
 
 def kernel_sockets_bound() -> bool:
-    return all(os.path.exists(f"{PRIVATE_DIR}/{name}") for name in SOCKETS)
+    """Whether the kernel listens on all five private sockets. A socket file exists from its
+    bind, a moment before its listen: a host probe relayed in that moment was refused, and the
+    host took the refusal for a dead kernel (a loaded rehearsal's start failed so)."""
+    return all(_listening(f"{PRIVATE_DIR}/{name}") for name in SOCKETS)
+
+
+def _listening(path: str) -> bool:
+    if not os.path.exists(path):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def host_key() -> str:
