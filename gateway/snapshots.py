@@ -59,6 +59,7 @@ from sandkernel.kernels.model.profiles import Profile, Runtime
 from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
+from sandkernel.kernels.sandbox.sparse_files import allocated
 from sandkernel.kernels.sandbox.workspace_disk import KeptWorkspace
 from sandkernel.kernels.snapshots.archive import ArchivePart, capture_files
 from sandkernel.kernels.snapshots.disk import DISK, has_disk, seal_disk, unseal_disk
@@ -296,7 +297,8 @@ class SnapshotManager:
             outcome = "no fork was made" if forking else "it was not paused"
             raise SnapshotError(f"session {session.id}: its workspace disk could not be kept; {outcome}")
         disk = await asyncio.to_thread(seal_disk, draft)
-        allowance.give_back(max(0, reserved - await asyncio.to_thread(_allocated, draft.part_path(DISK))))
+        kept_bytes = allocated(await asyncio.to_thread(os.lstat, draft.part_path(DISK)))
+        allowance.give_back(max(0, reserved - kept_bytes))
         if saved is None:
             return {DISK: disk}
         memory_parts, extra["memory_uid"] = saved
@@ -811,8 +813,3 @@ async def _reopen_transcript(path: Any) -> TranscriptRecorder | None:
         return None
     return await asyncio.to_thread(TranscriptRecorder.reopen, Path(path))
 
-
-def _allocated(path: Path) -> int:
-    """What the file at ``path`` takes on disk (a sparse image: its data)."""
-    st = os.lstat(path)
-    return min(st.st_size, st.st_blocks * 512)

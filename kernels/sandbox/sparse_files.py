@@ -42,10 +42,15 @@ def data_segments(fd: int) -> Iterator[tuple[int, int]]:
         offset = end
 
 
-def allocated_bytes(fd: int) -> int:
-    """What the file takes on disk (never more than its size: a file's last block counts whole)."""
-    st = os.fstat(fd)
+def allocated(st: os.stat_result) -> int:
+    """What a file takes on disk: its blocks, never more than its size (a dense file's last
+    block counts as the bytes it holds)."""
     return min(st.st_size, st.st_blocks * 512)
+
+
+def allocated_bytes(fd: int) -> int:
+    """:func:`allocated` of the open file ``fd``."""
+    return allocated(os.fstat(fd))
 
 
 def sparse_digest(fd: int) -> str:

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError, SandboxLostError
-from sandkernel.kernels.sandbox.sparse_files import copy_sparse
+from sandkernel.kernels.sandbox.sparse_files import allocated, copy_sparse
 from sandkernel.kernels.sandbox.state_dir import state_dir
 
 log = logging.getLogger(__name__)
@@ -398,8 +398,7 @@ class WorkspaceDisk:
 
     def allocated_bytes(self) -> int:
         """What the image takes on the host's disk (its blocks; never more than its size)."""
-        st = os.lstat(self.image)
-        return min(st.st_size, st.st_blocks * 512)
+        return allocated(os.lstat(self.image))
 
     def is_mounted(self) -> bool:
         """Whether our image is mounted at the mount point (the loop device's backing file is

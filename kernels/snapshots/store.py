@@ -52,6 +52,7 @@ from typing import Any
 
 from sandkernel.atomic import write_atomic
 from sandkernel.errors import ConfigError, SnapshotError, SnapshotRejectedError
+from sandkernel.kernels.sandbox.sparse_files import allocated
 from sandkernel.kernels.sandbox.state_dir import state_dir
 from sandkernel.kernels.sandbox.workspace_disk import SESSION_ID
 from sandkernel.kernels.snapshots.archive import ArchivePart
@@ -586,8 +587,7 @@ def _tree_bytes(path: Path) -> int:
             if entry.is_dir(follow_symlinks=False):
                 total += _tree_bytes(Path(entry.path))
             elif entry.is_file(follow_symlinks=False):
-                st = entry.stat(follow_symlinks=False)
-                total += min(st.st_size, st.st_blocks * 512)
+                total += allocated(entry.stat(follow_symlinks=False))
         except FileNotFoundError:
             continue
     return total
