@@ -204,10 +204,11 @@ class SnapshotManager:
         # A pause of a savable sandbox with a disk workspace keeps the disk whole (after the
         # memory: the sandbox must have ended), a fork copies it whole (the parent goes on);
         # a cell's checkpoint, and every snapshot of other sandboxes, archives the files.
-        whole = kind in (PAUSE, FORK) and session.savable and await session.workspace_disk_bytes() is not None
+        disk_bytes = await session.workspace_disk_bytes() if kind in (PAUSE, FORK) and session.savable else None
+        whole = disk_bytes is not None
         try:
             extra: dict[str, Any] = {}
-            parts = await self._keep_whole(session, draft, allowance, extra, kind) if whole else None
+            parts = await self._keep_whole(session, draft, allowance, extra, kind, disk_bytes) if whole else None
             if parts is None:
                 part = await capture_files(
                     session.container,
@@ -262,7 +263,13 @@ class SnapshotManager:
             allowance.settle(kept)
 
     async def _keep_whole(
-        self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance, extra: dict[str, Any], kind: str
+        self,
+        session: KernelSession,
+        draft: SnapshotDraft,
+        allowance: Allowance,
+        extra: dict[str, Any],
+        kind: str,
+        reserved: int,
     ) -> dict[str, ArchivePart] | None:
         """A pause's memory and its workspace disk, whole (kernels/snapshots/disk.py), as parts
         (a fork's: the memory saved with the sandbox left running, and a copy of its disk taken
@@ -272,8 +279,8 @@ class SnapshotManager:
         snapshot. When gVisor fails the save (which may end the sandbox: a host socket makes its
         sentry panic), the disk is kept without the memory, and the resume replays the cells
         over the kept files. The disk's room is taken from the quota before the sandbox ends,
-        so a pause over quota leaves the session running."""
-        reserved = await session.workspace_disk_bytes() or 0
+        so a pause over quota leaves the session running. ``reserved``: the disk's blocks now,
+        the most its image can take."""
         if not allowance.take(reserved):
             raise SnapshotQuotaError(
                 f"the session's workspace disk ({reserved // MiB} MiB) does not fit in what is left of this token's "

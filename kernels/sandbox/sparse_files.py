@@ -20,6 +20,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Iterator
+from pathlib import Path
 
 CHUNK = 1024 * 1024
 SEGMENT_HEADER = struct.Struct(">QQ")  # offset, length: what each hashed segment starts with
@@ -66,6 +67,26 @@ def sparse_digest(fd: int) -> str:
             digest.update(chunk)
             done += len(chunk)
     return digest.hexdigest()
+
+
+def copy_to_new_file(source: Path, target: Path, *, durable: bool = False) -> None:
+    """Copy the file ``source`` to the new path ``target`` (0600, never through a link, never
+    over an existing file), holes kept; ``durable``: on disk before returning. On failure
+    ``target`` is removed."""
+    source_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        target_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            copy_sparse(source_fd, target_fd)
+            if durable:
+                os.fsync(target_fd)
+        except BaseException:
+            os.unlink(target)
+            raise
+        finally:
+            os.close(target_fd)
+    finally:
+        os.close(source_fd)
 
 
 def copy_sparse(source_fd: int, target_fd: int) -> None:

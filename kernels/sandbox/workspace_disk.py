@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from sandkernel.errors import AdoptionRefusedError, ConfigError, KernelStartError, SandboxLostError
-from sandkernel.kernels.sandbox.sparse_files import allocated, copy_sparse
+from sandkernel.kernels.sandbox.sparse_files import allocated, copy_to_new_file
 from sandkernel.kernels.sandbox.state_dir import state_dir
 
 log = logging.getLogger(__name__)
@@ -269,19 +269,7 @@ class WorkspaceDisk:
                 raise KernelStartError(f"workspace disk of session {self.session_id} is not mounted; nothing to copy")
             fcntl.ioctl(directory, FIFREEZE, 0)
             try:
-                source = os.open(self.image, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                try:
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-                    copy = os.open(target, flags, 0o600)
-                    try:
-                        copy_sparse(source, copy)
-                    except BaseException:
-                        os.unlink(target)
-                        raise
-                    finally:
-                        os.close(copy)
-                finally:
-                    os.close(source)
+                copy_to_new_file(self.image, target)
             finally:
                 fcntl.ioctl(directory, FITHAW, 0)
         finally:
@@ -483,19 +471,7 @@ def move_file(source: Path, target: Path) -> None:
     except OSError as err:
         if err.errno != errno.EXDEV:
             raise
-    source_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        target_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            copy_sparse(source_fd, target_fd)
-            os.fsync(target_fd)
-        except BaseException:
-            os.unlink(target)
-            raise
-        finally:
-            os.close(target_fd)
-    finally:
-        os.close(source_fd)
+    copy_to_new_file(source, target, durable=True)
     os.unlink(source)
 
 

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 from sandkernel.errors import SnapshotError, SnapshotRejectedError
-from sandkernel.kernels.sandbox.sparse_files import copy_sparse, sparse_digest
+from sandkernel.kernels.sandbox.sparse_files import copy_to_new_file, sparse_digest
 from sandkernel.kernels.snapshots.archive import ArchivePart
 from sandkernel.kernels.snapshots.store import SnapshotDraft, SnapshotManifest, SnapshotStore
 
@@ -56,34 +56,32 @@ def unseal_disk(store: SnapshotStore, manifest: SnapshotManifest, directory: Pat
     part = manifest.parts.get(DISK)
     if part is None:
         raise SnapshotRejectedError(f"snapshot {manifest.snapshot_id} has no workspace disk")
-    target = directory / IMAGE_NAME
+    source, target = store.part_path(manifest, DISK), directory / IMAGE_NAME
     try:
-        source_fd = os.open(store.part_path(manifest, DISK), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        size = os.lstat(source).st_size
     except OSError as err:
         raise SnapshotRejectedError(
             f"snapshot {manifest.snapshot_id}: its workspace disk cannot be opened ({err.strerror})"
         ) from err
+    if size != part.bytes:  # before a copy of what may be anything
+        raise SnapshotRejectedError(
+            f"snapshot {manifest.snapshot_id}: its workspace disk is not the size its manifest records (altered); "
+            "it is not restored"
+        )
     try:
-        target_fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        copy_to_new_file(source, target)
+        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            if os.fstat(source_fd).st_size != part.bytes:
-                raise SnapshotRejectedError(
-                    f"snapshot {manifest.snapshot_id}: its workspace disk is not the size its manifest records "
-                    "(altered); it is not restored"
-                )
-            copy_sparse(source_fd, target_fd)
-            if not hmac.compare_digest(sparse_digest(target_fd), part.sha256):
-                raise SnapshotRejectedError(
-                    f"snapshot {manifest.snapshot_id}: its workspace disk does not match its manifest (altered); "
-                    "it is not restored"
-                )
-        except BaseException:
-            os.unlink(target)
-            raise
+            matches = hmac.compare_digest(sparse_digest(fd), part.sha256)  # the copy's: what is mounted
         finally:
-            os.close(target_fd)
+            os.close(fd)
     except OSError as err:
+        target.unlink(missing_ok=True)
         raise SnapshotError(f"snapshot {manifest.snapshot_id}: its workspace disk could not be copied: {err}") from err
-    finally:
-        os.close(source_fd)
+    if not matches:
+        target.unlink()
+        raise SnapshotRejectedError(
+            f"snapshot {manifest.snapshot_id}: its workspace disk does not match its manifest (altered); "
+            "it is not restored"
+        )
     return target
