@@ -57,6 +57,7 @@ from sandkernel.kernels.execution.adoption import profile_from_record, profile_r
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.model.profiles import Profile, Runtime
 from sandkernel.kernels.model.records import SandboxKind, SandboxRecord, SandboxState
+from sandkernel.kernels.sandbox.bulk_io import bulk_io
 from sandkernel.kernels.sandbox.kernelspec import kernel_name_for
 from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
 from sandkernel.kernels.sandbox.sparse_files import allocated
@@ -189,7 +190,7 @@ class SnapshotManager:
         if used >= quota and kind != CELL:  # a pause or a fork outranks the session's own cell checkpoints
             for old in await asyncio.to_thread(self.store.list, managed.id):
                 if old.kind == CELL:
-                    await asyncio.to_thread(self.store.remove, managed.id, old.snapshot_id)
+                    await bulk_io().run(managed.tenant, self.store.remove, managed.id, old.snapshot_id)
             used = await self._used(managed.tenant, tenant_bytes)
         if used >= quota:
             raise SnapshotQuotaError(
@@ -208,7 +209,11 @@ class SnapshotManager:
         whole = disk_bytes is not None
         try:
             extra: dict[str, Any] = {}
-            parts = await self._keep_whole(session, draft, allowance, extra, kind, disk_bytes) if whole else None
+            parts = (
+                await self._keep_whole(session, managed.tenant, draft, allowance, extra, kind, disk_bytes)
+                if whole
+                else None
+            )
             if parts is None:
                 part = await capture_files(
                     session.container,
@@ -231,7 +236,7 @@ class SnapshotManager:
                 parts[TRANSCRIPT] = await asyncio.to_thread(self.store.write_part, draft, TRANSCRIPT, text)
             extra["cells_in_memory"] = cells_in_memory(notebook, lost_since=session.state_lost_pending)
             if session.savable and not whole:  # a fork's parent and a cell's session go on running
-                saved = await self._save_memory(session, draft, allowance, leave_running=kind != PAUSE)
+                saved = await self._save_memory(session, managed.tenant, draft, allowance, leave_running=kind != PAUSE)
                 if saved is not None:
                     parts.update(saved[0])
                     extra["memory_uid"] = saved[1]  # signed with the rest: the restore runs as it
@@ -257,7 +262,7 @@ class SnapshotManager:
             kept = True
             return committed
         except BaseException:
-            await asyncio.to_thread(self.store.discard, draft)
+            await bulk_io().run(managed.tenant, self.store.discard, draft)
             raise
         finally:
             allowance.settle(kept)
@@ -265,6 +270,7 @@ class SnapshotManager:
     async def _keep_whole(
         self,
         session: KernelSession,
+        tenant: str,
         draft: SnapshotDraft,
         allowance: Allowance,
         extra: dict[str, Any],
@@ -294,16 +300,16 @@ class SnapshotManager:
             return None
         allowance.give_back(bound)  # taken again, for good, as the image is written
         forking = kind == FORK
-        saved = await self._save_memory(session, draft, allowance, leave_running=forking)
+        saved = await self._save_memory(session, tenant, draft, allowance, leave_running=forking)
         if forking:
-            extra["disk_uid"] = await session.copy_workspace_disk(draft.part_path(DISK))
+            extra["disk_uid"] = await session.copy_workspace_disk(draft.part_path(DISK), tenant)
         else:
-            extra["disk_uid"] = await session.keep_workspace_disk(draft.part_path(DISK))
+            extra["disk_uid"] = await session.keep_workspace_disk(draft.part_path(DISK), tenant)
         if extra["disk_uid"] is None:
             allowance.give_back(reserved)
             outcome = "no fork was made" if forking else "it was not paused"
             raise SnapshotError(f"session {session.id}: its workspace disk could not be kept; {outcome}")
-        disk = await asyncio.to_thread(seal_disk, draft)
+        disk = await bulk_io().run(tenant, seal_disk, draft)
         kept_bytes = allocated(await asyncio.to_thread(os.lstat, draft.part_path(DISK)))
         allowance.give_back(max(0, reserved - kept_bytes))
         if saved is None:
@@ -312,7 +318,7 @@ class SnapshotManager:
         return {DISK: disk, **memory_parts}
 
     async def _save_memory(
-        self, session: KernelSession, draft: SnapshotDraft, allowance: Allowance, *, leave_running: bool
+        self, session: KernelSession, tenant: str, draft: SnapshotDraft, allowance: Allowance, *, leave_running: bool
     ) -> tuple[dict[str, ArchivePart], int] | None:
         """The kernel's memory as snapshot parts (kernels/snapshots/memory.py) and the uid it runs
         as, its bound taken from the quota first; None when it cannot be saved (no room, or gVisor
@@ -324,10 +330,10 @@ class SnapshotManager:
             return None
         try:
             saved = await session.save_memory(scratch_dir(draft), leave_running=leave_running)
-            parts = await asyncio.to_thread(seal_image, draft)
+            parts = await bulk_io().run(tenant, seal_image, draft)
         except (SandkernelError, OSError) as err:
             allowance.give_back(bound)
-            await asyncio.to_thread(shutil.rmtree, scratch_dir(draft), True)
+            await bulk_io().run(tenant, shutil.rmtree, scratch_dir(draft), True)
             log.warning("memory not saved (the resume replays): %s", err, extra={"session": session.id})
             return None
         allowance.give_back(bound - sum(part.bytes for part in parts.values()))
@@ -341,7 +347,7 @@ class SnapshotManager:
         if not has_memory(manifest) or not isinstance(uid, int) or profile.runtime is not Runtime.RUNSC:
             return None
         target = self._scratch()
-        return SavedMemory(await asyncio.to_thread(unseal_image, self.store, manifest, target), uid)
+        return SavedMemory(await bulk_io().run(manifest.tenant, unseal_image, self.store, manifest, target), uid)
 
     def _scratch(self) -> Path:
         """A new path in the store's root for a restore's files while a sandbox starts (not a
@@ -349,9 +355,9 @@ class SnapshotManager:
         return self.store.root / f"{RESTORE_PREFIX}{uuid.uuid4().hex}"
 
     @staticmethod
-    async def _done_with(memory: SavedMemory | None) -> None:
+    async def _done_with(memory: SavedMemory | None, tenant: str) -> None:
         if memory is not None:
-            await asyncio.to_thread(shutil.rmtree, memory.image_dir, True)
+            await bulk_io().run(tenant, shutil.rmtree, memory.image_dir, True)
 
     async def _start_session(
         self,
@@ -386,9 +392,9 @@ class SnapshotManager:
         scratch = self._scratch()
         await asyncio.to_thread(scratch.mkdir, 0o700)
         try:
-            yield KeptWorkspace(await asyncio.to_thread(unseal_disk, self.store, manifest, scratch), uid)
+            yield KeptWorkspace(await bulk_io().run(manifest.tenant, unseal_disk, self.store, manifest, scratch), uid)
         finally:
-            await asyncio.to_thread(shutil.rmtree, scratch, True)
+            await bulk_io().run(manifest.tenant, shutil.rmtree, scratch, True)
 
     async def _used(self, tenant: str, tenant_bytes: TenantSnapshotBytes) -> int:
         """The tenant's snapshot bytes: committed (walked again) and being written."""
@@ -437,7 +443,7 @@ class SnapshotManager:
         try:
             session, from_memory = await self._start_session(profile, paused.id, paused.tenant, memory, disk_of)
         finally:
-            await self._done_with(memory)
+            await self._done_with(memory, paused.tenant)
         try:
             with self._gated(session, paused.tenant):
                 if from_memory:
@@ -475,7 +481,7 @@ class SnapshotManager:
         self.registry.add_live(managed)
         if managed.breaker is not None:  # a quarantine outlives a pause, as it outlives a restart
             managed.breaker.restore(paused.record.gateway.get("quarantined"))
-        await asyncio.to_thread(self.store.remove, paused.id, manifest.snapshot_id)
+        await bulk_io().run(paused.tenant, self.store.remove, paused.id, manifest.snapshot_id)
         self.registry.metrics.snapshot_ops.labels("resume" if rewind_to is None else "rewind").inc()
         managed.audit_record(
             "session_resumed" if rewind_to is None else "session_rewound",
@@ -583,7 +589,7 @@ class SnapshotManager:
         written.add(manifest.bytes)
         kept = [m for m in await asyncio.to_thread(self.store.list, managed.id) if m.kind == CELL]
         for old in kept[: max(0, len(kept) - self.settings.checkpoints_kept)]:
-            await asyncio.to_thread(self.store.remove, managed.id, old.snapshot_id)
+            await bulk_io().run(managed.tenant, self.store.remove, managed.id, old.snapshot_id)
         return manifest
 
     # -- rewind -----------------------------------------------------------------------------
@@ -633,18 +639,16 @@ class SnapshotManager:
 
         async def one() -> tuple[ManagedSession, Restored]:
             async with limit:
-                return await self._child(
-                    managed, profile, notebook, cells, (files, files_from), upto, memory, disk_of
-                )
+                return await self._child(managed, profile, notebook, cells, (files, files_from), upto, memory, disk_of)
 
         try:
             if source is not None:  # every fork starts from the one image, checked once
                 memory = await self._unsealed(source, profile)
             outcomes = await asyncio.gather(*(one() for _ in range(count)), return_exceptions=True)
         finally:
-            await self._done_with(memory)
+            await self._done_with(memory, managed.tenant)
             if manifest is not None:
-                await asyncio.to_thread(self.store.remove, managed.id, manifest.snapshot_id)
+                await bulk_io().run(managed.tenant, self.store.remove, managed.id, manifest.snapshot_id)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         made = [o for o in outcomes if not isinstance(o, BaseException)]
         if failed:
@@ -712,8 +716,9 @@ class SnapshotManager:
     # -- housekeeping -----------------------------------------------------------------------
 
     async def forget(self, session_id: str) -> None:
-        """Remove every snapshot of a session (it was deleted)."""
-        await asyncio.to_thread(self.store.remove, session_id)
+        """Remove every snapshot of a session (it was deleted), in its tenant's lane of the bulk
+        file threads (one lane for sessions whose tenant this process never saw)."""
+        await bulk_io().run(self._owners.get(session_id, ""), self.store.remove, session_id)
         self._locks.pop(session_id, None)
         self._owners.pop(session_id, None)
 
@@ -819,4 +824,3 @@ async def _reopen_transcript(path: Any) -> TranscriptRecorder | None:
     if not isinstance(path, str):
         return None
     return await asyncio.to_thread(TranscriptRecorder.reopen, Path(path))
-

@@ -59,6 +59,7 @@ from sandkernel.kernels.execution.replies import OrphanReply, OwnShellReplies, R
 from sandkernel.kernels.execution.variables import list_variables
 from sandkernel.kernels.execution.watch import ExecutionWatch
 from sandkernel.kernels.model.profiles import NUMERIC_RANGES, Profile, resolve_profile
+from sandkernel.kernels.sandbox.bulk_io import bulk_io
 from sandkernel.kernels.sandbox.container import SandboxContainer
 from sandkernel.kernels.sandbox.memory_checkpoint import SavedMemory
 from sandkernel.kernels.sandbox.provisioner import DockerProvisioner
@@ -206,29 +207,31 @@ class KernelSession:
         """Whether the session still has its container (:meth:`keep_workspace_disk` removes it)."""
         return self._kernel.provisioner.container is not None
 
-    async def copy_workspace_disk(self, target: Path) -> int | None:
+    async def copy_workspace_disk(self, target: Path, owner: str) -> int | None:
         """Copy the running sandbox's /workspace disk image, whole, to ``target`` (a fork, after
         :meth:`save_memory` with ``leave_running``): its filesystem frozen meanwhile, so the copy
-        is consistent (WorkspaceDisk.copy_image). The uid that owns its files; None, with nothing
-        copied, when the session has no disk workspace or the copy failed."""
+        is consistent (WorkspaceDisk.copy_image), in ``owner``'s lane of the bulk file threads
+        (kernels/sandbox/bulk_io.py). The uid that owns its files; None, with nothing copied, when
+        the session has no disk workspace or the copy failed."""
         disk = self._kernel.provisioner.workspace_disk
         if disk is None:
             return None
         try:
-            await asyncio.to_thread(disk.copy_image, target)
+            await bulk_io().run(owner, disk.copy_image, target)
         except (SandkernelError, OSError) as err:
             log.warning("the workspace disk could not be copied: %s", err, extra={"session": self.id})
             return None
         return disk.uid
 
-    async def keep_workspace_disk(self, target: Path) -> int | None:
+    async def keep_workspace_disk(self, target: Path, owner: str) -> int | None:
         """End the sandbox (a pause, after :meth:`save_memory`) and move its /workspace disk
         image, whole, to ``target`` (WorkspaceDisk.release_image), instead of removing it with
         the sandbox. The container goes first, so that nothing holds the filesystem when it is
         unmounted (a gofer's mount namespace would keep it alive, its last writes unflushed).
-        The uid that owns its files (a later sandbox on it must run as that uid); None, with
-        nothing moved, when the session has no disk workspace or it cannot be released: the disk
-        is then removed with the session as usual."""
+        The trim and move run in ``owner``'s lane of the bulk file threads. The uid that owns its
+        files (a later sandbox on it must run as that uid); None, with nothing moved, when the
+        session has no disk workspace or it cannot be released: the disk is then removed with the
+        session as usual."""
         provisioner = self._kernel.provisioner
         if provisioner.workspace_disk is None:
             return None
@@ -242,7 +245,7 @@ class KernelSession:
         disk = provisioner.detach_workspace_disk()
         assert disk is not None
         try:
-            await asyncio.to_thread(disk.release_image, target)
+            await bulk_io().run(owner, disk.release_image, target)
         except (SandkernelError, OSError) as err:
             log.warning("the workspace disk could not be kept whole: %s", err, extra={"session": self.id})
             provisioner.workspace_disk = disk  # cleanup removes it as usual

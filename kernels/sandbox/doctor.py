@@ -21,6 +21,7 @@ from sandkernel.errors import SandkernelError
 from sandkernel.kernels.model.profiles import WorkspaceStorage, resolve_profile
 from sandkernel.kernels.sandbox.container import SANDBOX_GID
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
+from sandkernel.kernels.sandbox.engine_cpu import engine_placement
 from sandkernel.kernels.sandbox.memory_checkpoint import RESTORE_DIR
 from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support
@@ -242,6 +243,8 @@ def run_checks(engine: DockerEngine | None = None) -> list[Check]:
     except (OSError, SandkernelError) as err:
         checks.append(Check("runtime dir", False, str(err), "set SANDKERNEL_RUNTIME_DIR to a short writable path"))
     checks.append(_check_workspace_disk())
+    engine_weighed, where, fix = engine_placement()
+    checks.append(Check("engine CPU weight", engine_weighed, where, fix, required=False))
     has_debootstrap = shutil.which("debootstrap") is not None
     checks.append(
         Check(
