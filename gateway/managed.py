@@ -10,6 +10,7 @@ needs (:class:`Breaker`).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
@@ -145,15 +146,11 @@ class ManagedSession:
         written = await self.files.write(path, data)
         if self.session.meter is not None:  # the upload is not the next cell's doing
             self.session.meter.forget_files()
+        # Hashed once, in a thread: tens of MiB hashed on the loop held every tenant's calls.
+        digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
         if self.recorder is not None:
-            self.recorder.record_input(written.get("path", path), data)
-        self.audit_record(
-            "file_written",
-            door=door,
-            path=written.get("path", path),
-            size=len(data),
-            sha256=hashlib.sha256(data).hexdigest(),
-        )
+            self.recorder.record_input(written.get("path", path), data, digest)
+        self.audit_record("file_written", door=door, path=written.get("path", path), size=len(data), sha256=digest)
         return written
 
     def kernel_model(self) -> dict[str, Any]:

@@ -14,7 +14,6 @@ import asyncio
 import base64
 import contextlib
 import datetime as dt
-import hashlib
 import json
 import os
 import stat
@@ -177,14 +176,15 @@ class TranscriptRecorder:
                 inputs=[i for i in inputs if isinstance(i, dict) and i.get("before_cell", 0) <= code_cells]
             )
 
-    def record_input(self, path: str, data: bytes) -> None:
+    def record_input(self, path: str, data: bytes, sha256: str) -> None:
         """Note a file uploaded into the workspace, so a replay can put it back before the same
         cell. Files up to :data:`EMBED_INPUT_BYTES` are embedded (base64): the transcript is then
-        self-contained; larger ones are named by size and SHA-256 and ``replay --file`` supplies them."""
+        self-contained; larger ones are named by size and SHA-256 (``sha256``, the caller's: it
+        hashes off the event loop) and ``replay --file`` supplies them."""
         entry: dict[str, Any] = {
             "path": path,
             "size": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
+            "sha256": sha256,
             "before_cell": sum(1 for cell in self.notebook.cells if cell.cell_type == "code"),
         }
         encoded = (len(data) + 2) // 3 * 4
