@@ -83,6 +83,7 @@ from sandkernel.kernels.sandbox.cgroup import DEFAULT_ENGINE_PARENT, use_engine_
 from sandkernel.kernels.sandbox.cpu_groups import remove_empty_groups
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
 from sandkernel.kernels.sandbox.doctor import memory_snapshots_unavailable
+from sandkernel.kernels.sandbox.service_cpu import place_gateway
 from sandkernel.kernels.sandbox.state_dir import state_dir, use_state_dir
 from sandkernel.kernels.snapshots.store import SnapshotStore
 from sandkernel.notebooks.recorder import default_notebook_dir
@@ -550,6 +551,8 @@ async def _join(cluster: ClusterCatalog, settings: GatewaySettings, registry: Se
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event | None = None) -> None:
     """Run a gateway until SIGINT/SIGTERM (or until ``stop`` is set), saying where it is."""
+    # Its own CPU group, above any one tenant's: it carries every tenant's calls (service_cpu.py).
+    log.info("%s", await asyncio.to_thread(place_gateway))
     gateway = await Gateway.start(settings)
     # What start-up made (modules, classes, settings) lives as long as the process: frozen out of
     # the cyclic collector, a full collection scans only what sessions made since. Each one is a

@@ -133,7 +133,7 @@ log "installing the sandkernel package into .venv"
   || { log "the package did not install; see pip's output above"; exit 1; }
 
 # The Docker engine yields the CPU to executes: a CPU group of its own at a low weight (issue 30;
-# kernels/sandbox/engine_cpu.py says why). Never fails the set-up.
+# kernels/sandbox/service_cpu.py says why). Never fails the set-up.
 if [ "$(id -u)" -eq 0 ]; then
-  log "$("$here/.venv/bin/python" -m sandkernel.kernels.sandbox.engine_cpu)"
+  log "$("$here/.venv/bin/python" -m sandkernel.kernels.sandbox.service_cpu)"
 fi

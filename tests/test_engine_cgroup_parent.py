@@ -49,7 +49,27 @@ def test_groups_go_under_the_engines_parent_and_are_recognised_only_there(lab_en
     assert group_of(f"/docker/{group}") is None  # not where this engine's groups are
     assert cgroup_parent(group, "systemd") is None
     use_engine_parent(DEFAULT_ENGINE_PARENT)
-    assert cgroup_parent(group, "cgroupfs") == f"/docker/{group}"
+    # Docker's default parent: the groups are at the top, beside /docker (not under it), and a
+    # group an earlier gateway made under /docker is still known (its sandboxes are adopted).
+    assert cgroup_parent(group, "cgroupfs") == f"/{group}"
+    assert group_of(f"/{group}") == group and group_of(f"/docker/{group}") == group
+    assert group_of(f"/elsewhere/{group}") is None and group_of(f"/{group}-x") is None
+
+
+def test_with_dockers_default_parent_sandboxes_and_groups_are_found_at_the_top_and_under_docker(tmp_path: Path):
+    group = group_for("alice")
+    v1_container(tmp_path, f"{group}/{CONTAINER}")
+    found = locate(CONTAINER, tmp_path)
+    assert isinstance(found, CgroupV1) and found.cpuacct == tmp_path / "cpuacct" / group / CONTAINER
+    v1_container(tmp_path, f"docker/{group}/{'cd' * 32}")  # an earlier gateway's sandbox
+    assert locate("cd" * 32, tmp_path) is not None
+    for tail in (f"{group}/{CONTAINER}", f"docker/{group}/{'cd' * 32}"):  # both sandboxes went
+        for controller in ("cpuacct", "memory"):
+            for file in (tmp_path / controller / tail).iterdir():
+                file.unlink()
+            (tmp_path / controller / tail).rmdir()
+    assert remove_empty_groups([group], tmp_path) == 4
+    assert not list(tmp_path.glob(f"**/{group}"))
 
 
 def test_sandboxes_and_empty_groups_are_found_under_the_engines_parent(tmp_path: Path, lab_engine_parent: str):

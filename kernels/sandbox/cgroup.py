@@ -68,6 +68,22 @@ def engine_parent() -> str:
     return _engine_parent
 
 
+def tenant_groups_parent() -> str:
+    """Where the tenants' CPU groups are made (cpu_groups.py): at the root of the hierarchy (``""``)
+    beside Docker's own ``/docker`` when the engine keeps Docker's default parent, so that each
+    tenant is an entity of its own at the top and a kernel waking in a quiet tenant's group is not
+    queued behind a busy tenant's under a shared ``/docker``; inside the engine's parent when the
+    operator gave it one, so that sandboxes stay inside what the operator gave the engine."""
+    return "" if _engine_parent == DEFAULT_ENGINE_PARENT else _engine_parent
+
+
+def tenant_group_parents() -> tuple[str, ...]:
+    """Every place a tenant's group may be, relative to a hierarchy's root: where they are made
+    now, and under the engine's parent, where earlier gateways made them (their sandboxes are
+    adopted, and those groups removed once empty)."""
+    return tuple(dict.fromkeys((tenant_groups_parent().lstrip("/"), _engine_parent.lstrip("/"))))
+
+
 APPROXIMATE_PEAK = (
     "peak memory is approximate (memory in use at the cell's start and end): this kernel cannot reset memory.peak"
 )
@@ -322,14 +338,16 @@ def locate(container_id: str, root: Path = CGROUP_ROOT) -> Cgroup | None:
         return None
     parent = engine_parent().lstrip("/")
     tails = [Path(parent) / container_id, Path("system.slice") / f"docker-{container_id}.scope"]
+    grouped = [Path(place) / TENANT_GROUPS / container_id for place in tenant_group_parents()]
     if (root / "cgroup.controllers").exists():
-        tails += [path.relative_to(root) for path in root.glob(f"{parent}/{TENANT_GROUPS}/{container_id}")]
+        tails += [path.relative_to(root) for pattern in grouped for path in root.glob(str(pattern))]
         for tail in tails:
             if (root / tail / "cpu.stat").exists():
                 return CgroupV2(root / tail)
         return None
-    grouped = root.glob(f"cpuacct/{parent}/{TENANT_GROUPS}/{container_id}")
-    tails += [path.relative_to(root / "cpuacct") for path in grouped]
+    tails += [
+        path.relative_to(root / "cpuacct") for pattern in grouped for path in (root / "cpuacct").glob(str(pattern))
+    ]
     for tail in tails:
         cpuacct, memory = root / "cpuacct" / tail, root / "memory" / tail
         if (cpuacct / "cpuacct.usage").exists() and (memory / "memory.max_usage_in_bytes").exists():

@@ -21,9 +21,9 @@ from sandkernel.errors import SandkernelError
 from sandkernel.kernels.model.profiles import WorkspaceStorage, resolve_profile
 from sandkernel.kernels.sandbox.container import SANDBOX_GID
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
-from sandkernel.kernels.sandbox.engine_cpu import engine_placement
 from sandkernel.kernels.sandbox.memory_checkpoint import RESTORE_DIR
 from sandkernel.kernels.sandbox.runtime_dir import RuntimeDir
+from sandkernel.kernels.sandbox.service_cpu import engine_placement
 from sandkernel.kernels.sandbox.workspace_disk import WorkspaceDisk, disk_support
 
 

@@ -63,8 +63,8 @@ async def test_a_tenants_sandboxes_share_one_cpu_group_and_hold_one_tenants_shar
         assert len(alice_parents) == 1 and bob_parent not in alice_parents, parents
         for parent in (*alice_parents, bob_parent):
             group = Path(parent).name
-            assert parent == f"/docker/{group}" and GROUP_NAME.fullmatch(group), parent  # a digest, not a name
-            assert (CGROUP_ROOT / "cpu" / "docker" / group / "cpu.shares").read_text().strip() == "1024"
+            assert parent == f"/{group}" and GROUP_NAME.fullmatch(group), parent  # a digest, not a name
+            assert (CGROUP_ROOT / "cpu" / group / "cpu.shares").read_text().strip() == "1024"
         for sid, ids in containers.items():  # per-cell accounting still finds the sandboxes' cgroups
             assert locate(ids[0]) is not None
             await asyncio.to_thread(pin_to_the_first_cpu, parents[sid], ids[0])
