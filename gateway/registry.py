@@ -365,9 +365,12 @@ class SessionRegistry:
             raise
 
     def add_adopted(self, managed: ManagedSession) -> None:
-        """A session a previous gateway process made, adopted at start-up (gateway/adoption.py)."""
+        """A session a previous gateway process made, adopted at start-up (gateway/adoption.py);
+        its CPU group is this process's to remove once empty, as for the groups it starts in."""
         self.wiring.attach(managed)
         self._sessions[managed.id] = managed
+        if managed.session.cpu_group is not None:
+            self.cpu_groups.add(managed.session.cpu_group)
 
     def add_live(self, managed: ManagedSession) -> None:
         """A session made or brought back by a snapshot (a resume, a fork), observed and recorded."""

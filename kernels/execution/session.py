@@ -203,6 +203,11 @@ class KernelSession:
         return None if disk is None else await asyncio.to_thread(disk.allocated_bytes)
 
     @property
+    def cpu_group(self) -> str | None:
+        """The tenant's CPU group the sandbox runs in (kernels/sandbox/cpu_groups.py), None outside one."""
+        return self._kernel.provisioner.cpu_group
+
+    @property
     def has_container(self) -> bool:
         """Whether the session still has its container (:meth:`keep_workspace_disk` removes it)."""
         return self._kernel.provisioner.container is not None
