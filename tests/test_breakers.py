@@ -42,6 +42,7 @@ from sandkernel.kernels.execution.events import ExecutionRequest, SessionObserve
 from sandkernel.kernels.execution.outputs import ExecutionResult, ExecutionStatus, TimeoutStep
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine
+from sandkernel.kernels.sandbox.service_cpu import engine_placement
 
 from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS, RunscState, require_runtime, runsc_required, runsc_state
 from .gateway_fixtures import ALICE, OPERATOR, start_gateway, stop_gateway
@@ -471,6 +472,7 @@ async def test_a_stopped_engine_makes_new_sessions_fail_fast_and_they_start_agai
         assert (await execute(gateway, session, "x = 41"))["status"] == "ok"
     failures = gateway.settings.start_failures
 
+    weighed, _, _ = await asyncio.to_thread(engine_placement)
     await asyncio.to_thread(stop_dockerd, pid)
     try:
         assert not await asyncio.to_thread(docker_answers)
@@ -482,7 +484,7 @@ async def test_a_stopped_engine_makes_new_sessions_fail_fast_and_they_start_agai
             assert (await execute(gateway, session, "x + 1"))["text"] == "42\n"
         status, metrics = await gateway.request("GET", "/metrics", token=OPERATOR)
     finally:
-        await asyncio.to_thread(start_dockerd)
+        await asyncio.to_thread(start_dockerd, weighed)
 
     assert all(status == 503 and retry_after for status, _, retry_after, _ in answers), answers
     # The first ones asked the engine and got its 503; then the breaker answers without asking it.

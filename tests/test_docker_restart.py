@@ -34,6 +34,7 @@ from sandkernel.errors import DockerUnavailableError
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine
+from sandkernel.kernels.sandbox.service_cpu import engine_placement, place_engine
 
 from .conftest import RunscState, runsc_required, runsc_state
 
@@ -227,8 +228,10 @@ def dockerd_gone(pid: int) -> bool:
     return state == "Z"
 
 
-def start_dockerd() -> None:
-    """Start dockerd again the same way (in its own session, appending to its log)."""
+def start_dockerd(weighed: bool) -> None:
+    """Start dockerd again the same way (in its own session, appending to its log), back in the
+    engine's CPU group when it was there (``weighed``: scripts/host-setup.sh put it there, and
+    the rest of the suite runs on this host as it was set up)."""
     with dockerd_log().open("ab") as log:
         subprocess.Popen(
             ["dockerd", *dockerd_args()], stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
@@ -237,6 +240,8 @@ def start_dockerd() -> None:
     while not docker_answers():
         assert time.monotonic() < deadline, f"dockerd did not come back within 120 s; see {dockerd_log()}"
         time.sleep(0.5)
+    if weighed:
+        place_engine()
 
 
 def started(session: KernelSession) -> tuple[str, str, bool]:
@@ -287,6 +292,7 @@ async def test_sessions_ride_through_a_dockerd_restart():
             assert await value(s, f"x = 41\nopen('/workspace/kept.txt', 'w').write('{s.id}')\nx") == "41"
         before = {s.id: await asyncio.to_thread(started, s) for s in sessions}
 
+        weighed, _, _ = await asyncio.to_thread(engine_placement)
         await asyncio.to_thread(stop_dockerd, pid)
         try:
             assert not await asyncio.to_thread(docker_answers)
@@ -300,7 +306,7 @@ async def test_sessions_ride_through_a_dockerd_restart():
                 await default_engine().run(default_engine().client.api.inspect_container, sessions[0].container.id)
             assert caught.value.http_status == 503
         finally:
-            await asyncio.to_thread(start_dockerd)
+            await asyncio.to_thread(start_dockerd, weighed)
 
         for s in sessions:
             assert await asyncio.to_thread(started, s) == before[s.id], "the container was restarted or replaced"
