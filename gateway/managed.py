@@ -10,7 +10,6 @@ needs (:class:`Breaker`).
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sandkernel.errors import ConfigError, SandboxLostError, SessionPausedError
 from sandkernel.kernels.execution.session import KernelSession
 from sandkernel.kernels.model.records import SandboxRecord, SandboxState
+from sandkernel.kernels.sandbox.bulk_io import bulk_io
 from sandkernel.kernels.sandbox.exec_stream import FILE_HELPER_TIMEOUT
 from sandkernel.kernels.sandbox.workspace_files import WorkspaceFiles
 from sandkernel.notebooks.recorder import TranscriptRecorder
@@ -55,6 +55,11 @@ RESTART_UNDER_WAY = (
     "a restart of the kernel is under way, so nothing was interrupted: the restart ends the running "
     "cell (status restarted)"
 )
+
+
+def sha256_hex(data: bytes) -> str:
+    """The hex SHA-256 of ``data`` (blocking for large data: run it in a thread)."""
+    return hashlib.sha256(data).hexdigest()
 
 
 def now_iso() -> str:
@@ -146,8 +151,9 @@ class ManagedSession:
         written = await self.files.write(path, data)
         if self.session.meter is not None:  # the upload is not the next cell's doing
             self.session.meter.forget_files()
-        # Hashed once, in a thread: tens of MiB hashed on the loop held every tenant's calls.
-        digest = await asyncio.to_thread(lambda: hashlib.sha256(data).hexdigest())
+        # Hashed once, in the tenant's lane of the bulk file threads: tens of MiB hashed on the
+        # event loop held every tenant's calls.
+        digest = await bulk_io().run(self.tenant, sha256_hex, data)
         if self.recorder is not None:
             self.recorder.record_input(written.get("path", path), data, digest)
         self.audit_record("file_written", door=door, path=written.get("path", path), size=len(data), sha256=digest)

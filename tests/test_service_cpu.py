@@ -28,13 +28,17 @@ from .gateway_fixtures import free_port
 V1_CGROUP = "12:cpu,cpuacct:{}\n0::/\n"
 V2_CGROUP = "0::{}\n"
 HOST_NET, LAB_NET = "net:[4026531840]", "net:[4026532999]"
+HOST_MNT, SANDBOX_MNT = "mnt:[4026531841]", "mnt:[4026532998]"
 START_SECONDS = 60.0  # a liveness bound on a gateway's start, not a timing
 
 
-def fake_process(proc: Path, pid: int | str, comm: str, parent: int, cgroup: str, net: str = HOST_NET) -> None:
+def fake_process(
+    proc: Path, pid: int | str, comm: str, parent: int, cgroup: str, net: str = HOST_NET, mnt: str = HOST_MNT
+) -> None:
     entry = proc / str(pid)
     (entry / "ns").mkdir(parents=True)
     (entry / "ns" / "net").symlink_to(net)
+    (entry / "ns" / "mnt").symlink_to(mnt)
     (entry / "comm").write_text(comm + "\n")
     (entry / "stat").write_text(f"{pid} ({comm}) S {parent} 1 1 0 -1\n")
     (entry / "cgroup").write_text(cgroup)
@@ -43,7 +47,8 @@ def fake_process(proc: Path, pid: int | str, comm: str, parent: int, cgroup: str
 def engine_tree(proc: Path, where: str, cgroup_line: str = V1_CGROUP) -> None:
     """dockerd (100) -> containerd (101) -> shim (102) -> a container's init (103, its own
     cgroup); an unrelated process (200) beside dockerd; a lab's dockerd (300) in a network
-    namespace of its own."""
+    namespace of its own; a sandbox's process that named itself dockerd (400), in the host's
+    network namespace (as a shared-network sandbox would be) but its own mount namespace."""
     proc.mkdir()
     fake_process(proc, "self", "pytest", 1, cgroup_line.format("/"))
     fake_process(proc, 1, "init", 0, cgroup_line.format("/"))
@@ -53,6 +58,7 @@ def engine_tree(proc: Path, where: str, cgroup_line: str = V1_CGROUP) -> None:
     fake_process(proc, 103, "python", 102, cgroup_line.format("/docker/" + "a" * 64))
     fake_process(proc, 200, "sshd", 1, cgroup_line.format(where))
     fake_process(proc, 300, "dockerd", 1, cgroup_line.format("/"), net=LAB_NET)
+    fake_process(proc, 400, "dockerd", 102, cgroup_line.format("/"), mnt=SANDBOX_MNT)
 
 
 def cgroup_tree(root: Path, version: str) -> None:
@@ -64,7 +70,7 @@ def cgroup_tree(root: Path, version: str) -> None:
         (root / "cgroup.subtree_control").write_text("memory pids\n")
 
 
-def test_the_hosts_engine_and_its_helpers_move_but_not_containers_strangers_or_a_labs_engine(tmp_path: Path):
+def test_the_hosts_engine_and_its_helpers_move_but_not_containers_strangers_or_impostors(tmp_path: Path):
     proc = tmp_path / "proc"
     engine_tree(proc, "/")
     assert sorted(engine_pids(proc)) == [100, 101, 102]

@@ -92,25 +92,28 @@ def children(proc: Path = PROC) -> dict[int, list[int]]:
     return tree
 
 
-def network_namespace(entry: Path) -> str | None:
-    """The network namespace a /proc entry's process is in (``net:[inode]``), None if gone."""
+def namespaces(entry: Path) -> tuple[str, str] | None:
+    """The network and mount namespaces a /proc entry's process is in (``net:[inode]``,
+    ``mnt:[inode]``), None if gone. A sandbox's processes are never in the host's: what a tenant
+    names a process (its ``comm`` is the tenant's to set) cannot pass for the host's dockerd."""
     try:
-        return os.readlink(entry / "ns" / "net")
+        return os.readlink(entry / "ns" / "net"), os.readlink(entry / "ns" / "mnt")
     except OSError:
         return None
 
 
 def engine_pids(proc: Path = PROC) -> list[int]:
-    """This host's dockerd (the one in this process's network namespace: not an engine a test lab
-    runs in a namespace of its own) and its descendants that share its CPU cgroup (containerd,
-    the shims, a runc at work; not containers, which are in cgroups of their own)."""
+    """This host's dockerd (the one in this process's network and mount namespaces: not an engine a
+    test lab runs in namespaces of its own, nor a sandbox's process named ``dockerd``) and its
+    descendants that share its CPU cgroup and namespaces (containerd, the shims, a runc at work;
+    not containers, which are in cgroups and namespaces of their own)."""
     tree = children(proc)
-    ours = network_namespace(proc / "self")
+    ours = namespaces(proc / "self")
     found: list[int] = []
     for entry in proc.iterdir():
         if entry.name.isdigit():
             try:
-                if (entry / "comm").read_text().strip() == "dockerd" and network_namespace(entry) == ours:
+                if (entry / "comm").read_text().strip() == "dockerd" and namespaces(entry) == ours:
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -120,7 +123,7 @@ def engine_pids(proc: Path = PROC) -> list[int]:
         stack = [root]
         while stack:
             pid = stack.pop()
-            if cpu_cgroup(pid, proc) == home:
+            if cpu_cgroup(pid, proc) == home and namespaces(proc / str(pid)) == ours:
                 moved.append(pid)
                 stack.extend(tree.get(pid, []))
     return moved
