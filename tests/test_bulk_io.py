@@ -67,3 +67,25 @@ def test_a_failing_call_raises_to_its_caller_and_frees_its_slot():
         assert pool.owners() == 0
 
     asyncio.run(scenario())
+
+
+def test_a_call_given_up_on_keeps_its_slot_until_its_thread_ends():
+    async def scenario() -> None:
+        pool = BulkIO(threads=2, per_owner=1)
+        release, started = threading.Event(), threading.Event()
+
+        def stuck() -> None:
+            started.set()
+            release.wait(WAIT)
+
+        first = asyncio.create_task(pool.run("alice", stuck))
+        assert await asyncio.to_thread(started.wait, WAIT)
+        first.cancel()
+        second = asyncio.create_task(pool.run("alice", lambda: "second"))
+        done, _ = await asyncio.wait({first, second}, timeout=0.2)
+        assert not done  # the cancelled call still holds alice's one slot: her next call waits
+        release.set()
+        assert await asyncio.wait_for(second, WAIT) == "second"
+        assert first.cancelled() and pool.owners() == 0
+
+    asyncio.run(scenario())

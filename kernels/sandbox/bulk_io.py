@@ -41,7 +41,14 @@ class BulkIO:
         try:
             async with slots:
                 work = functools.partial(contextvars.copy_context().run, func, *args)
-                return await asyncio.get_running_loop().run_in_executor(self._executor, work)
+                future = asyncio.get_running_loop().run_in_executor(self._executor, work)
+                try:
+                    return await asyncio.shield(future)
+                except asyncio.CancelledError:
+                    # The thread goes on: its slot stays taken until it ends, or a tenant could
+                    # pass its share by giving up on its calls (a client that disconnects).
+                    await asyncio.wait({future})
+                    raise
         finally:
             slots, users = self._lanes[owner]
             if users == 1:
