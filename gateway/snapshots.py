@@ -352,7 +352,7 @@ class SnapshotManager:
         not), ``first`` runs (a pause's container removed: with a 250 MB image hashed beside it,
         the engine, at its low CPU weight, took twice as long), then ``meanwhile`` while the image
         is hashed, each in its own thread of the tenant's bulk lane (a pause's disk moved and
-        sealed beside the hashing: 0.3 s saved at 200 MB); ``meanwhile``'s result comes second,
+        sealed beside the hashing: about 0.2 s saved at 200 MB); ``meanwhile``'s result comes second,
         and the hashing is waited for even when it raises."""
         bound = image_bound(session.profile.memory_mb)
         if not allowance.take(bound):
