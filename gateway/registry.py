@@ -464,7 +464,8 @@ class SessionRegistry:
         return self.get(tenant, session_id)
 
     def by_kernel(self, tenant: str, kernel_id: str) -> ManagedSession:
-        # A session's kernel id changes when the ladder replaces its container: look it up live.
+        # A session's kernel id stays when the ladder replaces its container; a resume or a
+        # rewind starts a new one: look it up live.
         # Lost sessions have no kernel: the kernel API does not know them (JupyterLab then offers
         # to start another kernel, which is what the user has to do).
         for managed in self._sessions.values():

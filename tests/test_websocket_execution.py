@@ -16,7 +16,7 @@ import pytest
 
 from .conftest import DOOR_RUNTIME_PARAMS, RUNTIME_PARAMS
 from .gateway_fixtures import OPERATOR, gateway_fixture
-from .test_gateway import connect, execute_request, ws_execute
+from .test_gateway import connect, execute_request, kernel_containers, ws_execute
 
 pytestmark = pytest.mark.docker
 
@@ -173,6 +173,48 @@ async def test_websocket_oom_is_classified_counted_and_survived(gw, gateway_sess
     assert status == 200
     assert _metric(metrics, 'sandkernel_kernel_deaths_total{cause="oom"}') >= 1
     assert _metric(metrics, 'sandkernel_executes_total{status="oom"}') >= 1
+
+
+# Code that leaves a startup file in the container's IPython dir (on its /tmp) and dies: the
+# restart after the death hangs in that file, so the ladder's last rung replaces the container.
+HANG_EVERY_RESTART = """import os
+startup = os.path.join(os.environ["IPYTHONDIR"], "profile_default", "startup")
+os.makedirs(startup, exist_ok=True)
+open(os.path.join(startup, "00-hang.py"), "w").write("import time; time.sleep(3600)")
+os._exit(1)"""
+
+
+async def test_a_replaced_container_keeps_the_kernel_id_its_clients_hold(gw):
+    """The ladder's last rung (a restart cannot come up, so the container is replaced) keeps the
+    kernel id, as a Jupyter restart does: JupyterLab, nbclient or a websocket user holding it
+    reconnects to the new kernel, instead of a 404 for a kernel that still serves them."""
+    limits = {"runtime": gw.runtime, **LIMITS, "start_timeout": 15}
+    status, session = await gw.request("POST", "/api/sessions", {"limits": limits})
+    assert status == 201, session
+    try:
+        kernel_id = session["kernel"]["id"]
+        [old] = kernel_containers(kernel_id)
+        ws = await connect(gw, kernel_id)
+        try:
+            await ws.write_message(json.dumps(execute_request(HANG_EVERY_RESTART)))
+            cell = await wait_for_cell(gw, session, HANG_EVERY_RESTART)
+        finally:
+            ws.close()
+        assert status_of(cell) == "kernel_died", cell
+        status, model = await gw.request("GET", f"/api/sessions/{session['id']}")
+        assert status == 200 and model["kernel"]["id"] == kernel_id, model
+        ws = await connect(gw, kernel_id)
+        try:
+            _, reply = await ws_execute(ws, "print('alive')", timeout=120)
+        finally:
+            ws.close()
+        assert reply["content"]["status"] == "ok", reply
+        after = await wait_for_cell(gw, session, "print('alive')")
+        assert "restart did not come up, so the container was replaced" in after["metadata"]["sandkernel"]["state_lost"]
+        [new] = kernel_containers(kernel_id)
+        assert new.id != old.id
+    finally:
+        await gw.request("DELETE", f"/api/sessions/{session['id']}")
 
 
 def _metric(text: str, name: str) -> float:

@@ -212,7 +212,9 @@ async def test_files_survive_the_ladders_last_rung(runtime):
     disks = [disk_of(session)]
     try:
         assert (await session.execute(KEEP)).status is ExecutionStatus.OK
+        kernel_id = session.kernel_id
         await session._kernel.replace()
+        assert session.kernel_id == kernel_id  # as after a restart: a client holding it carries on
         disks.append(disk_of(session))
         assert (await session.execute(READ)).text.strip() == "still here"
     finally:

@@ -334,12 +334,17 @@ class SandboxedKernel:
     async def replace(self) -> bool:
         """Throw away the kernel manager and container, and start from scratch. A disk
         workspace (and the uid that owns its files) is handed to the new provisioner: True
-        when it was, so /workspace files are kept."""
+        when it was, so /workspace files are kept.
+
+        The kernel id stays, as after a Jupyter restart: a client holding it (JupyterLab, a
+        websocket user, nbclient) reconnects to the new kernel instead of finding none."""
         self.epoch += 1
         provisioner = self.km.provisioner
         handed = provisioner.hand_over_workspace() if isinstance(provisioner, DockerProvisioner) else None
+        kernel_id = self.km.kernel_id
         await self.teardown()
         self.km = new_kernel_manager(self.km.kernel_name)
+        self.km.kernel_id = kernel_id
         self.client = None
         await self.start(handed)
         return handed is not None
