@@ -18,8 +18,10 @@ a loop of cycles (a kind alone with ``--conditions``, and all of them at once):
 
 Under noise the canary keeps going until it has ``--n`` samples AND every noise loop running has
 finished ``--cycles`` cycles (so a p99 covers whole cycles, not one phase), or ``--max-seconds``.
-The noise requests come from this process's event loop too; they are few (a flood round is
-``--flood`` small requests per --helper-timeout), so the bench's own share of the timing is small.
+The canary is a process of its own (this script with ``--canary``), as bob's client would be:
+two tenants never share a client's event loop, and when they did here, alice's replies (a flood
+round's twenty answers, a fork's session models) were handled on the loop that was timing bob's
+call, which put the bench's own queueing into bob's p99. Alice's noise comes from this process.
 
 Ratios are taken against the better of the two alone runs (before and after the noise), as
 bench/density.py does: the load of a shared machine moves. Target (issue 30): p50 and p99 under
@@ -36,7 +38,10 @@ import argparse
 import ast
 import asyncio
 import collections
+import contextlib
+import json
 import os
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -126,6 +131,7 @@ class Noise:
         self.cycles = 0
         self.answers: collections.Counter[str] = collections.Counter()
         self.cycle_seconds: list[float] = []
+        self.cycled = asyncio.Condition()  # notified after each cycle
 
     async def setup(self) -> None:
         pass
@@ -142,6 +148,13 @@ class Noise:
             await self.cycle()
             self.cycle_seconds.append(time.monotonic() - began)
             self.cycles += 1
+            async with self.cycled:
+                self.cycled.notify_all()
+
+    async def until_cycles(self, count: int) -> None:
+        """Return once ``count`` cycles have ended."""
+        async with self.cycled:
+            await self.cycled.wait_for(lambda: self.cycles >= count)
 
     def summary(self) -> dict[str, Any]:
         seconds = sorted(self.cycle_seconds)
@@ -220,28 +233,115 @@ class PauseLargeWorkspaces(Noise):
                     self.answers[f"{step}: {answer_of(outcome)}"] += 1
 
 
+CANARY_ENV = ("SANDKERNEL_BENCH_URL", "SANDKERNEL_BENCH_TOKEN", "SANDKERNEL_BENCH_SESSION")
+
+
 async def canary_samples(
-    call: Callable[[], Awaitable[object]], n: int, noises: list[Noise], cycles: int, max_seconds: float
+    call: Callable[[], Awaitable[object]], n: int, enough: Callable[[], bool], max_seconds: float
 ) -> tuple[list[float], int, float]:
-    """Seconds per canary call, back to back, until ``n`` samples and ``cycles`` more cycles of
-    every noise loop (or ``max_seconds``); also the failed calls and the wall time."""
+    """Seconds per canary call, back to back, until ``n`` samples and ``enough()`` (every noise
+    loop has run its cycles), or ``max_seconds``; also the failed calls and the wall time."""
     samples: list[float] = []
     failed = 0
     began = time.monotonic()
-    first = {noise: noise.cycles for noise in noises}
-    while len(samples) < n or any(noise.cycles - first[noise] < cycles for noise in noises):
+    while len(samples) < n or not enough():
         if time.monotonic() - began > max_seconds:
-            print(f"  (stopped at --max-seconds {max_seconds:.0f}: cycles {[n.cycles for n in noises]})", flush=True)
+            print(f"  (canary stopped at --max-seconds {max_seconds:.0f})", file=sys.stderr, flush=True)
             break
         t0 = time.perf_counter()
         try:
             await call()
         except ClientError as err:
             failed += 1
-            print(f"  canary call failed: {err}", flush=True)
+            print(f"  canary call failed: {err}", file=sys.stderr, flush=True)
             continue
         samples.append(time.perf_counter() - t0)
     return samples, failed, time.monotonic() - began
+
+
+async def stdin_lines() -> asyncio.StreamReader:
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+def tell(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+async def canary_process(request_timeout: float) -> None:
+    """``--canary``: bob's client, alone in its process. Told a measure on stdin as a JSON line
+    (``{"n": .., "max_seconds": ..}``), it samples until it has ``n`` and reads a second line
+    (the noise has run its cycles), then writes ``{"samples", "failed", "seconds"}``."""
+    url, token, session_id = (os.environ[name] for name in CANARY_ENV)
+    orders = await stdin_lines()
+    async with AsyncSandkernel(url, token, request_timeout=request_timeout) as bob:
+        session = await bob.get_session(session_id)
+        for _ in range(WARMUP):
+            await session.run("1+1", check=True)
+        tell({"ready": True})
+        while line := await orders.readline():
+            order = json.loads(line)
+            told = asyncio.create_task(orders.readline())  # the second line: the noise is done
+            samples, failed, seconds = await canary_samples(
+                lambda: session.run("1+1", check=True), order["n"], told.done, order["max_seconds"]
+            )
+            await told
+            tell({"samples": samples, "failed": failed, "seconds": seconds})
+
+
+class Canary:
+    """The parent's handle on the canary process (see :func:`canary_process`)."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    @classmethod
+    async def start(cls, url: str, token: str, session_id: str, request_timeout: float) -> Canary:
+        env = {**os.environ, **dict(zip(CANARY_ENV, (url, token, session_id), strict=True))}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--canary",
+            "--request-timeout",
+            str(request_timeout),
+            env=env,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        canary = cls(process)
+        if "ready" not in await canary._answer():
+            raise RuntimeError("the canary process did not get ready")
+        return canary
+
+    async def _answer(self) -> dict[str, Any]:
+        assert self.process.stdout is not None
+        line = await self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the canary process ended (exit {await self.process.wait()}); its stderr says why")
+        return json.loads(line)
+
+    def _order(self, message: dict[str, Any]) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write((json.dumps(message) + "\n").encode())
+
+    async def measure(
+        self, n: int, max_seconds: float, noise_done: Awaitable[object]
+    ) -> tuple[list[float], int, float]:
+        """Samples until ``n`` of them and ``noise_done`` has finished (see canary_samples)."""
+        self._order({"n": n, "max_seconds": max_seconds})
+        with contextlib.suppress(asyncio.TimeoutError):  # the canary stops at max_seconds itself
+            await asyncio.wait_for(noise_done, max_seconds)
+        self._order({"enough": True})
+        answer = await self._answer()
+        return answer["samples"], answer["failed"], answer["seconds"]
+
+    async def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        await self.process.wait()
 
 
 async def large_workspace(alice: AsyncSandkernel, mib: int) -> AsyncSession:
@@ -268,7 +368,12 @@ async def main() -> None:
     parser.add_argument("--large-sessions", type=int, default=2, help="sessions paused and resumed at once")
     parser.add_argument("--workspace-mb", type=int, default=64, help="MiB of random files in each of them")
     parser.add_argument("--forks", type=int, default=3, help="alice's room for forks: --max-sessions beyond hers")
+    parser.add_argument("--canary", action="store_true", help=argparse.SUPPRESS)  # the canary's own process
+    parser.add_argument("--request-timeout", type=float, default=600, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.canary:
+        await canary_process(args.request_timeout)
+        return
     conditions = [c for c in args.conditions.split(",") if c]
     if unknown := set(conditions) - set(CONDITIONS):
         parser.error(f"unknown conditions {sorted(unknown)}; known: {list(CONDITIONS)}")
@@ -285,28 +390,27 @@ async def main() -> None:
         AsyncSandkernel(alice.url, tokens["bob"], request_timeout=bound) as bob,
         AsyncSandkernel(alice.url, tokens["alice"], request_timeout=bound, max_retries=0) as flood_client,
     ):
-        canary, parent, *large = await asyncio.gather(
+        canary_session, parent, *large = await asyncio.gather(
             bob.create_session(),
             alice.create_session(),
             *(large_workspace(alice, args.workspace_mb) for _ in range(args.large_sessions)),
         )
         await parent.run("x = 6 * 7", check=True)  # a cell for each fork to replay
-        call, pid = canary.run, gateway_pid()
-        for _ in range(WARMUP):
-            await call("1+1", check=True)
+        pid = gateway_pid()
+        canary = await Canary.start(alice.url, tokens["bob"], canary_session.id, bound)
 
         async def measure(name: str, noises: list[Noise]) -> None:
             for noise in noises:
                 await noise.setup()
             stop = asyncio.Event()
             loops = [asyncio.create_task(noise.run(stop)) for noise in noises]
+            cycled = asyncio.gather(*(noise.until_cycles(noise.cycles + args.cycles) for noise in noises))
             cpu = CpuWindow(pid)
             try:
-                samples, failed, seconds = await canary_samples(
-                    lambda: call("1+1", check=True), args.n, noises, args.cycles, args.max_seconds
-                )
+                samples, failed, seconds = await canary.measure(args.n, args.max_seconds, cycled)
                 used = cpu.percent()
             finally:
+                cycled.cancel()
                 stop.set()
                 await asyncio.wait_for(asyncio.gather(*loops), args.max_seconds + bound)
                 for noise in noises:
@@ -324,11 +428,14 @@ async def main() -> None:
             }
             return [make() for name, make in kinds.items() if condition in (name, ALL)]
 
-        await measure(ALONE, [])
-        for condition in conditions:
-            await measure(CONDITIONS[condition], noises_for(condition))
-        await measure(ALONE_AFTER, [])
-        await asyncio.gather(*(session.delete() for session in (canary, parent, *large)))
+        try:
+            await measure(ALONE, [])
+            for condition in conditions:
+                await measure(CONDITIONS[condition], noises_for(condition))
+            await measure(ALONE_AFTER, [])
+        finally:
+            await canary.close()
+        await asyncio.gather(*(session.delete() for session in (canary_session, parent, *large)))
     base = {key: min(rows[ALONE][key], rows[ALONE_AFTER][key]) for key in ("p50_ms", "p99_ms")}
     print(
         f"\nanother tenant's 1+1 ({args.runtime}, n>={args.n}; ratios to the better alone run; target <= {TARGET:g}x)"
