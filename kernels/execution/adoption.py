@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +30,19 @@ from jupyter_client.provisioning import KernelProvisionerFactory
 
 from sandkernel.errors import AdoptionRefusedError, SandboxLostError, SandkernelError, TransportError
 from sandkernel.kernels.egress.proxy import EgressProxy
+from sandkernel.kernels.execution.deaths import LATE_OOM_EVENT_SECONDS
 from sandkernel.kernels.execution.transport import new_kernel_manager
 from sandkernel.kernels.model.profiles import Profile, resolve_profile
-from sandkernel.kernels.sandbox.container import SUPERVISOR_ENTRYPOINT, ContainerSpec, SandboxContainer
+from sandkernel.kernels.sandbox.container import (
+    SUPERVISOR_ENTRYPOINT,
+    ContainerSpec,
+    SandboxContainer,
+    killed_for_memory,
+    parse_engine_time,
+)
 from sandkernel.kernels.sandbox.cpu_groups import group_of
-from sandkernel.kernels.sandbox.docker_engine import default_engine, translate_api_error
+from sandkernel.kernels.sandbox.docker_engine import DockerEngine, default_engine, translate_api_error
+from sandkernel.kernels.sandbox.exec_stream import SIGKILL_EXIT
 from sandkernel.kernels.sandbox.labels import (
     KERNEL_LABEL,
     RUNTIME_DIR_LABEL,
@@ -126,16 +135,28 @@ async def _inspect(container_id: str) -> dict[str, Any]:
         raise translate_api_error(err, "cannot inspect a recorded sandbox") from err
 
 
-def lost_reason(container_state: dict[str, Any]) -> str:
-    """How a container that no longer runs ended, in words for the session's listing."""
-    if container_state.get("OOMKilled"):
+async def lost_reason(engine: DockerEngine, attrs: dict[str, Any]) -> str:
+    """How a container that no longer runs ended, in words for the session's listing. A stop
+    the engine recorded moments ago may still have its OOM event to come (see deaths.py)."""
+    state = attrs.get("State") or {}
+    try:
+        since_stop = time.time() - parse_engine_time(str(state.get("FinishedAt") or ""))
+    except ValueError:
+        since_stop = LATE_OOM_EVENT_SECONDS
+    grace = max(0.0, LATE_OOM_EVENT_SECONDS - since_stop)
+    if await killed_for_memory(engine, str(attrs.get("Id") or ""), state, grace):
         return "its container was killed for memory (OOM) while no gateway was attached"
-    code = container_state.get("ExitCode")
+    code = state.get("ExitCode")
+    if code == SIGKILL_EXIT:  # the engine's record of an OOM can be lost (see oom_event_logged)
+        return (
+            f"its container was killed (SIGKILL, exit code {code}: what its memory limit's OOM killer sends, "
+            "unless it was killed from outside) while no gateway was attached"
+        )
     return f"its container stopped (exit code {code}) while no gateway was attached"
 
 
 def _check_container(attrs: dict[str, Any], session_id: str, state: dict[str, Any], profile: Profile) -> None:
-    """Refuse a container that is not the one recorded; report one that stopped as lost."""
+    """Refuse a container that is not the one recorded."""
     labels = (attrs.get("Config") or {}).get("Labels") or {}
     expected = {
         SESSION_LABEL: session_id,
@@ -151,9 +172,6 @@ def _check_container(attrs: dict[str, Any], session_id: str, state: dict[str, An
     runtime = (attrs.get("HostConfig") or {}).get("Runtime")
     if runtime != profile.runtime.value:
         raise AdoptionRefusedError(f"the container runs under {runtime!r}, not the recorded {profile.runtime.value!r}")
-    container_state = attrs.get("State") or {}
-    if not container_state.get("Running"):
-        raise SandboxLostError(lost_reason(container_state))
 
 
 # -- adoption -----------------------------------------------------------------------------
@@ -182,6 +200,8 @@ async def reattach(session_id: str, state: dict[str, Any]) -> AsyncKernelManager
     profile = profile_from_record(state["profile"])
     attrs = await _inspect(state["container_id"])
     _check_container(attrs, session_id, state, profile)
+    if not (attrs.get("State") or {}).get("Running"):
+        raise SandboxLostError(await lost_reason(default_engine(), attrs))
     rundir_path = _checked_runtime_dir(state["runtime_dir"])
     info = dict(state["connection_info"])
     try:

@@ -15,7 +15,6 @@ import time
 from sandkernel.errors import SandkernelError
 from sandkernel.kernels.execution.outputs import ExecutionStatus
 from sandkernel.kernels.sandbox.container import SandboxContainer
-from sandkernel.kernels.sandbox.exec_stream import SIGKILL_EXIT
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +86,7 @@ class DeathClassifier:
             await asyncio.sleep(0.1)
         if not state:
             return False
-        if state.get("OOMKilled"):
-            return True
-        # Docker records OOMKilled only when the OOM event came before the exit; the event
-        # itself is logged either way.
-        return state.get("ExitCode") == SIGKILL_EXIT and await container.oom_event_logged(
-            state.get("StartedAt", ""), LATE_OOM_EVENT_SECONDS
-        )
+        return await container.killed_for_memory(state, LATE_OOM_EVENT_SECONDS)
 
     def sentence(self, status: ExecutionStatus, between_executes: bool, ended: str = "and was restarted") -> str:
         """The state-loss sentence a result and the transcript carry; ``ended`` says what followed."""

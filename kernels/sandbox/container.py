@@ -24,6 +24,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import docker.errors
 from docker.types import LogConfig, Ulimit
@@ -35,7 +36,7 @@ from sandkernel.kernels.egress.proxy import CONTAINER_EGRESS_DIR, RELAY_PORT, SO
 from sandkernel.kernels.model.profiles import Profile, Runtime, WorkspaceStorage
 from sandkernel.kernels.sandbox.cgroup import container_oom_kills
 from sandkernel.kernels.sandbox.docker_engine import DockerEngine, translate_api_error
-from sandkernel.kernels.sandbox.exec_stream import SANDBOX_SHELL, Deadline, ExecStreamError, run_helper
+from sandkernel.kernels.sandbox.exec_stream import SANDBOX_SHELL, SIGKILL_EXIT, Deadline, ExecStreamError, run_helper
 from sandkernel.kernels.sandbox.labels import (
     KERNEL_LABEL,
     OWNER_LABEL,
@@ -81,7 +82,7 @@ SUPERVISOR_DETACHED = "/tmp/.sandkernel/detached"  # it has closed every host so
 # also waits for its acknowledgement: a connect to a host socket whose gVisor listener has closed
 # hangs rather than being refused, so the host cannot check that from outside.
 SIGNAL_SUPERVISOR_SCRIPT = (
-    f"while [ ! -e {SUPERVISOR_READY} ]; do /bin/sleep 0.02; done; {KILL} \"-$1\" 1 || exit; "
+    f'while [ ! -e {SUPERVISOR_READY} ]; do /bin/sleep 0.02; done; {KILL} "-$1" 1 || exit; '
     f'[ "$1" != {int(signal.SIGUSR2)} ] || while [ ! -e {SUPERVISOR_DETACHED} ]; do /bin/sleep 0.02; done'
 )
 # Signals the kernel named by its pid file. The file is the sandbox's to write, so its first line
@@ -532,34 +533,12 @@ class SandboxContainer:
         return bool(state and not state.get("Running") and state.get("OOMKilled"))
 
     async def oom_event_logged(self, started_at: str, grace: float) -> bool:
-        """Whether the engine logged an ``oom`` event for this container since it started.
+        """See :func:`oom_event_logged`."""
+        return await oom_event_logged(self.engine, self.id, started_at, grace)
 
-        Docker's ``OOMKilled`` is set only when the runtime's OOM event comes before its exit
-        event; gVisor's shim may send them the other way round on a loaded host, and the stop is
-        then recorded as a plain exit 137 though the ``oom`` event is still logged. The events
-        are read up to ``grace`` seconds from now (an OOM event may follow the exit), and the
-        stream ends at the first match or at that deadline. Best effort: dockerd keeps only its
-        last 256 events, which a busy host can pass before this looks (two parallel rehearsals
-        found no event for a real OOM this way), so a death it misses stays ``kernel_died``."""
-        try:
-            since = int(parse_engine_time(started_at)) - 1
-        except ValueError:  # no start recorded: the engine keeps a short history, read all of it
-            since = 0
-        until = int(time.time() + grace) + 1
-        filters = {"container": self.id, "event": "oom"}
-
-        def scan() -> bool:
-            stream = self.engine.client.events(since=since, until=until, filters=filters, decode=True)
-            try:
-                return next(iter(stream), None) is not None
-            finally:
-                stream.close()
-
-        try:
-            return await self.engine.run(scan)
-        except docker.errors.APIError as err:
-            log.debug("read oom events: %s", err)
-            return False
+    async def killed_for_memory(self, state: dict[str, Any], grace: float) -> bool:
+        """See :func:`killed_for_memory`."""
+        return await killed_for_memory(self.engine, self.id, state, grace)
 
     async def oom_kill_count(self) -> int | None:
         """How many processes the memory cgroup's OOM killer has ended in this container."""
@@ -584,6 +563,48 @@ class SandboxContainer:
             if "already in progress" not in str(err):
                 raise
         log.info("container removed", extra={"container": self.id[:12]})
+
+
+async def oom_event_logged(engine: DockerEngine, container_id: str, started_at: str, grace: float) -> bool:
+    """Whether the engine logged an ``oom`` event for the container since it started.
+
+    Docker's ``OOMKilled`` is set only when the runtime's OOM event comes before its exit
+    event; gVisor's shim may send them the other way round on a loaded host, and the stop is
+    then recorded as a plain exit 137 though the ``oom`` event is still logged. The events
+    are read up to ``grace`` seconds from now (an OOM event may follow the exit), and the
+    stream ends at the first match or at that deadline. Best effort: dockerd keeps only its
+    last 256 events, which a busy host can pass before this looks (two parallel rehearsals
+    found no event for a real OOM this way)."""
+    try:
+        since = int(parse_engine_time(started_at)) - 1
+    except ValueError:  # no start recorded: the engine keeps a short history, read all of it
+        since = 0
+    until = int(time.time() + grace) + 1
+    filters = {"container": container_id, "event": "oom"}
+
+    def scan() -> bool:
+        stream = engine.client.events(since=since, until=until, filters=filters, decode=True)
+        try:
+            return next(iter(stream), None) is not None
+        finally:
+            stream.close()
+
+    try:
+        return await engine.run(scan)
+    except docker.errors.APIError as err:
+        log.debug("read oom events: %s", err)
+        return False
+
+
+async def killed_for_memory(engine: DockerEngine, container_id: str, state: dict[str, Any], grace: float) -> bool:
+    """Whether a container that stopped (its engine ``state``) was killed for memory: Docker's
+    ``OOMKilled``, or a SIGKILL's exit code with the engine's ``oom`` event logged (the order
+    of the two events decides the flag, see :func:`oom_event_logged`)."""
+    if state.get("OOMKilled"):
+        return True
+    return state.get("ExitCode") == SIGKILL_EXIT and await oom_event_logged(
+        engine, container_id, str(state.get("StartedAt") or ""), grace
+    )
 
 
 def parse_engine_time(stamp: str) -> float:
