@@ -81,15 +81,18 @@ async def test_concurrent_executes_are_serialised(kernel_session):
 
 
 async def test_interrupt_ends_the_running_execution(kernel_session):
+    started = asyncio.Event()
+
+    async def on_output(output: dict) -> None:
+        if "started" in output.get("text", ""):
+            started.set()
+
     task = asyncio.create_task(
-        kernel_session.execute("import time\nprint('started', flush=True)\ntime.sleep(600)", timeout=120)
+        kernel_session.execute(
+            "import time\nprint('started', flush=True)\ntime.sleep(600)", timeout=120, on_output=on_output
+        )
     )
-    # Wait for the kernel to be busy on our code: the execution has started once the lock is held.
-    for _ in range(200):
-        if kernel_session._lock.locked():
-            break
-        await asyncio.sleep(0.01)
-    await asyncio.sleep(0.5)
+    await asyncio.wait_for(started.wait(), 60)  # the cell runs: an interrupt now can only end it
     await kernel_session.interrupt()
     result = await asyncio.wait_for(task, 30)
     assert result.status is ExecutionStatus.INTERRUPTED
