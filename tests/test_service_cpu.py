@@ -4,10 +4,13 @@ engine (after scripts/host-setup.sh) and a ``sandkernel serve`` run at their wei
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -16,9 +19,11 @@ from sandkernel.gateway.auth import new_token
 from sandkernel.kernels.sandbox.service_cpu import (
     ENGINE,
     GATEWAY,
+    GATEWAY_BULK,
     cpu_cgroup,
     engine_pids,
     engine_placement,
+    place_bulk_thread,
     place_engine,
     place_gateway,
 )
@@ -111,6 +116,25 @@ def test_a_gateway_a_service_manager_placed_is_left_to_it(tmp_path: Path):
     assert GATEWAY.manager_hint in said and not (root / "cpu" / GATEWAY.name).exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root moves a thread between CPU groups")
+@pytest.mark.parametrize(("version", "where"), [("v1", f"/{GATEWAY.name}"), ("v2", f"/{GATEWAY.name}"), ("v1", "/")])
+def test_a_gateways_bulk_thread_moves_to_a_tenants_weight_under_v1_only(tmp_path: Path, version: str, where: str):
+    """Only a gateway that placed itself, under cgroup v1 (v2 keeps a process's threads in one
+    domain), moves a bulk thread; a test's in-process gateway (here: the root group) does not."""
+    proc, root = tmp_path / "proc", tmp_path / "cgroup"
+    proc.mkdir()
+    fake_process(proc, os.getpid(), "python", 1, (V1_CGROUP if version == "v1" else V2_CGROUP).format(where))
+    cgroup_tree(root, version)
+    said = place_bulk_thread(root, proc)
+    directory, weight_file, weight = GATEWAY_BULK.directory(root)
+    if version == "v1" and where == f"/{GATEWAY.name}":
+        assert said is None
+        assert (directory / weight_file).read_text() == weight == "1024"
+        assert (directory / "tasks").read_text() == str(threading.get_native_id())  # this thread alone
+    else:
+        assert said and not directory.exists(), said
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="host-setup.sh places the engine only as root")
 def test_on_this_host_the_engine_runs_at_its_low_weight():
     weighed, where, fix = engine_placement()
@@ -123,11 +147,13 @@ def test_on_this_host_the_engine_runs_at_its_low_weight():
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root moves a process between CPU groups")
 def test_sandkernel_serve_runs_in_the_gateways_group_at_its_weight(tmp_path: Path):
     """A real ``sandkernel serve``: started from this process's CPU group, it moves to the
-    gateway's group (unless this process is in a manager's group: then it stays there)."""
+    gateway's group (unless this process is in a manager's group: then it stays there); a
+    resume's bulk file work runs in threads at a tenant's weight (under cgroup v1)."""
     mine = cpu_cgroup(os.getpid())
-    port = free_port()
-    command = [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), f"--token={new_token()}"]
+    port, token = free_port(), new_token()
+    command = [sys.executable, "-m", "sandkernel.cli", "serve", "--port", str(port), f"--token={token}"]
     command += ["--state-dir", str(tmp_path / "state"), "--notebook-dir", str(tmp_path / "nb"), "--pool-size", "0"]
+    command += ["--default-runtime", "runc"]
     log = tmp_path / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -137,12 +163,35 @@ def test_sandkernel_serve_runs_in_the_gateways_group_at_its_weight(tmp_path: Pat
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         where = cpu_cgroup(proc.pid)
+        session = call(port, token, "POST", "/api/sessions", {})
+        call(port, token, "POST", f"/api/sessions/{session['id']}/pause")
+        call(port, token, "POST", f"/api/sessions/{session['id']}/resume")  # removes the snapshot in a bulk thread
+        threads = {
+            cpu_cgroup(int(tid.name), proc_dir)
+            for proc_dir in [Path(f"/proc/{proc.pid}/task")]
+            for tid in proc_dir.iterdir()
+        }
+        call(port, token, "DELETE", f"/api/sessions/{session['id']}")
     finally:
         proc.terminate()
         proc.wait(START_SECONDS)
     if mine not in ("/", f"/{GATEWAY.name}"):
-        assert where == mine, log.read_text()
+        assert where == mine and threads == {mine}, log.read_text()
         return
     assert where == f"/{GATEWAY.name}", log.read_text()
     directory, weight_file, weight = GATEWAY.directory(Path("/sys/fs/cgroup"))
     assert (directory / weight_file).read_text().strip() == weight
+    if (Path("/sys/fs/cgroup") / "cgroup.controllers").exists():  # v2: one domain for all threads
+        assert threads == {where}, threads
+    else:
+        assert threads == {where, f"/{GATEWAY_BULK.name}"}, threads
+
+
+def call(port: int, token: str, method: str, path: str, body: dict | None = None) -> dict:
+    """One request to the gateway; its JSON answer ({} for none); an error status fails the test."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method)
+    request.add_header("Authorization", f"token {token}")
+    with urllib.request.urlopen(request, timeout=START_SECONDS) as answer:
+        raw = answer.read()
+    return json.loads(raw) if raw else {}

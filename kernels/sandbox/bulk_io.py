@@ -1,5 +1,6 @@
 """Threads of their own for bulk file work: a snapshot's disk and memory images (hash, copy,
-trim, move, remove) and an upload's hash, apart from asyncio's default executor.
+trim, move, remove) and an upload's hash, apart from asyncio's default executor, at a tenant's CPU weight
+(service_cpu.place_bulk_thread).
 
 Why (issue 30): that work takes seconds for a large workspace, and it ran on the loop's default
 executor (``min(32, cores + 4)`` threads: 6 on a 2-core host), which also carries every other
@@ -16,10 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import functools
+import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from sandkernel.kernels.sandbox.service_cpu import place_bulk_thread
+
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 BULK_IO_THREADS = 4
@@ -30,7 +35,7 @@ class BulkIO:
     """A bounded pool for blocking file work, shared fairly by owners."""
 
     def __init__(self, threads: int = BULK_IO_THREADS, per_owner: int = BULK_IO_PER_OWNER) -> None:
-        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="sandkernel-bulk-io")
+        self._executor = ThreadPoolExecutor(threads, thread_name_prefix="sandkernel-bulk-io", initializer=_weigh_thread)
         self._per_owner = per_owner
         self._lanes: dict[str, tuple[asyncio.Semaphore, int]] = {}  # owner -> (slots, calls holding or waiting)
 
@@ -59,6 +64,17 @@ class BulkIO:
     def owners(self) -> int:
         """How many owners have work queued or running (a bound the tests check)."""
         return len(self._lanes)
+
+
+def _weigh_thread() -> None:
+    """Each new thread of the pool: into the bulk work's CPU group (see service_cpu.py)."""
+    try:
+        why_not = place_bulk_thread()
+    except OSError as err:
+        log.warning("a bulk file thread stays at the gateway's CPU weight: %s", err)
+        return
+    if why_not is not None:
+        log.debug("a bulk file thread stays at the gateway's CPU weight: %s", why_not)
 
 
 _default: BulkIO | None = None
