@@ -36,7 +36,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from stat import S_ISDIR
-from typing import Any, TypeVar
+from typing import Any
 
 import nbformat
 
@@ -78,7 +78,6 @@ from sandkernel.notebooks.resume import CHECKPOINT, Restored, carry_on, cells_in
 from sandkernel.notebooks.transcript import build_notebook
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MiB = 1024 * 1024
 MAX_FORKS = 10  # per request: each fork is a cold start plus a replay
@@ -237,9 +236,7 @@ class SnapshotManager:
                 parts[TRANSCRIPT] = await asyncio.to_thread(self.store.write_part, draft, TRANSCRIPT, text)
             extra["cells_in_memory"] = cells_in_memory(notebook, lost_since=session.state_lost_pending)
             if session.savable and not whole:  # a fork's parent and a cell's session go on running
-                saved, _ = await self._save_memory(
-                    session, managed.tenant, draft, allowance, leave_running=kind != PAUSE
-                )
+                saved = await self._save_memory(session, managed.tenant, draft, allowance, leave_running=kind != PAUSE)
                 if saved is not None:
                     parts.update(saved[0])
                     extra["memory_uid"] = saved[1]  # signed with the rest: the restore runs as it
@@ -303,30 +300,16 @@ class SnapshotManager:
             return None
         allowance.give_back(bound)  # taken again, for good, as the image is written
         forking = kind == FORK
-
-        async def keep_disk() -> tuple[int, ArchivePart] | None:
-            """The fork's copy, or the pause's move, of the whole disk, sealed; None if it failed."""
-            target = draft.part_path(DISK)
-            if forking:
-                uid = await session.copy_workspace_disk(target, tenant)
-            else:
-                uid = await session.keep_workspace_disk(target, tenant)
-            return None if uid is None else (uid, await bulk_io().run(tenant, seal_disk, draft))
-
-        saved, kept = await self._save_memory(
-            session,
-            tenant,
-            draft,
-            allowance,
-            leave_running=forking,
-            first=None if forking else session.remove_container,
-            meanwhile=keep_disk,
-        )
-        if kept is None:
+        saved = await self._save_memory(session, tenant, draft, allowance, leave_running=forking)
+        if forking:
+            extra["disk_uid"] = await session.copy_workspace_disk(draft.part_path(DISK), tenant)
+        else:
+            extra["disk_uid"] = await session.keep_workspace_disk(draft.part_path(DISK), tenant)
+        if extra["disk_uid"] is None:
             allowance.give_back(reserved)
             outcome = "no fork was made" if forking else "it was not paused"
             raise SnapshotError(f"session {session.id}: its workspace disk could not be kept; {outcome}")
-        extra["disk_uid"], disk = kept
+        disk = await bulk_io().run(tenant, seal_disk, draft)
         kept_bytes = allocated(await asyncio.to_thread(os.lstat, draft.part_path(DISK)))
         allowance.give_back(max(0, reserved - kept_bytes))
         if saved is None:
@@ -335,57 +318,26 @@ class SnapshotManager:
         return {DISK: disk, **memory_parts}
 
     async def _save_memory(
-        self,
-        session: KernelSession,
-        tenant: str,
-        draft: SnapshotDraft,
-        allowance: Allowance,
-        *,
-        leave_running: bool,
-        first: Callable[[], Awaitable[object]] | None = None,
-        meanwhile: Callable[[], Awaitable[T]] | None = None,
-    ) -> tuple[tuple[dict[str, ArchivePart], int] | None, T | None]:
+        self, session: KernelSession, tenant: str, draft: SnapshotDraft, allowance: Allowance, *, leave_running: bool
+    ) -> tuple[dict[str, ArchivePart], int] | None:
         """The kernel's memory as snapshot parts (kernels/snapshots/memory.py) and the uid it runs
         as, its bound taken from the quota first; None when it cannot be saved (no room, or gVisor
         failed): the pause goes on, and its resume replays the cells as for runc. The sandbox ends
-        either way unless ``leave_running`` (a fork's parent). Once the save is over (saved or
-        not), ``first`` runs (a pause's container removed: with a 250 MB image hashed beside it,
-        the engine, at its low CPU weight, took twice as long), then ``meanwhile`` while the image
-        is hashed, each in its own thread of the tenant's bulk lane (a pause's disk moved and
-        sealed beside the hashing: about 0.2 s saved at 200 MB); ``meanwhile``'s result comes second,
-        and the hashing is waited for even when it raises."""
+        either way unless ``leave_running`` (a fork's parent)."""
         bound = image_bound(session.profile.memory_mb)
         if not allowance.take(bound):
             log.warning("memory not saved: no room in the snapshot quota", extra={"session": session.id})
-            return None, await meanwhile() if meanwhile is not None else None
+            return None
         try:
             saved = await session.save_memory(scratch_dir(draft), leave_running=leave_running)
+            parts = await bulk_io().run(tenant, seal_image, draft)
         except (SandkernelError, OSError) as err:
-            await self._memory_not_saved(session, tenant, draft, allowance, bound, err)
-            return None, await meanwhile() if meanwhile is not None else None
-        if first is not None:
-            await first()
-        sealing = asyncio.ensure_future(bulk_io().run(tenant, seal_image, draft))
-        try:
-            result = await meanwhile() if meanwhile is not None else None
-        finally:
-            try:
-                parts = await sealing
-            except (SandkernelError, OSError) as err:
-                await self._memory_not_saved(session, tenant, draft, allowance, bound, err)
-                parts = None
-        if parts is None:
-            return None, result
+            allowance.give_back(bound)
+            await bulk_io().run(tenant, shutil.rmtree, scratch_dir(draft), True)
+            log.warning("memory not saved (the resume replays): %s", err, extra={"session": session.id})
+            return None
         allowance.give_back(bound - sum(part.bytes for part in parts.values()))
-        return (parts, saved.uid), result
-
-    @staticmethod
-    async def _memory_not_saved(
-        session: KernelSession, tenant: str, draft: SnapshotDraft, allowance: Allowance, bound: int, err: Exception
-    ) -> None:
-        allowance.give_back(bound)
-        await bulk_io().run(tenant, shutil.rmtree, scratch_dir(draft), True)
-        log.warning("memory not saved (the resume replays): %s", err, extra={"session": session.id})
+        return parts, saved.uid
 
     async def _unsealed(self, manifest: SnapshotManifest, profile: Profile) -> SavedMemory | None:
         """The snapshot's memory image, checked and linked into a directory of its own for runsc

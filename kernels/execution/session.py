@@ -238,7 +238,14 @@ class KernelSession:
         session has no disk workspace or it cannot be released: the disk is then removed with the
         session as usual."""
         provisioner = self._kernel.provisioner
-        if provisioner.workspace_disk is None or not await self.remove_container():
+        if provisioner.workspace_disk is None:
+            return None
+        try:
+            if provisioner.container is not None:
+                await provisioner.container.remove()
+                provisioner.container = None
+        except docker.errors.DockerException as err:
+            log.warning("the sandbox could not be removed to keep its disk: %s", err, extra={"session": self.id})
             return None
         disk = provisioner.detach_workspace_disk()
         assert disk is not None
@@ -249,20 +256,6 @@ class KernelSession:
             provisioner.workspace_disk = disk  # cleanup removes it as usual
             return None
         return disk.uid
-
-    async def remove_container(self) -> bool:
-        """Remove the sandbox's container once its memory is saved (a pause): the first step of
-        :meth:`keep_workspace_disk`, which a caller may take earlier, before work that would
-        compete with the engine's removal for the CPU. Whether it is gone."""
-        provisioner = self._kernel.provisioner
-        try:
-            if provisioner.container is not None:
-                await provisioner.container.remove()
-                provisioner.container = None
-        except docker.errors.DockerException as err:
-            log.warning("the sandbox could not be removed to keep its disk: %s", err, extra={"session": self.id})
-            return False
-        return True
 
     async def until_saved(self) -> None:
         """Until no save of the kernel's memory is under way. A fork's parent and a checkpointed
