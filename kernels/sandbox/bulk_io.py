@@ -1,6 +1,6 @@
 """Threads of their own for bulk file work: a snapshot's disk and memory images (hash, copy,
-trim, move, remove) and an upload's hash, apart from asyncio's default executor, at a tenant's CPU weight
-(service_cpu.place_bulk_thread).
+trim, move, remove) and an upload's hash, apart from asyncio's default executor, at a tenant's
+CPU weight (service_cpu.place_bulk_thread).
 
 Why (issue 30): that work takes seconds for a large workspace, and it ran on the loop's default
 executor (``min(32, cores + 4)`` threads: 6 on a 2-core host), which also carries every other

@@ -532,10 +532,6 @@ class SandboxContainer:
         state = await self.engine_state()
         return bool(state and not state.get("Running") and state.get("OOMKilled"))
 
-    async def oom_event_logged(self, started_at: str, grace: float) -> bool:
-        """See :func:`oom_event_logged`."""
-        return await oom_event_logged(self.engine, self.id, started_at, grace)
-
     async def killed_for_memory(self, state: dict[str, Any], grace: float) -> bool:
         """See :func:`killed_for_memory`."""
         return await killed_for_memory(self.engine, self.id, state, grace)
