@@ -19,7 +19,7 @@ interactive calls, so:
   one tenant at a time, seconds of CPU per call: its threads run in ``sandkernel-gateway-bulk``,
   at a tenant's weight (:func:`place_bulk_thread`). At the gateway's weight, one tenant's two
   hashing threads took both cores from another tenant's kernel (bench/noisy_neighbour.py, gVisor,
-  pauses of large workspaces: that tenant's p99 2.25-2.67x its p99 alone, against 1.53-1.79x in
+  pauses of large workspaces: that tenant's p99 2.25-2.67x its p99 alone, against 1.53-1.87x in
   the group). cgroup v1 only: v2 keeps all threads of a process in one domain, so there they stay
   with the gateway's.
 
