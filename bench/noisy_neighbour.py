@@ -39,6 +39,7 @@ import ast
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -60,6 +61,7 @@ TARGET = 2.0  # another tenant's p50 and p99 under the noise: within 2x of alone
 MAX_FORK = 10  # the API's most forks per call
 FILE_MIB = 16  # a large workspace is files of at most this size
 WARMUP = 10
+CANARY_CODE = "1+1"  # bob's execute: trivial, so its time is the path's, not the code's
 ALONE, ALONE_AFTER, ALL = "alone", "alone, after the noise", "all"
 CONDITIONS = {
     "freeze": "freezes its helpers + floods file listings",
@@ -279,15 +281,14 @@ async def canary_process(request_timeout: float) -> None:
     orders = await stdin_lines()
     async with AsyncSandkernel(url, token, request_timeout=request_timeout) as bob:
         session = await bob.get_session(session_id)
+        call = functools.partial(session.run, CANARY_CODE, check=True)
         for _ in range(WARMUP):
-            await session.run("1+1", check=True)
+            await call()
         tell({"ready": True})
         while line := await orders.readline():
             order = json.loads(line)
             told = asyncio.create_task(orders.readline())  # the second line: the noise is done
-            samples, failed, seconds = await canary_samples(
-                lambda: session.run("1+1", check=True), order["n"], told.done, order["max_seconds"]
-            )
+            samples, failed, seconds = await canary_samples(call, order["n"], told.done, order["max_seconds"])
             await told
             tell({"samples": samples, "failed": failed, "seconds": seconds})
 
@@ -438,7 +439,8 @@ async def main() -> None:
         await asyncio.gather(*(session.delete() for session in (canary_session, parent, *large)))
     base = {key: min(rows[ALONE][key], rows[ALONE_AFTER][key]) for key in ("p50_ms", "p99_ms")}
     print(
-        f"\nanother tenant's 1+1 ({args.runtime}, n>={args.n}; ratios to the better alone run; target <= {TARGET:g}x)"
+        f"\nanother tenant's {CANARY_CODE} ({args.runtime}, n>={args.n}; "
+        f"ratios to the better alone run; target <= {TARGET:g}x)"
     )
     print(
         f"{'condition (what tenant alice does)':52} {'n':>5} {'p50 ms':>8} {'p99 ms':>8} {'x p50':>6} {'x p99':>6}"
