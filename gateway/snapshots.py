@@ -300,21 +300,34 @@ class SnapshotManager:
             return None
         allowance.give_back(bound)  # taken again, for good, as the image is written
         forking = kind == FORK
-        saved = await self._save_memory(session, tenant, draft, allowance, leave_running=forking)
-        if forking:
-            extra["disk_uid"] = await session.copy_workspace_disk(draft.part_path(DISK), tenant)
-        else:
-            extra["disk_uid"] = await session.keep_workspace_disk(draft.part_path(DISK), tenant)
-        if extra["disk_uid"] is None:
-            allowance.give_back(reserved)
-            outcome = "no fork was made" if forking else "it was not paused"
-            raise SnapshotError(f"session {session.id}: its workspace disk could not be kept; {outcome}")
-        disk = await bulk_io().run(tenant, seal_disk, draft)
+        # The disk's dirty data is written out while the memory is (WorkspaceDisk.flush).
+        flushing = asyncio.ensure_future(session.flush_workspace_disk(tenant))
+        try:
+            saved = await self._checkpoint_memory(session, tenant, draft, allowance, leave_running=forking)
+        finally:
+            await flushing
+        # The image is hashed while the disk is kept and hashed: both hashes take a core each.
+        sealing = asyncio.ensure_future(self._sealed_memory(session, tenant, draft, allowance)) if saved else None
+        try:
+            if forking:
+                extra["disk_uid"] = await session.copy_workspace_disk(draft.part_path(DISK), tenant)
+            else:
+                extra["disk_uid"] = await session.keep_workspace_disk(draft.part_path(DISK), tenant)
+            if extra["disk_uid"] is None:
+                allowance.give_back(reserved)
+                outcome = "no fork was made" if forking else "it was not paused"
+                raise SnapshotError(f"session {session.id}: its workspace disk could not be kept; {outcome}")
+            disk = await bulk_io().run(tenant, seal_disk, draft)
+        except BaseException:
+            if sealing is not None:  # never left hashing a draft that is being discarded
+                await asyncio.gather(sealing, return_exceptions=True)
+            raise
         kept_bytes = allocated(await asyncio.to_thread(os.lstat, draft.part_path(DISK)))
         allowance.give_back(max(0, reserved - kept_bytes))
-        if saved is None:
+        memory_parts = await sealing if sealing is not None else None
+        if saved is None or memory_parts is None:
             return {DISK: disk}
-        memory_parts, extra["memory_uid"] = saved
+        extra["memory_uid"] = saved.uid
         return {DISK: disk, **memory_parts}
 
     async def _save_memory(
@@ -324,20 +337,47 @@ class SnapshotManager:
         as, its bound taken from the quota first; None when it cannot be saved (no room, or gVisor
         failed): the pause goes on, and its resume replays the cells as for runc. The sandbox ends
         either way unless ``leave_running`` (a fork's parent)."""
+        saved = await self._checkpoint_memory(session, tenant, draft, allowance, leave_running=leave_running)
+        parts = await self._sealed_memory(session, tenant, draft, allowance) if saved else None
+        return None if saved is None or parts is None else (parts, saved.uid)
+
+    async def _checkpoint_memory(
+        self, session: KernelSession, tenant: str, draft: SnapshotDraft, allowance: Allowance, *, leave_running: bool
+    ) -> SavedMemory | None:
+        """:meth:`_save_memory`'s first step: the image written into the draft's scratch dir, its
+        bound taken from the quota (give it back with :meth:`_sealed_memory`); None when it was not."""
         bound = image_bound(session.profile.memory_mb)
         if not allowance.take(bound):
             log.warning("memory not saved: no room in the snapshot quota", extra={"session": session.id})
             return None
         try:
-            saved = await session.save_memory(scratch_dir(draft), leave_running=leave_running)
+            return await session.save_memory(scratch_dir(draft), leave_running=leave_running)
+        except (SandkernelError, OSError) as err:
+            await self._unsaved(session, tenant, draft, allowance, err)
+            return None
+
+    async def _sealed_memory(
+        self, session: KernelSession, tenant: str, draft: SnapshotDraft, allowance: Allowance
+    ) -> dict[str, ArchivePart] | None:
+        """:meth:`_save_memory`'s second step: the written image hashed into parts, and what its
+        bound took beyond them given back; None (all of it given back) when that failed."""
+        bound = image_bound(session.profile.memory_mb)
+        try:
             parts = await bulk_io().run(tenant, seal_image, draft)
         except (SandkernelError, OSError) as err:
-            allowance.give_back(bound)
-            await bulk_io().run(tenant, shutil.rmtree, scratch_dir(draft), True)
-            log.warning("memory not saved (the resume replays): %s", err, extra={"session": session.id})
+            await self._unsaved(session, tenant, draft, allowance, err)
             return None
         allowance.give_back(bound - sum(part.bytes for part in parts.values()))
-        return parts, saved.uid
+        return parts
+
+    @staticmethod
+    async def _unsaved(
+        session: KernelSession, tenant: str, draft: SnapshotDraft, allowance: Allowance, err: Exception
+    ) -> None:
+        """A memory image that was not saved: its bound given back, its scratch dir removed."""
+        allowance.give_back(image_bound(session.profile.memory_mb))
+        await bulk_io().run(tenant, shutil.rmtree, scratch_dir(draft), True)
+        log.warning("memory not saved (the resume replays): %s", err, extra={"session": session.id})
 
     async def _unsealed(self, manifest: SnapshotManifest, profile: Profile) -> SavedMemory | None:
         """The snapshot's memory image, checked and linked into a directory of its own for runsc

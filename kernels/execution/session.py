@@ -212,6 +212,18 @@ class KernelSession:
         """Whether the session still has its container (:meth:`keep_workspace_disk` removes it)."""
         return self._kernel.provisioner.container is not None
 
+    async def flush_workspace_disk(self, owner: str) -> None:
+        """Write the /workspace disk's dirty data to its image now (WorkspaceDisk.flush), in
+        ``owner``'s lane of the bulk file threads; nothing for a tmpfs workspace. A failure is
+        only logged: the pause's or the fork's own flush comes after it anyway."""
+        disk = self._kernel.provisioner.workspace_disk
+        if disk is None:
+            return
+        try:
+            await bulk_io().run(owner, disk.flush)
+        except (SandkernelError, OSError) as err:
+            log.info("the workspace disk was not flushed ahead: %s", err, extra={"session": self.id})
+
     async def copy_workspace_disk(self, target: Path, owner: str) -> int | None:
         """Copy the running sandbox's /workspace disk image, whole, to ``target`` (a fork, after
         :meth:`save_memory` with ``leave_running``): its filesystem frozen meanwhile, so the copy

@@ -275,6 +275,14 @@ class WorkspaceDisk:
         finally:
             os.close(directory)
 
+    def flush(self) -> None:
+        """Write the mounted filesystem's dirty data to its image now (blocking; nothing when it
+        is not mounted). Harmless while the sandbox runs: a pause or a fork starts it beside the
+        memory checkpoint, so that their own flush once the sandbox has stopped (the unmount's,
+        the freeze's) has little left to write: 0.2 s of a pause of a 200 MB workspace here."""
+        if self.is_mounted():
+            run_tool([tool("sync"), "-f", str(self.mount_point)])
+
     def thaw(self) -> None:
         """Thaw the mounted filesystem if a copy left it frozen (a gateway that died during
         :meth:`copy_image`); nothing if it is not frozen or not mounted."""

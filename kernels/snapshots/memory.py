@@ -20,6 +20,7 @@ import stat
 from pathlib import Path
 
 from sandkernel.errors import SnapshotError, SnapshotRejectedError
+from sandkernel.kernels.sandbox.uncached_io import hash_file
 from sandkernel.kernels.snapshots.archive import ArchivePart
 from sandkernel.kernels.snapshots.store import SnapshotDraft, SnapshotManifest, SnapshotStore
 
@@ -29,7 +30,6 @@ MEMORY_PARTS = {"memory_state": "checkpoint.img", "memory_pages": "pages.img", "
 # metadata: 2 MB and a few KB for a 200 MB kernel), reserved from the quota before it is written.
 IMAGE_OVERHEAD = 64 * 1024 * 1024
 SCRATCH = "memory.new"  # where runsc writes, inside the draft's directory
-CHUNK = 1024 * 1024
 
 
 def has_memory(manifest: SnapshotManifest) -> bool:
@@ -101,6 +101,8 @@ def _sha256(path: Path, error: type[SnapshotError], expected_size: int | None = 
         if expected_size is not None and st.st_size != expected_size:
             raise error(f"memory image file {path.name} has {st.st_size} bytes, not the {expected_size} recorded")
         digest = hashlib.sha256()
-        while chunk := handle.read(CHUNK):
-            digest.update(chunk)
+        try:
+            hash_file(handle.fileno(), digest, st.st_size)
+        except OSError as err:
+            raise error(f"memory image file {path.name} cannot be read ({err.strerror})") from err
     return digest.hexdigest()
