@@ -386,10 +386,19 @@ class SessionRegistry:
         """Run ``work`` to its end even if the caller is cancelled (a culler stopped, a client
         gone), and make the gateway's stop wait for it: a container being removed or a session
         being paused is never left half done."""
+        return await asyncio.shield(self._tracked(work))
+
+    def finish_later(self, work: Awaitable[Any]) -> None:
+        """Run ``work`` without waiting for it; the gateway's stop still does (see :meth:`finish`).
+        Its failure is logged."""
+        self._tracked(work).add_done_callback(_log_failure)
+
+    def _tracked(self, work: Awaitable[Any]) -> asyncio.Future[Any]:
+        """``work`` as a task that the gateway's stop waits for."""
         task = asyncio.ensure_future(work)
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
-        return await asyncio.shield(task)
+        return task
 
     async def settled(self, session_id: str, tenant: str | None = None) -> None:
         """Wait until no pause, resume, fork or rewind of the session is under way (while one is,
@@ -705,3 +714,9 @@ class SessionRegistry:
             pool_closed,
             return_exceptions=True,
         )
+
+
+def _log_failure(task: asyncio.Future[Any]) -> None:
+    """A background task's failure, logged (:meth:`SessionRegistry.finish_later`)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("background work failed: %s", task.exception(), exc_info=task.exception())

@@ -534,7 +534,7 @@ class SnapshotManager:
         self.registry.add_live(managed)
         if managed.breaker is not None:  # a quarantine outlives a pause, as it outlives a restart
             managed.breaker.restore(paused.record.gateway.get("quarantined"))
-        await bulk_io().run(paused.tenant, self.store.remove, paused.id, manifest.snapshot_id)
+        await self._remove_later(paused.tenant, paused.id, manifest.snapshot_id)
         self.registry.metrics.snapshot_ops.labels("resume" if rewind_to is None else "rewind").inc()
         managed.audit_record(
             "session_resumed" if rewind_to is None else "session_rewound",
@@ -701,7 +701,7 @@ class SnapshotManager:
         finally:
             await self._done_with(memory, managed.tenant)
             if manifest is not None:
-                await bulk_io().run(managed.tenant, self.store.remove, managed.id, manifest.snapshot_id)
+                await self._remove_later(managed.tenant, managed.id, manifest.snapshot_id)
         failed = [o for o in outcomes if isinstance(o, BaseException)]
         made = [o for o in outcomes if not isinstance(o, BaseException)]
         if failed:
@@ -793,6 +793,7 @@ class SnapshotManager:
         """Remove snapshots of sessions the registry does not know (a crash mid-pause, a record
         deleted by hand): run at start-up, after adoption."""
         await asyncio.to_thread(self._remove_restore_dirs)
+        await asyncio.to_thread(self.store.empty_all)
         known = {p.id for p in self.registry.paused_sessions()} | self.registry.live_ids()
         orphans = [sid for sid in await asyncio.to_thread(self.store.sessions) if sid not in known]
         cluster = self.registry.cluster
@@ -812,6 +813,13 @@ class SnapshotManager:
     def _replay_rules(self) -> dict[str, Any]:
         """What the operator's settings say a replay may do (notebooks/resume.py's rebuild)."""
         return {"refuse_side_effects": self.settings.replay_side_effects == "refuse"}
+
+    async def _remove_later(self, tenant: str, session_id: str, snapshot_id: str) -> None:
+        """Take a snapshot that was used up out of the store now (SnapshotStore.take_out) and
+        delete its files after the answer, in the tenant's lane of the bulk file threads."""
+        trash = await asyncio.to_thread(self.store.take_out, session_id, snapshot_id)
+        if trash is not None:
+            self.registry.finish_later(bulk_io().run(tenant, self.store.empty, trash))
 
     def _remove_restore_dirs(self) -> None:
         """Memory images linked (and workspace disks copied) for a start that a crash interrupted.

@@ -87,6 +87,10 @@ def dir_bytes(store: SnapshotStore, manifest: SnapshotManifest) -> int:
     return sum(path.stat().st_size for path in directory(store, manifest).iterdir())
 
 
+def dir_bytes_at(path: Path) -> int:
+    return sum(entry.stat().st_size for entry in path.iterdir())
+
+
 def mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
@@ -579,6 +583,62 @@ def test_remove_never_follows_a_symlink(store, tmp_path):
     assert store.remove(linked) == 0
     assert (victim / "precious").read_text() == "keep" and not (store.root / linked).is_symlink()
     assert (victim / taken.snapshot_id / "precious").read_text() == "keep too"
+
+
+def test_a_snapshot_taken_out_is_gone_at_once_and_its_files_deleted_later(store):
+    sid = session()
+    kept, used = take(store, sid, data=b"k" * 300), take(store, sid, data=b"u" * 500)
+    before = store.tenant_bytes(TENANT)
+    trash = store.take_out(sid, used.snapshot_id)
+    assert trash is not None and trash.parent == store.root and trash.name.startswith(store_module.TRASH_PREFIX)
+    assert store.list(sid) == [kept] and store.tenant_bytes(TENANT) == before - dir_bytes_at(trash)
+    with pytest.raises(SnapshotRejectedError):
+        store.load(sid, used.snapshot_id, TENANT)
+    assert store.sessions() == [sid]  # its other snapshot keeps the session dir
+    assert store.take_out(sid, used.snapshot_id) is None  # already out
+    store.empty(trash)
+    assert not trash.exists() and store.list(sid) == [kept]
+    assert store.take_out(sid, kept.snapshot_id) is not None
+    assert store.sessions() == []  # the last one out takes the session dir with it
+
+
+def test_empty_deletes_nothing_it_did_not_take_out(store, tmp_path):
+    sid = session()
+    taken = take(store, sid)
+    outside = tmp_path / f"{store_module.TRASH_PREFIX}{'0' * 16}"
+    outside.mkdir()
+    for wrong in (store.root / sid, directory(store, taken), outside, store.root / "removed-../x"):
+        with pytest.raises(SnapshotError, match="not a snapshot taken out"):
+            store.empty(wrong)
+    assert store.list(sid) == [taken] and outside.is_dir()
+
+
+def test_a_start_deletes_what_was_taken_out_and_not_yet_deleted(store, tmp_path):
+    sid = session()
+    first, second = take(store, sid), take(store, sid)
+    out = [store.take_out(sid, first.snapshot_id), store.take_out(sid, second.snapshot_id)]
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious").write_text("keep")
+    (store.root / f"{store_module.TRASH_PREFIX}{'f' * 16}").symlink_to(victim)  # a link: never followed
+    assert store.empty_all() == 2
+    assert not any(path.exists() for path in out) and (victim / "precious").read_text() == "keep"
+
+
+def test_take_out_never_follows_a_symlink(store, tmp_path):
+    victim = tmp_path / "victim"
+    sid = session()
+    taken = take(store, sid)
+    (victim / taken.snapshot_id).mkdir(parents=True)
+    (victim / taken.snapshot_id / "precious").write_text("keep")
+    shutil.rmtree(directory(store, taken))
+    directory(store, taken).symlink_to(victim / taken.snapshot_id)  # a link in place of the snapshot dir
+    assert store.take_out(sid, taken.snapshot_id) is None
+    assert not directory(store, taken).is_symlink() and (victim / taken.snapshot_id / "precious").exists()
+    linked = session()
+    (store.root / linked).symlink_to(victim)  # a link in place of the session dir
+    assert store.take_out(linked, taken.snapshot_id) is None
+    assert (store.root / linked).is_symlink() and (victim / taken.snapshot_id / "precious").exists()
 
 
 def test_total_bytes_counts_drafts_and_damaged_snapshots(store):

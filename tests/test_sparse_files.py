@@ -6,11 +6,18 @@ filesystem is copied with its holes."""
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 
 import pytest
 
-from sandkernel.kernels.sandbox.sparse_files import allocated_bytes, copy_sparse, data_segments, sparse_digest
+from sandkernel.kernels.sandbox.sparse_files import (
+    allocated_bytes,
+    copy_sparse,
+    copy_with_digest,
+    data_segments,
+    sparse_digest,
+)
 from sandkernel.kernels.sandbox.workspace_disk import move_file
 from sandkernel.kernels.snapshots.store import _tree_bytes
 
@@ -48,6 +55,39 @@ def test_a_copy_keeps_the_data_the_holes_and_the_digest(tmp_path):
         os.close(dst)
     assert target.read_bytes() == source.read_bytes()
     assert _digest(target) == _digest(source)
+
+
+@pytest.mark.parametrize("size", [64 * MiB, 64 * MiB + 1234])  # the second ends in a piece O_DIRECT cannot write
+def test_a_copy_with_its_digest_is_the_same_file_hashed_once_and_left_uncached(tmp_path, size):
+    tail = b"tail" if size % 4096 == 0 else os.urandom(5000)
+    source = _sparse(
+        tmp_path / "a.img", {0: b"head" * 1024, 10 * MiB: os.urandom(3 * MiB + 4096), 63 * MiB: tail}, size
+    )
+    target = tmp_path / "b.img"
+    digest = copy_with_digest(source, target)
+    assert digest == _digest(source) == _digest(target)
+    assert target.read_bytes() == source.read_bytes() and stat.S_IMODE(target.stat().st_mode) == 0o600
+    src, dst = os.open(source, os.O_RDONLY), os.open(target, os.O_RDONLY)
+    try:
+        assert list(data_segments(dst)) == list(data_segments(src))
+    finally:
+        os.close(src)
+        os.close(dst)
+    fd = os.open(target, os.O_RDONLY)
+    try:  # written past the page cache: none of the copy's 3 MiB in the middle is in it
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # drops clean pages only, not dirty ones
+    finally:
+        os.close(fd)
+    resident = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--output", "RES", str(target)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert int(resident.stdout) < 64 * 1024  # at most the odd end; a copy through the cache keeps > 3 MiB there
+    with pytest.raises(FileExistsError):  # never over an existing file
+        copy_with_digest(source, target)
+    assert _digest(target) == digest
 
 
 def test_a_changed_byte_or_a_filled_hole_changes_the_digest(tmp_path):

@@ -38,6 +38,9 @@ SHELL_ASK_SECONDS = 1.0  # how long one kernel_info ask of a starting kernel wai
 
 # How long a renewed iopub subscription may take to answer (seconds).
 IOPUB_RECONNECT_SECONDS = 10.0
+# How long the first probe of a kernel whose sockets were detached and bound anew waits
+# (seconds; each next one twice as long, up to 1 s): ZMQ reconnects every 100 ms (wait_reconnected).
+RECONNECT_PROBE_SECONDS = 0.1
 # How long a re-adopted kernel may take to answer on control (seconds): it is already running.
 ADOPT_TIMEOUT = 15.0
 # How long the probe after an unanswered start waits on each channel (seconds).
@@ -144,10 +147,16 @@ class SandboxedKernel:
         shell channel queues what is sent meanwhile, but output published before the
         subscription is back is lost."""
         deadline = time.monotonic() + self.profile.start_timeout
+        wait = RECONNECT_PROBE_SECONDS
         with self.drain.reading():
             while time.monotonic() < deadline:
-                if await self.iopub_answers(0.5):
+                # A probe published before the subscription is back is lost, and ZMQ retries the
+                # connection every 100 ms: a first short probe finds it back that soon, where a
+                # 0.5 s wait for a lost probe held every fork (0.5 s of a fork of 3, measured).
+                # Each next probe waits twice as long, so a slow kernel's answer still fits one.
+                if await self.iopub_answers(wait):
                     return
+                wait = min(2 * wait, 1.0)
         limit = self.profile.start_timeout
         raise KernelStartError(f"the kernel's output did not reach the gateway again within {limit:g}s")
 

@@ -16,11 +16,15 @@ Every function blocks on disk: call them through ``asyncio.to_thread``.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
+import mmap
 import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
+
+from sandkernel.kernels.sandbox.uncached_io import go_uncached
 
 CHUNK = 1024 * 1024
 SEGMENT_HEADER = struct.Struct(">QQ")  # offset, length: what each hashed segment starts with
@@ -113,3 +117,63 @@ def copy_sparse(source_fd: int, target_fd: int) -> None:
             if copied == 0:
                 raise OSError(errno.EIO, "the file shrank while it was copied")
             done += copied
+
+
+def copy_with_digest(source: Path, target: Path) -> str:
+    """Copy the file ``source`` to the new path ``target`` as :func:`copy_to_new_file` does, and
+    return the :func:`sparse_digest` of what was copied, taken from the bytes as they were
+    written. On failure ``target`` is removed.
+
+    Why: a resume and each fork child copied the snapshot's disk image, read the copy back to
+    hash it, and then waited, at the loop mount of it, for the copy's pages to reach the disk
+    (0.12 s of each start for a 200 MB workspace here). Here the source is read once and the copy
+    written past the page cache where its filesystem allows (uncached_io.py): what is hashed is
+    what is written, and nothing of it is left to flush."""
+    source_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        target_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            return _copy_hashing(source_fd, target_fd)
+        except BaseException:
+            os.unlink(target)
+            raise
+        finally:
+            os.close(target_fd)
+    finally:
+        os.close(source_fd)
+
+
+def _copy_hashing(source_fd: int, target_fd: int) -> str:
+    size = os.fstat(source_fd).st_size
+    os.ftruncate(target_fd, size)
+    digest = hashlib.sha256(b"sparse-file-v1\0%d\0" % size)
+    uncached = go_uncached(target_fd)
+    with mmap.mmap(-1, CHUNK) as buffer:  # page-aligned, as O_DIRECT needs
+        for start, length in data_segments(source_fd):
+            digest.update(SEGMENT_HEADER.pack(start, length))
+            done = 0
+            while done < length:
+                wanted = min(CHUNK, length - done)
+                with memoryview(buffer) as view, view[:wanted] as data:
+                    if os.preadv(source_fd, [data], start + done) != wanted:
+                        raise OSError(errno.EIO, "the file shrank while it was copied")
+                    digest.update(data)
+                    uncached = _write_at(target_fd, data, start + done, uncached)
+                done += wanted
+    return digest.hexdigest()
+
+
+def _write_at(fd: int, data: memoryview, offset: int, uncached: bool) -> bool:
+    """Write all of ``data`` at ``offset``; whether ``fd`` is still uncached afterwards (a piece
+    that is not block-aligned, the end of an odd-sized file, is written through the page cache)."""
+    while data:
+        try:
+            written = os.pwrite(fd, data, offset)
+        except OSError as err:
+            if not (uncached and err.errno == errno.EINVAL):
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+            uncached = False
+            continue
+        data, offset = data[written:], offset + written
+    return uncached

@@ -9,11 +9,11 @@ snapshot, not read.
 
 The image is sealed like every part: its SHA-256 (over its data segments: sparse_files.py) and
 size are in the signed manifest, it is 0600 in the store's 0700 directories. Before a resume it
-is copied (holes kept) into a directory of the gateway's own and the *copy* is hashed and
-compared: what gets mounted is what was checked, and the snapshot stays whole for another try if
-the resume fails. The part's size is the image's apparent size (``workspace_mb``); what it takes
-on disk, and so against the tenant's quota, is what the files take (the store counts allocated
-blocks).
+is copied (holes kept) into a directory of the gateway's own, hashed from the bytes as they are
+written to the copy, and compared: what gets mounted is what was checked, and the snapshot stays
+whole for another try if the resume fails. The part's size is the image's apparent size
+(``workspace_mb``); what it takes on disk, and so against the tenant's quota, is what the files
+take (the store counts allocated blocks).
 
 Every function blocks on disk: call them through ``asyncio.to_thread``.
 """
@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 from sandkernel.errors import SnapshotError, SnapshotRejectedError
-from sandkernel.kernels.sandbox.sparse_files import copy_to_new_file, sparse_digest
+from sandkernel.kernels.sandbox.sparse_files import copy_with_digest, sparse_digest
 from sandkernel.kernels.snapshots.archive import ArchivePart
 from sandkernel.kernels.snapshots.store import SnapshotDraft, SnapshotManifest, SnapshotStore
 
@@ -51,7 +51,7 @@ def seal_disk(draft: SnapshotDraft) -> ArchivePart:
 
 def unseal_disk(store: SnapshotStore, manifest: SnapshotManifest, directory: Path) -> Path:
     """A checked copy of the snapshot's disk image in ``directory`` (an existing directory of
-    the gateway's): copied, then the copy hashed and compared with the signed manifest.
+    the gateway's): copied, hashed as it is written, and compared with the signed manifest.
     SnapshotRejectedError when the part is missing or altered (the copy is removed then)."""
     part = manifest.parts.get(DISK)
     if part is None:
@@ -69,12 +69,7 @@ def unseal_disk(store: SnapshotStore, manifest: SnapshotManifest, directory: Pat
             "it is not restored"
         )
     try:
-        copy_to_new_file(source, target)
-        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        try:
-            matches = hmac.compare_digest(sparse_digest(fd), part.sha256)  # the copy's: what is mounted
-        finally:
-            os.close(fd)
+        matches = hmac.compare_digest(copy_with_digest(source, target), part.sha256)  # what is mounted
     except OSError as err:
         target.unlink(missing_ok=True)
         raise SnapshotError(f"snapshot {manifest.snapshot_id}: its workspace disk could not be copied: {err}") from err
