@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 
 import pytest
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
+from sandkernel.kernels.sandbox.uncached_io import supports_uncached
 from sandkernel.kernels.snapshots.disk import DISK
 from sandkernel.kernels.snapshots.memory import MEMORY_PARTS
 from sandkernel.kernels.snapshots.store import SnapshotStore
@@ -94,10 +96,45 @@ async def test_a_paused_gvisor_session_resumes_from_its_memory_after_a_gateway_r
         code, notebook = await gw.request("GET", f"/api/sessions/{sid}/notebook")
         code_cells = [c for c in notebook["cells"] if c["cell_type"] == "code"]
         assert len(code_cells) == 7  # the four before the pause and the three after: none re-run
-        assert any("memory checkpoint" in "".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown")
+        assert any(
+            "memory checkpoint" in "".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "markdown"
+        )
     finally:
         if not stopped:
             await stop_gateway(gw)
+
+
+@pytest.mark.parametrize("runtime", [RUNSC])
+async def test_a_store_that_refuses_o_direct_still_pauses_and_resumes_from_memory(tmp_path, runtime):
+    """The memory image and the disk's copy are written and read past the page cache where the
+    store's filesystem allows O_DIRECT (kernels/sandbox/uncached_io.py), through it elsewhere:
+    with the snapshot store on a ramfs, which refuses O_DIRECT, a kernel pauses and resumes from
+    its memory all the same (runsc without --direct, the hashes through the page cache)."""
+    require_runtime(runtime)
+    ramfs = tmp_path / "ramfs"
+    ramfs.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(ramfs)], check=True)
+    try:
+        assert not supports_uncached(ramfs)
+        store_dir = ramfs / "snapshots"
+        gw = await start_gateway(tmp_path, default_runtime=runtime, memory_snapshots="on", snapshot_dir=store_dir)
+        try:
+            _, session = await gw.request("POST", "/api/sessions", {"limits": {"workspace_mb": 64}})
+            sid = session["id"]
+            expected_draw = _text(await _execute(gw, sid, "import numpy as np\n" + GENERATOR))
+            await _execute(gw, sid, "open('/workspace/notes.txt', 'w').write('kept')")
+            code, paused = await gw.request("POST", f"/api/sessions/{sid}/pause")
+            assert code == 200, paused
+            [manifest] = SnapshotStore(store_dir).list(sid)
+            assert set(MEMORY_PARTS) <= set(manifest.parts), manifest.parts
+            code, resumed = await gw.request("POST", f"/api/sessions/{sid}/resume")
+            assert code == 200 and resumed["restored_by"] == "checkpoint", resumed
+            assert _text(await _execute(gw, sid, NEXT_DRAW)) == expected_draw
+            assert _text(await _execute(gw, sid, "print(open('/workspace/notes.txt').read())")) == "kept\n"
+        finally:
+            await stop_gateway(gw)
+    finally:
+        subprocess.run(["umount", str(ramfs)], check=True)
 
 
 @pytest.mark.parametrize("runtime", [RUNSC])
