@@ -21,12 +21,14 @@ import hashlib
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from sandkernel.kernels.sandbox.uncached_io import go_uncached
 
 CHUNK = 1024 * 1024
+T = TypeVar("T")
 SEGMENT_HEADER = struct.Struct(">QQ")  # offset, length: what each hashed segment starts with
 
 
@@ -60,7 +62,7 @@ def allocated_bytes(fd: int) -> int:
 
 def sparse_digest(fd: int) -> str:
     """SHA-256 (hex) of the file's size and its data segments (see the module docstring)."""
-    digest = hashlib.sha256(b"sparse-file-v1\0%d\0" % os.fstat(fd).st_size)
+    digest = _digest_of_size(os.fstat(fd).st_size)
     for start, length in data_segments(fd):
         digest.update(SEGMENT_HEADER.pack(start, length))
         done = 0
@@ -73,17 +75,32 @@ def sparse_digest(fd: int) -> str:
     return digest.hexdigest()
 
 
+def _digest_of_size(size: int) -> hashlib._Hash:
+    """A digest that has taken in the file's size (what every sparse digest starts with)."""
+    return hashlib.sha256(b"sparse-file-v1\0%d\0" % size)
+
+
 def copy_to_new_file(source: Path, target: Path, *, durable: bool = False) -> None:
     """Copy the file ``source`` to the new path ``target`` (0600, never through a link, never
     over an existing file), holes kept; ``durable``: on disk before returning. On failure
     ``target`` is removed."""
+
+    def copy(source_fd: int, target_fd: int) -> None:
+        copy_sparse(source_fd, target_fd)
+        if durable:
+            os.fsync(target_fd)
+
+    _into_new_file(source, target, copy)
+
+
+def _into_new_file(source: Path, target: Path, copy: Callable[[int, int], T]) -> T:
+    """``copy(source_fd, target_fd)`` from the file ``source`` into the new file ``target`` (0600,
+    never through a link, never over an existing file); ``target`` is removed if it fails."""
     source_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         target_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            copy_sparse(source_fd, target_fd)
-            if durable:
-                os.fsync(target_fd)
+            return copy(source_fd, target_fd)
         except BaseException:
             os.unlink(target)
             raise
@@ -129,24 +146,13 @@ def copy_with_digest(source: Path, target: Path) -> str:
     (0.12 s of each start for a 200 MB workspace here). Here the source is read once and the copy
     written past the page cache where its filesystem allows (uncached_io.py): what is hashed is
     what is written, and nothing of it is left to flush."""
-    source_fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        target_fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            return _copy_hashing(source_fd, target_fd)
-        except BaseException:
-            os.unlink(target)
-            raise
-        finally:
-            os.close(target_fd)
-    finally:
-        os.close(source_fd)
+    return _into_new_file(source, target, _copy_hashing)
 
 
 def _copy_hashing(source_fd: int, target_fd: int) -> str:
     size = os.fstat(source_fd).st_size
     os.ftruncate(target_fd, size)
-    digest = hashlib.sha256(b"sparse-file-v1\0%d\0" % size)
+    digest = _digest_of_size(size)
     uncached = go_uncached(target_fd)
     with mmap.mmap(-1, CHUNK) as buffer:  # page-aligned, as O_DIRECT needs
         for start, length in data_segments(source_fd):
