@@ -27,6 +27,7 @@ from sandkernel.kernels.sandbox.service_cpu import (
     place_engine,
     place_gateway,
 )
+from sandkernel.kernels.snapshots.store import TRASH_PREFIX
 
 from .gateway_fixtures import free_port
 
@@ -165,7 +166,11 @@ def test_sandkernel_serve_runs_in_the_gateways_group_at_its_weight(tmp_path: Pat
         where = cpu_cgroup(proc.pid)
         session = call(port, token, "POST", "/api/sessions", {})
         call(port, token, "POST", f"/api/sessions/{session['id']}/pause")
-        call(port, token, "POST", f"/api/sessions/{session['id']}/resume")  # removes the snapshot in a bulk thread
+        call(port, token, "POST", f"/api/sessions/{session['id']}/resume")  # deletes the snapshot in a bulk thread
+        snapshots, deadline = tmp_path / "state" / "snapshots", time.monotonic() + START_SECONDS
+        while any(entry.name.startswith(TRASH_PREFIX) for entry in snapshots.iterdir()):  # after the answer
+            assert time.monotonic() < deadline, "the used snapshot was not deleted"
+            time.sleep(0.05)
         threads = {
             cpu_cgroup(int(tid.name), proc_dir)
             for proc_dir in [Path(f"/proc/{proc.pid}/task")]

@@ -18,6 +18,7 @@ handlers. New sessions are placed here too (:meth:`ClusterRouter.placed_elsewher
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -91,6 +92,11 @@ class ClusterRouter:
                 pass
         link = self.link
         host = await link.owner_elsewhere(tenant, session_id=session_id, kernel_id=kernel_id)
+        if host is None and session_id is not None and (pending := link.takeovers.get(session_id)) is not None:
+            # This host's take-over of it moved its record here while this request asked: the
+            # session is served here once the take-over holds it (a 404 in between, before).
+            await asyncio.shield(pending)
+            return None
         if host is not None and host.status == "down" and session_id is not None:
             lost = await link.lost_with_its_host(tenant, session_id)
             if lost is not None:  # no gateway holds it: answered here, from its record
