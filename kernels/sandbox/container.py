@@ -80,10 +80,9 @@ SUPERVISOR_READY = "/tmp/.sandkernel/ready"  # the supervisor's handlers are in 
 SUPERVISOR_DETACHED = "/tmp/.sandkernel/detached"  # it has closed every host socket
 # Waits for the supervisor to be ready, then signals it (arguments: the signal number). A detach
 # also waits for its acknowledgement: a connect to a host socket whose gVisor listener has closed
-# hangs rather than being refused, so the host cannot check that from outside. (A wait that spun
-# on the shell's own test instead saved 30 ms of a pause, but a detach that never came would burn
-# the sandbox's CPU in syscalls until the helper's deadline; in the one rehearsal with it a gVisor
-# sandbox's kill waited 35 s. Not kept.)
+# hangs rather than being refused, so the host cannot check that from outside. (Not a spin on the
+# shell's own test, which saved 30 ms of a pause: a detach that never came would have it burn the
+# sandbox's CPU in syscalls until the helper's deadline; bench/README.md, session 21.)
 SIGNAL_SUPERVISOR_SCRIPT = (
     f'while [ ! -e {SUPERVISOR_READY} ]; do /bin/sleep 0.02; done; {KILL} "-$1" 1 || exit; '
     f'[ "$1" != {int(signal.SIGUSR2)} ] || while [ ! -e {SUPERVISOR_DETACHED} ]; do /bin/sleep 0.02; done'
