@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+from sandkernel.kernels.sandbox.uncached_io import CHUNK as UNCACHED_CHUNK
 from sandkernel.kernels.sandbox.uncached_io import go_uncached
 
 CHUNK = 1024 * 1024
@@ -154,12 +155,12 @@ def _copy_hashing(source_fd: int, target_fd: int) -> str:
     os.ftruncate(target_fd, size)
     digest = _digest_of_size(size)
     uncached = go_uncached(target_fd)
-    with mmap.mmap(-1, CHUNK) as buffer:  # page-aligned, as O_DIRECT needs
+    with mmap.mmap(-1, UNCACHED_CHUNK) as buffer:  # page-aligned, as O_DIRECT needs
         for start, length in data_segments(source_fd):
             digest.update(SEGMENT_HEADER.pack(start, length))
             done = 0
             while done < length:
-                wanted = min(CHUNK, length - done)
+                wanted = min(UNCACHED_CHUNK, length - done)
                 with memoryview(buffer) as view, view[:wanted] as data:
                     if os.preadv(source_fd, [data], start + done) != wanted:
                         raise OSError(errno.EIO, "the file shrank while it was copied")

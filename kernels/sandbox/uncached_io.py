@@ -1,4 +1,4 @@
-"""Read a large file without filling the host's page cache (``O_DIRECT``), where the filesystem allows.
+"""Large files read and written past the host's page cache (``O_DIRECT``), where the filesystem allows.
 
 Why: a gVisor memory image is hundreds of megabytes that the gateway writes once (runsc's
 ``--direct``), hashes once when it seals the snapshot and once more before a restore. Through the
@@ -10,8 +10,8 @@ runsc's buffered write of a 200 MB image took 0.19 s or 0.7 s depending on which
 against 0.29 s every time with ``--direct`` (bench/README.md, session 21).
 
 ``O_DIRECT`` is set on a descriptor that was opened (and checked) as usual; a filesystem that
-refuses it (tmpfs) is read through the page cache as before. Every function blocks on disk:
-call them through ``asyncio.to_thread``.
+refuses it (ramfs, tmpfs before Linux 6.6) is used through the page cache as before. Every
+function blocks on disk: call them through ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
